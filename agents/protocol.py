@@ -1,0 +1,280 @@
+"""The agent <-> server wire protocol: strict pydantic models shared by both sides.
+
+Every frame is one JSON object ``{"type", "v", "seq", "ts", "data"}`` (DESIGN.md,
+"Agent protocol"). ``seq`` increases per agent (persisted in its state directory) so
+the server can de-duplicate replays; server-to-agent frames carry the server's own
+counter. Unknown fields, unknown types and wrong types are rejected: the server
+answers with an ``error`` frame and never crashes (``parse_agent_message``).
+
+This module must not import Django: the agent is a standalone package.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+# Largest frame either side accepts, in bytes (log chunks are the largest).
+MAX_FRAME_BYTES = 1 << 20
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1)]
+Text = Annotated[str, Field(max_length=4096)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# ---------------------------------------------------------------- payloads (data)
+
+
+class GpuInfo(_Model):
+    """Static facts about one GPU, sent in ``hello``."""
+
+    index: NonNegInt
+    uuid: Annotated[str, Field(min_length=1, max_length=128)]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    memory_total_mib: PosInt
+    # Indexes of the GPUs joined to this one by NVLink.
+    nvlink_peers: list[NonNegInt] = []
+    mig_enabled: bool = False
+
+
+class RunningJob(_Model):
+    """A job the agent is running (or has finished but the server has not acked)."""
+
+    attempt_id: PosInt
+    job_id: PosInt
+    pid: NonNegInt | None = None
+
+
+class HelloData(_Model):
+    agent_version: Text
+    hostname: Text
+    incarnation: Annotated[str, Field(min_length=1, max_length=64)]
+    driver_version: Text | None = None
+    cuda_version: Text | None = None
+    gpus: Annotated[list[GpuInfo], Field(max_length=64)]
+    running: list[RunningJob] = []
+
+
+class HeartbeatData(_Model):
+    running: list[PosInt] = []  # attempt ids
+
+
+class ProcessSample(_Model):
+    pid: NonNegInt
+    used_memory_mib: NonNegInt | None = None
+    sm_util: Annotated[float, Field(ge=0, le=100)] | None = None
+    # The portal attempt that owns the process, None for a foreign process.
+    attempt_id: PosInt | None = None
+
+
+class GpuSample(_Model):
+    """One reading of one GPU. A metric the GPU does not support is ``None``."""
+
+    index: NonNegInt
+    uuid: Annotated[str, Field(min_length=1, max_length=128)]
+    util_gpu: Annotated[float, Field(ge=0, le=100)] | None = None
+    util_mem: Annotated[float, Field(ge=0, le=100)] | None = None
+    memory_used_mib: NonNegInt | None = None
+    memory_total_mib: NonNegInt | None = None
+    temperature_c: float | None = None
+    power_w: Annotated[float, Field(ge=0)] | None = None
+    power_limit_w: Annotated[float, Field(ge=0)] | None = None
+    sm_clock_mhz: NonNegInt | None = None
+    pcie_rx_kib_s: NonNegInt | None = None
+    pcie_tx_kib_s: NonNegInt | None = None
+    ecc_uncorrected: NonNegInt | None = None
+    energy_mj: NonNegInt | None = None
+    lost: bool = False
+    processes: Annotated[list[ProcessSample], Field(max_length=256)] = []
+
+
+class MetricsData(_Model):
+    sampled_at: float
+    gpus: Annotated[list[GpuSample], Field(max_length=64)]
+
+
+class JobStartedData(_Model):
+    attempt_id: PosInt
+    job_id: PosInt
+    pid: NonNegInt
+    started_at: float
+
+
+ExitReason = Literal[
+    "exited",  # the command ended by itself (exit_code is its status, 128+N if signalled)
+    "killed",  # stopped on the server's request (job.kill)
+    "never_started",  # a kill arrived for an attempt the agent never launched
+    "launch_failed",  # the agent could not start it (bad workdir, unknown user...)
+    "lost",  # the agent found the job's shim gone without an exit code
+]
+
+
+class JobExitedData(_Model):
+    attempt_id: PosInt
+    job_id: PosInt
+    exit_code: int | None
+    ended_at: float
+    reason: ExitReason = "exited"
+    message: Text = ""
+
+
+class JobLogData(_Model):
+    attempt_id: PosInt
+    job_id: PosInt
+    offset: NonNegInt  # byte offset of this chunk in the job's log file
+    data: Annotated[str, Field(max_length=256 * 1024)]
+
+
+class JobLaunchData(_Model):
+    attempt_id: PosInt
+    attempt: PosInt  # attempt number of the job (1, 2, ...)
+    job_id: PosInt
+    name: Text
+    command: Annotated[str, Field(min_length=1, max_length=65536)]
+    workdir: Text
+    env: dict[str, str] = {}
+    gpu_uuids: list[str]
+    grace_s: NonNegInt = 30
+    time_limit_s: PosInt | None = None
+    run_as: Text | None = None  # Unix account; None: the agent's own account
+
+
+KillReason = Literal["cancelled", "timeout", "preempted", "stale", "node_lost"]
+
+
+class JobKillData(_Model):
+    attempt_id: PosInt
+    job_id: PosInt
+    reason: KillReason
+    grace_s: NonNegInt = 30
+
+
+class AckData(_Model):
+    seq: NonNegInt
+
+
+class ErrorData(_Model):
+    code: Text
+    detail: Text
+
+
+class EmptyData(_Model):
+    pass
+
+
+# ---------------------------------------------------------------- envelopes
+
+
+class _Envelope(_Model):
+    v: Literal[1] = PROTOCOL_VERSION
+    seq: NonNegInt
+    ts: float
+
+
+class Hello(_Envelope):
+    type: Literal["hello"] = "hello"
+    data: HelloData
+
+
+class Heartbeat(_Envelope):
+    type: Literal["heartbeat"] = "heartbeat"
+    data: HeartbeatData = HeartbeatData()
+
+
+class Metrics(_Envelope):
+    type: Literal["metrics"] = "metrics"
+    data: MetricsData
+
+
+class JobStarted(_Envelope):
+    type: Literal["job.started"] = "job.started"
+    data: JobStartedData
+
+
+class JobExited(_Envelope):
+    type: Literal["job.exited"] = "job.exited"
+    data: JobExitedData
+
+
+class JobLog(_Envelope):
+    type: Literal["job.log"] = "job.log"
+    data: JobLogData
+
+
+class JobLaunch(_Envelope):
+    type: Literal["job.launch"] = "job.launch"
+    data: JobLaunchData
+
+
+class JobKill(_Envelope):
+    type: Literal["job.kill"] = "job.kill"
+    data: JobKillData
+
+
+class NodeDrain(_Envelope):
+    type: Literal["node.drain"] = "node.drain"
+    data: EmptyData = EmptyData()
+
+
+class Ack(_Envelope):
+    type: Literal["ack"] = "ack"
+    data: AckData
+
+
+class Error(_Envelope):
+    type: Literal["error"] = "error"
+    data: ErrorData
+
+
+AgentMessage = Annotated[
+    Hello | Heartbeat | Metrics | JobStarted | JobExited | JobLog,
+    Field(discriminator="type"),
+]
+ServerMessage = Annotated[
+    JobLaunch | JobKill | NodeDrain | Ack | Error,
+    Field(discriminator="type"),
+]
+
+# Messages the agent must never lose: spooled to disk, acked by the server.
+DURABLE_TYPES = frozenset({"job.started", "job.exited", "job.log", "metrics"})
+
+_agent_adapter: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
+_server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; ``str()`` names what is wrong."""
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(message)"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_agent_message(raw: str | bytes) -> AgentMessage:
+    """Validate one agent -> server frame. Raises ``ProtocolError``."""
+    if len(raw) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _agent_adapter.validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise ProtocolError(_explain(exc)) from None
+
+
+def parse_server_message(raw: str | bytes) -> ServerMessage:
+    """Validate one server -> agent frame. Raises ``ProtocolError``."""
+    if len(raw) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _server_adapter.validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise ProtocolError(_explain(exc)) from None

@@ -1,0 +1,226 @@
+"""Django settings for gpulab.
+
+Everything environment-specific comes from environment variables (documented in
+``.env.example``); there are no per-environment settings modules. Settings only read
+``DATABASE_URL`` and ``REDIS_URL``: the entry points (``make up``, ``make test``,
+``python -m portal.stack.run``) start embedded servers when those are unset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+
+from portal.settings_env import (
+    envbool,
+    envfloat,
+    envint,
+    envlist,
+    envsecret,
+    envstr,
+    envurl,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = envbool("DJANGO_DEBUG", False)
+SECRET_KEY = envsecret(
+    "DJANGO_SECRET_KEY",
+    # Only a DEBUG server may run without a secret key of its own.
+    "insecure-dev-key-do-not-use-in-production" if DEBUG else None,
+)
+ALLOWED_HOSTS = envlist("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = envlist("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+STATE_DIR = Path(envstr("GPULAB_STATE_DIR", str(BASE_DIR / "var")))
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.humanize",
+    "channels",
+    "django_htmx",
+    "portal",
+    "scheduler",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "portal.urls"
+ASGI_APPLICATION = "portal.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# ------------------------------------------------------------------ PostgreSQL
+DATABASE_URL = envurl("DATABASE_URL", ("postgres", "postgresql"))
+DATABASES: dict[str, Any] = {
+    "default": dj_database_url.parse(
+        DATABASE_URL,
+        conn_max_age=envint("GPULAB_DB_CONN_MAX_AGE", 60, minimum=0),
+        conn_health_checks=True,
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# ------------------------------------------------------------------ Redis
+REDIS_URL = envurl("REDIS_URL", ("redis", "rediss", "unix"))
+# Prefix of every key, channel group and Celery queue this deployment uses in Redis,
+# so two portals (or two test runs) can share one Redis without seeing each other.
+REDIS_PREFIX = envstr("GPULAB_REDIS_PREFIX", "gpulab")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL}],
+            "prefix": f"{REDIS_PREFIX}:asgi",
+            "capacity": envint("GPULAB_CHANNEL_CAPACITY", 1000, minimum=10),
+            "expiry": 60,
+        },
+    }
+}
+
+# ------------------------------------------------------------------ Celery
+CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{REDIS_PREFIX}:celery:"}
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = f"{REDIS_PREFIX}.default"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_TRACK_STARTED = True
+CELERY_TASK_TIME_LIMIT = envint("GPULAB_CELERY_TASK_TIME_LIMIT", 300, minimum=1)
+CELERY_TASK_SOFT_TIME_LIMIT = max(1, CELERY_TASK_TIME_LIMIT - 10)
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+GPULAB_SCHEDULE_INTERVAL = envfloat("GPULAB_SCHEDULE_INTERVAL", 5.0, minimum=0.5)
+CELERY_BEAT_SCHEDULE = {
+    "schedule-pass": {
+        "task": "scheduler.tasks.schedule_pass",
+        "schedule": GPULAB_SCHEDULE_INTERVAL,
+    },
+    "check-nodes": {
+        "task": "scheduler.tasks.check_nodes",
+        "schedule": 10.0,
+    },
+}
+
+# ------------------------------------------------------------------ Auth
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "portal-overview"
+LOGOUT_REDIRECT_URL = "login"
+
+SESSION_COOKIE_SECURE = envbool("DJANGO_SECURE_COOKIES", not DEBUG)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# ------------------------------------------------------------------ i18n, static
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = envstr("GPULAB_TIME_ZONE", "UTC")
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = STATE_DIR / "static"
+WHITENOISE_USE_FINDERS = True
+# Largest request body (the submit form, the API): generous for commands and envs.
+DATA_UPLOAD_MAX_MEMORY_SIZE = 512 * 1024
+
+# ------------------------------------------------------------------ logging
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("GPULAB_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        "celery": {"level": "INFO"},
+    },
+}
+
+# ------------------------------------------------------------------ scheduling
+# Priority classes (DESIGN.md "Scheduling policy"). Times in seconds; a
+# ``slowdown_cap`` of None means unbounded (best-effort shares with anyone who gains).
+GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
+    "high": {
+        "weight": 1.0,
+        "slowdown_cap": 1.5,
+        "default_time_limit": 24 * 3600,
+        "max_time_limit": 3 * 24 * 3600,
+        "preemptible": False,
+        "idle_action": "notify",
+    },
+    "normal": {
+        "weight": 0.5,
+        "slowdown_cap": 1.5,
+        "default_time_limit": 24 * 3600,
+        "max_time_limit": 7 * 24 * 3600,
+        "preemptible": False,
+        "idle_action": "notify",
+    },
+    "best-effort": {
+        "weight": 0.0,
+        "slowdown_cap": None,
+        "default_time_limit": 24 * 3600,
+        "max_time_limit": 14 * 24 * 3600,
+        "preemptible": True,
+        "idle_action": "cancel",
+    },
+}
+GPULAB_DEFAULT_CLASS = "normal"
+# Jobs that may share one GPU at most (its number of allocation slots).
+GPULAB_GPU_JOB_LIMIT = envint("GPULAB_GPU_JOB_LIMIT", 2, minimum=1)
+# Group that users without any group are put in when they first submit.
+GPULAB_DEFAULT_GROUP = envstr("GPULAB_DEFAULT_GROUP", "lab")
+# Seconds without a heartbeat after which a node is LOST and its jobs requeued.
+GPULAB_NODE_LOST_AFTER = envint("GPULAB_NODE_LOST_AFTER", 60, minimum=5)
+# Default SIGTERM -> SIGKILL grace for a job, seconds.
+GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
+# Largest command accepted, bytes.
+GPULAB_MAX_COMMAND_BYTES = envint("GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256)
+# Job log kept by the portal per job, bytes (the agent keeps the whole file).
+GPULAB_LOG_MAX_BYTES = envint("GPULAB_LOG_MAX_BYTES", 4 * 1024 * 1024, minimum=4096)
+# Default working directory of a job when none is given ({user} is the username).
+GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
