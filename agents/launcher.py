@@ -1,0 +1,213 @@
+"""Start and stop jobs through per-job shims; the job directories are the registry.
+
+Each attempt gets ``<state>/jobs/<attempt_id>/`` (layout in ``statedir``). The agent
+talks to a running job only through that directory and signals to its shim, so a
+restarted agent rebuilds everything from ``scan()`` (Slurm's ``stepd_available``,
+Nomad's ``RecoverTask``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agents.protocol import ExitReason, JobLaunchData
+from agents.shim import LaunchError, check_workdir, resolve_user
+from agents.statedir import (
+    StateDir,
+    atomic_write,
+    proc_start_time,
+    process_alive,
+    read_int,
+    read_text,
+)
+
+log = logging.getLogger(__name__)
+
+# The directory that holds the ``agents`` package: the shim runs from there so that
+# ``python -m agents.shim`` imports this very code.
+_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Outcome:
+    """How a job ended, ready for ``job.exited``."""
+
+    exit_code: int | None
+    reason: ExitReason
+    message: str = ""
+    ended_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Job:
+    """One attempt known to this agent (running or waiting for its exit to be acked)."""
+
+    attempt_id: int
+    job_id: int
+    dir: Path
+    gpu_uuids: list[str]
+    env: dict[str, str]
+    shim_pid: int | None = None
+    shim_start: str | None = None
+    outcome: Outcome | None = None
+    # Set when job.exited has been spooled: only the ack remains.
+    exit_seq: int | None = None
+
+    @property
+    def pgid(self) -> int | None:
+        return read_int(self.dir / "pgid")
+
+    @property
+    def started(self) -> bool:
+        return (self.dir / "started").exists()
+
+    @property
+    def stopping(self) -> bool:
+        return (self.dir / "stop").exists()
+
+
+class Launcher:
+    """Creates job directories, starts shims, signals them, reads their results."""
+
+    def __init__(self, state: StateDir, *, allow_root_jobs: bool = False) -> None:
+        self.state = state
+        self.allow_root_jobs = allow_root_jobs
+
+    # ------------------------------------------------------------ launching
+
+    def launch(self, data: JobLaunchData) -> Job:
+        """Start ``data`` under a new shim. Never raises for a bad job.
+
+        1. create the job directory and write ``spec.json`` (before anything runs,
+           so a crash right after leaves a directory ``scan()`` understands);
+        2. check what can be checked here (workdir, account, root); a failure is
+           written to ``launch_error`` and reported like any other ending;
+        3. start the shim in its own session and record its pid + start time.
+        """
+        job_dir = self.state.job_dir(data.attempt_id)
+        job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(job_dir / "spec.json", data.model_dump_json())
+        job = Job(
+            data.attempt_id, data.job_id, job_dir, list(data.gpu_uuids), dict(data.env)
+        )
+        try:
+            self._preflight(data)
+            env = dict(os.environ)
+            env.pop("GPULAB_AGENT_TOKEN", None)
+            shim = subprocess.Popen(  # noqa: S603
+                [sys.executable, "-m", "agents.shim", str(job_dir)],
+                cwd=_PACKAGE_PARENT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=(job_dir / "shim.log").open("ab"),
+                close_fds=True,
+                start_new_session=True,
+            )
+        except LaunchError as exc:
+            atomic_write(job_dir / "launch_error", f"{exc}\n")
+            return job
+        except OSError as exc:
+            atomic_write(job_dir / "launch_error", f"could not start the shim: {exc}\n")
+            return job
+        job.shim_pid = shim.pid
+        job.shim_start = proc_start_time(shim.pid)
+        if not (job_dir / "shim.pid").exists():
+            atomic_write(job_dir / "shim.pid", f"{shim.pid} {job.shim_start}\n")
+        # The shim is in its own session and outlives us; reap it if it ends first
+        # so it does not linger as a zombie of the agent.
+        self._children.append(shim)
+        log.info(
+            "attempt %d (job %d): shim pid %d started",
+            data.attempt_id,
+            data.job_id,
+            shim.pid,
+        )
+        return job
+
+    _children: list[subprocess.Popen[bytes]] = []  # noqa: RUF012 - per-process
+
+    def _preflight(self, data: JobLaunchData) -> None:
+        check_workdir(data.workdir)
+        resolve_user(data.run_as)
+        if os.geteuid() == 0 and data.run_as is None and not self.allow_root_jobs:
+            raise LaunchError(
+                "refusing to run a job as root: the job names no run_as account"
+                " (start the agent with --allow-root-jobs to permit this)"
+            )
+
+    # ------------------------------------------------------------ stopping
+
+    def kill(self, job: Job, grace_s: int, reason: str) -> None:
+        """Write ``stop`` (grace + reason), then SIGTERM the shim."""
+        if not job.stopping:
+            atomic_write(job.dir / "stop", f"{grace_s} {reason}\n")
+        if job.shim_pid and process_alive(job.shim_pid, job.shim_start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job.shim_pid, signal.SIGTERM)
+
+    # ------------------------------------------------------------ observing
+
+    def reap_children(self) -> None:
+        self._children[:] = [p for p in self._children if p.poll() is None]
+
+    def poll(self, job: Job) -> Outcome | None:
+        """How the job ended, or None while it runs."""
+        if job.outcome is not None:
+            return job.outcome
+        error = read_text(job.dir / "launch_error")
+        if error is not None:
+            return Outcome(None, "launch_failed", error.strip()[:4000])
+        code = read_int(job.dir / "exit_code")
+        if code is not None:
+            return Outcome(code, "killed" if job.stopping else "exited")
+        if job.shim_pid is None or not process_alive(job.shim_pid, job.shim_start):
+            # The shim may have written its result just before exiting.
+            code = read_int(job.dir / "exit_code")
+            if code is not None:
+                return Outcome(code, "killed" if job.stopping else "exited")
+            if (job.dir / "launch_error").exists():
+                return self.poll(job)
+            return Outcome(None, "lost", "the job's shim ended without an exit code")
+        return None
+
+    def scan(self) -> list[Job]:
+        """Rebuild the jobs from their directories (after an agent restart)."""
+        jobs = []
+        if not self.state.jobs.exists():
+            return jobs
+        for job_dir in sorted(self.state.jobs.iterdir()):
+            if not job_dir.name.isdigit():
+                continue
+            try:
+                spec = JobLaunchData.model_validate_json(
+                    (job_dir / "spec.json").read_bytes()
+                )
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring job directory %s: %s", job_dir, exc)
+                continue
+            job = Job(
+                spec.attempt_id, spec.job_id, job_dir, list(spec.gpu_uuids), spec.env
+            )
+            pid_text = read_text(job_dir / "shim.pid")
+            if pid_text:
+                parts = pid_text.split()
+                with contextlib.suppress(ValueError, IndexError):
+                    job.shim_pid = int(parts[0])
+                    job.shim_start = parts[1] if len(parts) > 1 else None
+            jobs.append(job)
+        return jobs
+
+    @staticmethod
+    def read_spec(job: Job) -> dict[str, object]:
+        data: dict[str, object] = json.loads((job.dir / "spec.json").read_text())
+        return data

@@ -1,0 +1,226 @@
+"""Per-job shim: ``python -m agents.shim <job_dir>``.
+
+The launcher starts one shim per attempt in its own session, so it outlives the agent
+(as slurmstepd outlives slurmd). The shim:
+
+1. reads ``spec.json`` and records ``shim.pid`` (pid + /proc start time);
+2. starts ``/bin/sh -c <command>`` in its own process group, as ``run_as`` when set,
+   with stdout and stderr appended to ``output.log``, and records ``pgid``;
+3. on SIGTERM (the agent wrote ``stop`` first) sends SIGTERM to the group, waits the
+   grace period, then SIGKILLs the group;
+4. when the command ends, kills what is left of its group (no orphan keeps a GPU),
+   reaps it (the shim is a child subreaper) and writes ``exit_code`` atomically
+   (the status, ``128 + N`` if killed by signal N).
+
+If the command cannot be started it writes ``launch_error`` instead of ``exit_code``.
+Only the command goes to the shell; no other job field is ever interpolated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agents.statedir import atomic_write, proc_start_time, read_text
+
+PR_SET_CHILD_SUBREAPER = 36
+CLEANUP_GRACE_S = 2.0
+POLL_S = 0.05
+
+
+class LaunchError(Exception):
+    """The command could not be started; the message is shown to the user."""
+
+
+def build_env(
+    spec: dict[str, Any], base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The command's environment: ours minus the agent token, plus the job's own."""
+    env = dict(os.environ if base is None else base)
+    env.pop("GPULAB_AGENT_TOKEN", None)
+    env.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.get("gpu_uuids", []))
+    env["GPULAB_JOB_ID"] = str(spec["job_id"])
+    env["GPULAB_ATTEMPT_ID"] = str(spec["attempt_id"])
+    return env
+
+
+def check_workdir(workdir: str) -> None:
+    path = Path(workdir)
+    if not path.is_absolute():
+        raise LaunchError(f"workdir {workdir!r} is not an absolute path")
+    if not path.exists():
+        raise LaunchError(f"workdir {workdir} does not exist")
+    if not path.is_dir():
+        raise LaunchError(f"workdir {workdir} is not a directory")
+
+
+def resolve_user(run_as: str | None) -> pwd.struct_passwd | None:
+    """The account to switch to, None to stay as we are. Raises ``LaunchError``."""
+    if run_as is None:
+        return None
+    try:
+        account = pwd.getpwnam(run_as)
+    except KeyError:
+        raise LaunchError(f"unknown Unix account {run_as!r} on this node") from None
+    if account.pw_uid == os.geteuid():
+        return None
+    if os.geteuid() != 0:
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        raise LaunchError(
+            f"cannot run as {run_as!r}: the agent runs as {me!r}, not root"
+        )
+    return account
+
+
+class _Stop:
+    requested = False
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    _Stop.requested = True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _reap_any() -> list[tuple[int, int]]:
+    """Reap every exited child (ours or re-parented to us); (pid, status) pairs."""
+    done = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done.append((pid, status))
+
+
+def _stop_grace(job_dir: Path, default: float) -> float:
+    text = read_text(job_dir / "stop")
+    if text:
+        with contextlib.suppress(ValueError, IndexError):
+            return max(0.0, float(text.split()[0]))
+    return default
+
+
+def run(job_dir: Path) -> int:
+    """Run the job in ``job_dir`` to completion; returns the shim's exit status."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    atomic_write(job_dir / "shim.pid", f"{os.getpid()} {proc_start_time(os.getpid())}\n")
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    spec = json.loads((job_dir / "spec.json").read_text())
+    grace = float(spec.get("grace_s", 30))
+    if (job_dir / "stop").exists():
+        # Killed before it started: nothing to run.
+        atomic_write(job_dir / "exit_code", f"{128 + signal.SIGTERM}\n")
+        return 0
+    try:
+        check_workdir(spec["workdir"])
+        account = resolve_user(spec.get("run_as"))
+        env = build_env(spec)
+        kwargs: dict[str, Any] = {}
+        if account is not None:
+            kwargs = {
+                "user": account.pw_uid,
+                "group": account.pw_gid,
+                "extra_groups": os.getgrouplist(account.pw_name, account.pw_gid),
+            }
+            env.update(
+                HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name
+            )
+        with (job_dir / "output.log").open("ab") as log:
+            child = subprocess.Popen(  # noqa: S603 - the shell runs the user's command
+                ["/bin/sh", "-c", spec["command"]],
+                cwd=spec["workdir"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+                process_group=0,
+                **kwargs,
+            )
+    except LaunchError as exc:
+        atomic_write(job_dir / "launch_error", f"{exc}\n")
+        return 0
+    except OSError as exc:
+        atomic_write(job_dir / "launch_error", f"could not start the command: {exc}\n")
+        return 0
+
+    pgid = child.pid  # process_group=0: the child leads its own group
+    atomic_write(job_dir / "pgid", f"{pgid}\n")
+
+    status: int | None = None
+    kill_at: float | None = None
+    while status is None:
+        for pid, st in _reap_any():
+            if pid == child.pid:
+                status = st
+        if status is not None:
+            break
+        if _Stop.requested and kill_at is None:
+            grace = _stop_grace(job_dir, grace)
+            _killpg(pgid, signal.SIGTERM)
+            kill_at = time.monotonic() + grace
+        if kill_at is not None and time.monotonic() >= kill_at:
+            _killpg(pgid, signal.SIGKILL)
+        time.sleep(POLL_S)
+    child.returncode = os.waitstatus_to_exitcode(status)  # Popen must not re-wait
+
+    # What is left of the group (background processes) must not outlive the job.
+    if _group_alive(pgid):
+        _killpg(pgid, signal.SIGTERM)
+        deadline = kill_at if kill_at is not None else time.monotonic() + CLEANUP_GRACE_S
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            _reap_any()
+            time.sleep(POLL_S)
+        _killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            _reap_any()
+            time.sleep(POLL_S)
+
+    code = os.waitstatus_to_exitcode(status)
+    exit_code = 128 - code if code < 0 else code
+    atomic_write(job_dir / "exit_code", f"{exit_code}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m agents.shim <job_dir>\n")
+        return 2
+    return run(Path(args[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
