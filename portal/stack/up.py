@@ -1,0 +1,277 @@
+"""``python -m portal.stack.up``: the ``make up`` supervisor.
+
+1. Check ``GPULAB_DEMO_NODES`` and ``PORT`` before starting anything.
+2. Start the embedded PostgreSQL / Redis that the URLs do not configure.
+3. Keep a secret key in ``<state>/secret_key``; ``DJANGO_DEBUG=true`` unless set.
+4. ``migrate``, ``ensure_admin``, ``create_node demo-N --if-missing`` per demo node.
+5. Run web, worker, beat and one simulated agent per demo node under honcho, with
+   prefixed, coloured output; say where the portal is once web answers.
+6. Ctrl-C / SIGTERM stops them all, then the embedded servers. If one process dies,
+   the rest are stopped and we exit non-zero naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from honcho.manager import SYSTEM_PRINTER_NAME, Manager
+from honcho.printer import Message, Printer
+
+from portal.stack.embedded import REPO_ROOT, StackError, ensure_services, secret_key
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from types import FrameType
+
+DEFAULT_PORT = 8000
+DEFAULT_DEMO_NODES = "2x4:A100-80GB"
+HOST = "127.0.0.1"
+
+
+class UpError(Exception):
+    """A problem the user can fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class DemoNode:
+    name: str
+    spec: str
+
+
+def demo_nodes(env: Mapping[str, str]) -> list[DemoNode]:
+    """``demo-1``, ``demo-2``, ... from ``GPULAB_DEMO_NODES`` (a cluster spec)."""
+    from agents.spec import SpecError, parse_cluster_spec
+
+    raw = env.get("GPULAB_DEMO_NODES", "").strip() or DEFAULT_DEMO_NODES
+    try:
+        nodes = parse_cluster_spec(raw)
+    except SpecError as exc:
+        raise UpError(
+            f"GPULAB_DEMO_NODES={raw!r} is not a cluster spec: {exc} "
+            f"(expected e.g. {DEFAULT_DEMO_NODES!r} or '8x4:p100+4x8:k80')"
+        ) from None
+    return [DemoNode(f"demo-{i}", str(node)) for i, node in enumerate(nodes, 1)]
+
+
+def port(env: Mapping[str, str]) -> int:
+    raw = env.get("PORT", "").strip() or str(DEFAULT_PORT)
+    try:
+        number = int(raw)
+    except ValueError:
+        raise UpError(f"PORT={raw!r} is not a port number") from None
+    if not 1 <= number <= 65535:
+        raise UpError(f"PORT={number} must be between 1 and 65535")
+    return number
+
+
+def check_port_free(number: int) -> None:
+    """Fail early, with the fix, rather than let uvicorn die after setup."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, number))
+    except OSError:
+        raise UpError(
+            f"port {number} on {HOST} is busy (another `make up`?): stop what "
+            f"listens there or choose another port, e.g. `PORT={number + 1} make up`"
+        ) from None
+    finally:
+        sock.close()
+
+
+def port_answers(number: int) -> bool:
+    try:
+        with socket.create_connection((HOST, number), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def manage(*args: str) -> list[str]:
+    return [sys.executable, str(REPO_ROOT / "manage.py"), *args]
+
+
+def setup_steps(state: Path, nodes: list[DemoNode]) -> list[list[str]]:
+    steps = [manage("migrate", "--noinput"), manage("ensure_admin")]
+    for node in nodes:
+        token = state / "agents" / node.name / "token"
+        steps.append(
+            manage("create_node", node.name, "--token-file", str(token), "--if-missing")
+        )
+    return steps
+
+
+def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list[str]]:
+    """Name -> argv of every long-running process (DESIGN.md "Processes")."""
+    py = sys.executable
+    procs = {
+        "web": [
+            py, "-m", "uvicorn", "portal.asgi:application",
+            "--host", HOST, "--port", str(number),
+        ],
+        "worker": [
+            py, "-m", "celery", "-A", "portal", "worker",
+            "--loglevel", "INFO", "--concurrency", "2",
+        ],
+        "beat": [
+            py, "-m", "celery", "-A", "portal", "beat", "--loglevel", "INFO",
+            "--schedule", str(state / "celerybeat-schedule"),
+        ],
+    }  # fmt: skip
+    for node in nodes:
+        node_dir = state / "agents" / node.name
+        procs[node.name] = [
+            py, "-m", "agents",
+            "--server", f"ws://{HOST}:{number}",
+            "--token-file", str(node_dir / "token"),
+            "--simulate", node.spec,
+            "--state-dir", str(node_dir),
+        ]  # fmt: skip
+    return procs
+
+
+class _Supervisor(Manager):  # type: ignore[misc]
+    """honcho's Manager, remembering which process stopped first and why."""
+
+    def __init__(self, printer: Printer) -> None:
+        super().__init__(printer=printer)
+        self.first_dead: list[str] = []
+
+    def terminate(self) -> None:
+        if not self._terminating:
+            # Called by loop() when a process stopped, or by the signal handler
+            # (then nothing has stopped yet).
+            self.first_dead = [
+                name for name, p in self._processes.items() if "returncode" in p
+            ]
+        super().terminate()
+
+    def say(self, text: str) -> None:
+        self.events.put(
+            Message(
+                type="line",
+                data=text + "\n",
+                time=datetime.now(),
+                name=SYSTEM_PRINTER_NAME,
+                colour=None,
+            )
+        )
+
+
+def _announce_when_up(manager: _Supervisor, number: int, stop: threading.Event) -> None:
+    while not stop.is_set():
+        if port_answers(number):
+            manager.say(f"gpulab is running at http://{HOST}:{number}")
+            return
+        stop.wait(0.2)
+
+
+def _raise_interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def up(env: Mapping[str, str] | None = None) -> int:
+    env = dict(os.environ if env is None else env)
+    try:
+        nodes = demo_nodes(env)
+        number = port(env)
+        check_port_free(number)
+    except UpError as exc:
+        sys.stderr.write(f"gpulab: {exc}\n")
+        return 2
+
+    # SIGTERM during setup unwinds like Ctrl-C so the servers get stopped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    services = None
+    try:
+        services = ensure_services(env)
+        env.update(services.env)
+        state = Path(services.env["GPULAB_STATE_DIR"])
+        if not env.get("DJANGO_SECRET_KEY") and not env.get("DJANGO_SECRET_KEY_FILE"):
+            env["DJANGO_SECRET_KEY"] = secret_key(state)
+        env.setdefault("DJANGO_DEBUG", "true")
+        env["PYTHONUNBUFFERED"] = "1"
+        env["GPULAB_DEMO_NODES"] = env.get("GPULAB_DEMO_NODES") or DEFAULT_DEMO_NODES
+        env["PORT"] = str(number)
+        for node in nodes:
+            (state / "agents" / node.name).mkdir(
+                mode=0o700, parents=True, exist_ok=True
+            )
+
+        for step in setup_steps(state, nodes):
+            shown = shlex.join(["manage.py", *step[2:]])
+            sys.stdout.write(f"gpulab: {shown}\n")
+            sys.stdout.flush()
+            result = subprocess.run(step, env=env, cwd=REPO_ROOT, check=False)
+            if result.returncode != 0:
+                sys.stderr.write(
+                    f"gpulab: `{shown}` failed (exit {result.returncode}); "
+                    f"not starting the portal\n"
+                )
+                return 1
+
+        return _supervise(state, nodes, number, env)
+    except StackError as exc:
+        sys.stderr.write(f"gpulab: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("gpulab: interrupted\n")
+        return 130
+    finally:
+        # A second Ctrl-C must not cut the servers' shutdown short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if services is not None:
+            sys.stdout.write("gpulab: stopping embedded servers\n")
+            sys.stdout.flush()
+            services.stop()
+
+
+def _supervise(
+    state: Path, nodes: list[DemoNode], number: int, env: dict[str, Any]
+) -> int:
+    printer = Printer(sys.stdout, colour=sys.stdout.isatty())
+    manager = _Supervisor(printer)
+    for name, argv in processes(state, nodes, number).items():
+        # exec: the shell honcho starts is replaced, so its SIGTERM reaches us.
+        manager.add_process(name, "exec " + shlex.join(argv), env=env, cwd=REPO_ROOT)
+    stop = threading.Event()
+    watcher = threading.Thread(
+        target=_announce_when_up, args=(manager, number, stop), daemon=True
+    )
+    watcher.start()
+    started = time.monotonic()
+    try:
+        manager.loop()
+    finally:
+        stop.set()
+    if manager.first_dead:
+        names = ", ".join(manager.first_dead)
+        codes = ", ".join(
+            str(manager._processes[n].get("returncode")) for n in manager.first_dead
+        )
+        sys.stderr.write(
+            f"gpulab: {names} stopped (exit {codes}) after "
+            f"{time.monotonic() - started:.0f}s; stopped everything else\n"
+        )
+        return 1
+    return 0
+
+
+def main() -> None:
+    sys.exit(up())
+
+
+if __name__ == "__main__":
+    main()
