@@ -103,7 +103,7 @@ class Launcher:
             self._preflight(data)
             env = dict(os.environ)
             env.pop("GPULAB_AGENT_TOKEN", None)
-            shim = subprocess.Popen(  # noqa: S603
+            shim = subprocess.Popen(
                 [sys.executable, "-m", "agents.shim", str(job_dir)],
                 cwd=_PACKAGE_PARENT,
                 env=env,

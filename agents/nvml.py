@@ -57,7 +57,10 @@ class NvmlReader:
         self.nvml = nvml
         try:
             nvml.nvmlInit()
-        except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded) as e:
+        except (
+            pynvml.NVMLError_LibraryNotFound,
+            pynvml.NVMLError_DriverNotLoaded,
+        ) as e:
             raise NvmlUnavailable(
                 f"no NVIDIA driver found on this machine: {e}; "
                 "use --simulate SPEC to run a simulated node"
@@ -67,13 +70,16 @@ class NvmlReader:
                 f"NVML failed to start: {e}; use --simulate SPEC to run a simulated node"
             ) from None
         self.errors = 0  # metric reads that failed for another reason than support
-        self.driver_version = self._opt(lambda: _text(nvml.nvmlSystemGetDriverVersion()))
+        self.driver_version = self._opt(
+            lambda: _text(nvml.nvmlSystemGetDriverVersion())
+        )
         cuda = self._opt(nvml.nvmlSystemGetCudaDriverVersion)
         self.cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
         count = nvml.nvmlDeviceGetCount()
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self.uuids = [
-            self._opt(lambda h=h: _text(nvml.nvmlDeviceGetUUID(h))) or f"GPU-unknown-{i}"
+            self._opt(lambda h=h: _text(nvml.nvmlDeviceGetUUID(h)))
+            or f"GPU-unknown-{i}"
             for i, h in enumerate(self.handles)
         ]
 
@@ -181,7 +187,9 @@ class NvmlReader:
         procs = self._opt(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
         sm: dict[int, float] = {}
         if procs:
-            for s in self._opt(lambda: nvml.nvmlDeviceGetProcessUtilization(h, 0)) or []:
+            for s in (
+                self._opt(lambda: nvml.nvmlDeviceGetProcessUtilization(h, 0)) or []
+            ):
                 sm[s.pid] = _pct(s.smUtil)
         return GpuSample(
             index=i,
@@ -216,7 +224,7 @@ def _pct(value: float) -> float:
     return float(min(100, max(0, value)))
 
 
-class _suppress_nvml:  # noqa: N801 - used like contextlib.suppress
+class _suppress_nvml:
     def __enter__(self) -> None:
         return None
 

@@ -131,7 +131,9 @@ def run(job_dir: Path) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    atomic_write(job_dir / "shim.pid", f"{os.getpid()} {proc_start_time(os.getpid())}\n")
+    atomic_write(
+        job_dir / "shim.pid", f"{os.getpid()} {proc_start_time(os.getpid())}\n"
+    )
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -157,7 +159,7 @@ def run(job_dir: Path) -> int:
                 HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name
             )
         with (job_dir / "output.log").open("ab") as log:
-            child = subprocess.Popen(  # noqa: S603 - the shell runs the user's command
+            child = subprocess.Popen(
                 ["/bin/sh", "-c", spec["command"]],
                 cwd=spec["workdir"],
                 env=env,
@@ -198,7 +200,9 @@ def run(job_dir: Path) -> int:
     # What is left of the group (background processes) must not outlive the job.
     if _group_alive(pgid):
         _killpg(pgid, signal.SIGTERM)
-        deadline = kill_at if kill_at is not None else time.monotonic() + CLEANUP_GRACE_S
+        deadline = (
+            kill_at if kill_at is not None else time.monotonic() + CLEANUP_GRACE_S
+        )
         while _group_alive(pgid) and time.monotonic() < deadline:
             _reap_any()
             time.sleep(POLL_S)

@@ -24,14 +24,16 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pynvml
 
-from agents.spec import NodeSpec
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from agents.spec import NodeSpec
 
 MIB = 1024 * 1024
 IDLE_MEM_MIB = 256

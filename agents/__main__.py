@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import sys
+
+from agents.main import main
+
+sys.exit(main())
