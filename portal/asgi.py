@@ -1,0 +1,37 @@
+"""ASGI entry point: HTTP (Django), browser websockets and agent websockets."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+# Initialise Django before importing anything that touches models.
+django_asgi_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from portal.consumers import DashboardConsumer  # noqa: E402
+from scheduler.consumers import AgentConsumer  # noqa: E402
+
+# Agents send no Origin header: the Origin check stays off their route (they
+# authenticate by token) and on the browsers' route (session cookies).
+browser_routes = AllowedHostsOriginValidator(
+    AuthMiddlewareStack(URLRouter([path("ws/dashboard/", DashboardConsumer.as_asgi())]))
+)
+agent_routes = URLRouter([path("ws/agent/", AgentConsumer.as_asgi())])
+
+
+async def _websocket_router(scope, receive, send):  # type: ignore[no-untyped-def]
+    if scope["path"].startswith("/ws/agent/"):
+        return await agent_routes(scope, receive, send)
+    return await browser_routes(scope, receive, send)
+
+
+application = ProtocolTypeRouter(
+    {"http": django_asgi_app, "websocket": _websocket_router}
+)

@@ -1,0 +1,23 @@
+"""URLs of the web UI (DESIGN.md "Interfaces": keep these paths stable)."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from portal.views import cluster, jobs
+
+urlpatterns = [
+    path("", cluster.overview, name="portal-overview"),
+    path("queue/", cluster.queue, name="portal-queue"),
+    path("nodes/", cluster.node_list, name="portal-nodes"),
+    path("nodes/<int:node_id>/", cluster.node_detail, name="portal-node"),
+    path("jobs/", jobs.job_list, name="portal-jobs"),
+    path("jobs/new/", jobs.job_new, name="portal-job-new"),
+    path("jobs/<int:job_id>/", jobs.job_detail, name="portal-job"),
+    path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+]

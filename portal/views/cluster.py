@@ -1,0 +1,68 @@
+"""Cluster pages: overview, queue, nodes."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.db.models import Prefetch
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import render
+
+from scheduler import services
+from scheduler.models import Allocation, Gpu, Job, Node
+
+
+def _nodes_with_gpus() -> list[Node]:
+    live = Allocation.objects.filter(released_at__isnull=True).select_related(
+        "attempt__job__owner"
+    )
+    nodes = list(
+        Node.objects.prefetch_related(
+            Prefetch(
+                "gpus",
+                queryset=Gpu.objects.order_by("index").prefetch_related(
+                    Prefetch("allocations", queryset=live, to_attr="live")
+                ),
+            )
+        )
+    )
+    for node in nodes:
+        for gpu in node.gpus.all():
+            jobs = {a.attempt.job_id: a.attempt.job for a in gpu.live}  # type: ignore[attr-defined]
+            gpu.jobs = list(jobs.values())  # type: ignore[attr-defined]
+    return nodes
+
+
+@login_required
+def overview(request: HttpRequest) -> HttpResponse:
+    context = {"summary": services.gpu_summary(), "nodes": _nodes_with_gpus()}
+    if request.htmx and not request.htmx.boosted:
+        return render(request, "portal/partials/_cluster.html", context)
+    return render(request, "portal/overview.html", context)
+
+
+@login_required
+def queue(request: HttpRequest) -> HttpResponse:
+    pending = list(
+        Job.objects.pending()
+        .select_related("owner", "group")
+        .order_by("submitted_at", "id")
+    )
+    running = Job.objects.filter(status__in=Job.ON_NODE).select_related(
+        "owner", "group"
+    )
+    return render(
+        request, "portal/queue.html", {"pending": pending, "running": running}
+    )
+
+
+@login_required
+def node_list(request: HttpRequest) -> HttpResponse:
+    return render(request, "portal/nodes.html", {"nodes": _nodes_with_gpus()})
+
+
+@login_required
+def node_detail(request: HttpRequest, node_id: int) -> HttpResponse:
+    node = next((n for n in _nodes_with_gpus() if n.pk == node_id), None)
+    if node is None:
+        raise Http404("No such node")
+    return render(request, "portal/node_detail.html", {"node": node, "nodes": [node]})

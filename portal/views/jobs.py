@@ -1,0 +1,129 @@
+"""Job pages: list, submit, detail (with a polled live fragment), cancel."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from portal.forms import JobForm
+from scheduler import services
+from scheduler.models import Allocation, Job
+
+
+def _get_job_for_user(request: HttpRequest, job_id: int) -> Job:
+    """The job if the user may see it; 404 otherwise (no existence leak)."""
+    job = (
+        Job.objects.visible_to(request.user)
+        .select_related("owner", "group")
+        .filter(pk=job_id)
+        .first()
+    )
+    if job is None:
+        raise Http404("No such job")
+    return job
+
+
+@login_required
+def job_list(request: HttpRequest) -> HttpResponse:
+    jobs = Job.objects.visible_to(request.user).select_related("owner", "group")
+    status = request.GET.get("status", "")
+    if status in Job.Status.values:
+        jobs = jobs.filter(status=status)
+    page = Paginator(jobs, 50).get_page(request.GET.get("page"))
+    return render(
+        request,
+        "portal/jobs.html",
+        {"page": page, "status": status, "statuses": Job.Status.choices},
+    )
+
+
+@login_required
+def job_new(request: HttpRequest) -> HttpResponse:
+    group_names = [g.name for g in services.groups_of(request.user)]
+    initial = {}
+    copy_of = request.GET.get("copy")
+    if copy_of and copy_of.isdigit():
+        src = Job.objects.visible_to(request.user).filter(pk=int(copy_of)).first()
+        if src is not None:
+            initial = {
+                "name": src.name,
+                "command": src.command,
+                "workdir": src.workdir,
+                "gpus": src.gpus,
+                "gpu_memory": f"{src.gpu_memory_mib}M" if src.gpu_memory_mib else "",
+                "time_limit": f"{src.time_limit_s // 60}m",
+                "priority_class": src.priority_class,
+                "shareable": src.shareable,
+                "workload": src.workload,
+                "env": "\n".join(f"{k}={v}" for k, v in src.env.items()),
+            }
+    form = JobForm(request.POST or None, initial=initial, group_names=group_names)
+    if request.method == "POST" and form.is_valid():
+        try:
+            job = services.submit_job(request.user, form.to_request())
+        except ValidationError as exc:
+            form.add_service_errors(exc.message_dict)
+        else:
+            messages.success(request, f"Job #{job.pk} submitted.")
+            return redirect("portal-job", job.pk)
+    status = 400 if request.method == "POST" else 200
+    return render(request, "portal/job_new.html", {"form": form}, status=status)
+
+
+def _job_context(job: Job) -> dict[str, object]:
+    attempt = job.attempt_set.select_related("node").order_by("-number").first()
+    allocations = []
+    if attempt is not None:
+        allocations = sorted(
+            {
+                a.gpu_id: a
+                for a in Allocation.objects.filter(attempt=attempt).select_related(
+                    "gpu", "gpu__node"
+                )
+            }.values(),
+            key=lambda a: a.gpu.index,
+        )
+    position = None
+    if job.status == Job.Status.PENDING:
+        position = (
+            Job.objects.pending().filter(submitted_at__lt=job.submitted_at).count() + 1
+        )
+    return {
+        "job": job,
+        "attempt": attempt,
+        "allocations": allocations,
+        "events": job.events.select_related("actor").order_by("at", "id"),
+        "log_tail": services.log_tail(job),
+        "queue_position": position,
+    }
+
+
+@login_required
+def job_detail(request: HttpRequest, job_id: int) -> HttpResponse:
+    job = _get_job_for_user(request, job_id)
+    context = _job_context(job)
+    context["can_cancel"] = job.can_be_cancelled_by(request.user)
+    if request.htmx and not request.htmx.boosted:
+        return render(request, "portal/partials/_job_live.html", context)
+    return render(request, "portal/job_detail.html", context)
+
+
+@require_POST
+@login_required
+def job_cancel(request: HttpRequest, job_id: int) -> HttpResponse:
+    job = _get_job_for_user(request, job_id)
+    if not job.can_be_cancelled_by(request.user):
+        messages.error(request, f"Job #{job.pk} cannot be cancelled now.")
+        return redirect("portal-job", job.pk)
+    try:
+        services.cancel_job(job.pk, by=request.user)
+    except services.JobStateError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Cancelling job #{job.pk}.")
+    return redirect("portal-job", job.pk)

@@ -1,0 +1,226 @@
+"""The admin console: every model, with node token rotation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from scheduler import services
+from scheduler.models import (
+    Allocation,
+    Attempt,
+    Gpu,
+    Group,
+    Job,
+    JobEvent,
+    JobLogChunk,
+    Membership,
+    Node,
+    UsageRecord,
+)
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 1
+    autocomplete_fields = ("user",)
+
+
+@admin.register(Group)
+class GroupAdmin(admin.ModelAdmin):
+    list_display = ("name", "description", "shares")
+    search_fields = ("name",)
+    inlines = (MembershipInline,)
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ("user", "group", "shares", "joined_at")
+    list_filter = ("group",)
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+    fields = (
+        "index",
+        "name",
+        "uuid",
+        "memory_total_mib",
+        "slots",
+        "present",
+        "mig_enabled",
+    )
+    readonly_fields = (
+        "index",
+        "name",
+        "uuid",
+        "memory_total_mib",
+        "present",
+        "mig_enabled",
+    )
+    can_delete = False
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = (
+        "name",
+        "status",
+        "draining",
+        "connected",
+        "last_seen_at",
+        "hostname",
+    )
+    list_filter = ("status", "draining")
+    search_fields = ("name", "hostname")
+    readonly_fields = (
+        "status",
+        "connected",
+        "last_seen_at",
+        "hostname",
+        "driver_version",
+        "cuda_version",
+        "agent_version",
+        "incarnation",
+        "last_seq",
+        "created_at",
+    )
+    inlines = (GpuInline,)
+    actions = ("rotate_token", "drain", "resume")
+
+    def save_model(
+        self, request: HttpRequest, obj: Node, form: Any, change: bool
+    ) -> None:  # noqa: FBT001
+        if not change:
+            token = Node.new_token()
+            obj.set_token(token)
+            super().save_model(request, obj, form, change)
+            self.message_user(
+                request,
+                f"Node {obj.name} registered. Its agent token (shown once): {token}",
+                messages.WARNING,
+            )
+            return
+        super().save_model(request, obj, form, change)
+
+    @admin.action(description="Rotate the agent token (shows the new one once)")
+    def rotate_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        for node in queryset:
+            token = services.rotate_node_token(node.pk)
+            self.message_user(
+                request,
+                f"New token for {node.name} (shown once): {token}",
+                messages.WARNING,
+            )
+
+    @admin.action(description="Drain: take no new jobs")
+    def drain(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        for node in queryset:
+            services.set_draining(node.pk, draining=True)
+
+    @admin.action(description="Resume: take new jobs again")
+    def resume(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        for node in queryset:
+            services.set_draining(node.pk, draining=False)
+
+
+@admin.register(Gpu)
+class GpuAdmin(admin.ModelAdmin):
+    list_display = (
+        "node",
+        "index",
+        "name",
+        "memory_total_mib",
+        "slots",
+        "present",
+        "latest_at",
+    )
+    list_filter = ("node", "name", "present")
+    readonly_fields = ("latest", "latest_at")
+
+
+class JobEventInline(admin.TabularInline):
+    model = JobEvent
+    extra = 0
+    can_delete = False
+    readonly_fields = ("at", "source", "actor", "from_status", "to_status", "message")
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = (
+        "id",
+        "name",
+        "owner",
+        "group",
+        "status",
+        "gpus",
+        "priority_class",
+        "submitted_at",
+    )
+    list_filter = ("status", "priority_class", "group")
+    search_fields = ("name", "owner__username", "command")
+    # State is changed only through scheduler.services (cancel from the job page).
+    readonly_fields = (
+        "status",
+        "pending_reason",
+        "pending_message",
+        "cancel_requested_at",
+        "attempts",
+        "exit_code",
+        "end_reason",
+        "submitted_at",
+        "started_at",
+        "finished_at",
+    )
+    inlines = (JobEventInline,)
+
+
+@admin.register(Attempt)
+class AttemptAdmin(admin.ModelAdmin):
+    list_display = (
+        "job",
+        "number",
+        "node",
+        "started_at",
+        "ended_at",
+        "outcome",
+        "exit_code",
+    )
+    list_filter = ("outcome", "node")
+    readonly_fields = [f.name for f in Attempt._meta.fields]
+
+
+@admin.register(Allocation)
+class AllocationAdmin(admin.ModelAdmin):
+    list_display = ("attempt", "gpu", "slot", "allocated_at", "released_at")
+    readonly_fields = [f.name for f in Allocation._meta.fields]
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(admin.ModelAdmin):
+    list_display = ("job", "at", "source", "from_status", "to_status", "message")
+    list_filter = ("source",)
+
+
+@admin.register(JobLogChunk)
+class JobLogChunkAdmin(admin.ModelAdmin):
+    list_display = ("attempt", "offset")
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin):
+    list_display = (
+        "attempt",
+        "gpu",
+        "user",
+        "group",
+        "started_at",
+        "ended_at",
+        "gpu_seconds",
+    )
+    list_filter = ("group",)

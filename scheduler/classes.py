@@ -1,0 +1,39 @@
+"""Priority classes, defined in one setting (``GPULAB_PRIORITY_CLASSES``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    weight: float
+    slowdown_cap: float | None
+    default_time_limit: int
+    max_time_limit: int
+    preemptible: bool
+    idle_action: str
+
+
+def all_classes() -> dict[str, PriorityClass]:
+    classes = {}
+    for name, spec in settings.GPULAB_PRIORITY_CLASSES.items():
+        try:
+            classes[name] = PriorityClass(name=name, **spec)
+        except TypeError as exc:
+            raise ImproperlyConfigured(
+                f"GPULAB_PRIORITY_CLASSES[{name!r}] is malformed: {exc}"
+            ) from None
+    return classes
+
+
+def get_class(name: str) -> PriorityClass | None:
+    return all_classes().get(name)
+
+
+def class_choices() -> list[tuple[str, str]]:
+    return [(name, name) for name in settings.GPULAB_PRIORITY_CLASSES]

@@ -1,0 +1,151 @@
+"""The agent websocket endpoint (``/ws/agent/``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from agents import protocol
+from scheduler import events, services
+
+log = logging.getLogger(__name__)
+
+# Close codes (4000-4999 are the application's): the agent logs them.
+CLOSE_BAD_TOKEN = 4401
+CLOSE_BAD_VERSION = 4400
+
+
+class AgentConsumer(AsyncWebsocketConsumer):
+    """One node agent's connection.
+
+    ``connect`` authenticates the node by the token in ``Authorization: Bearer``
+    (never a browser session) and joins ``agent.<node_id>`` to receive commands.
+    Every frame is validated once by ``agents.protocol``; a bad frame gets an
+    ``error`` reply and is logged, never crashes the consumer. Durable messages are
+    acked by seq after they are stored; the services are idempotent, so a replayed
+    message changes nothing.
+    """
+
+    node_id: int | None = None
+    node_name: str = ""
+    out_seq: int = 0
+
+    async def connect(self) -> None:
+        token = _bearer_token(self.scope.get("headers", []))
+        node = await database_sync_to_async(services.authenticate_node)(token or "")
+        client = self.scope.get("client") or ("?", 0)
+        if node is None:
+            log.warning(
+                "agent connection from %s rejected: %s",
+                client[0],
+                "no token" if not token else "unknown token",
+            )
+            # Accept then close so the agent sees a reason code, not a bare 403.
+            await self.accept()
+            await self.close(code=CLOSE_BAD_TOKEN)
+            return
+        self.node_id = node.pk
+        self.node_name = node.name
+        await self.channel_layer.group_add(
+            events.agent_group(node.pk), self.channel_name
+        )
+        await self.accept()
+        log.info("agent of node %s connected from %s", node.name, client[0])
+
+    async def disconnect(self, code: int) -> None:
+        if self.node_id is None:
+            return
+        await self.channel_layer.group_discard(
+            events.agent_group(self.node_id), self.channel_name
+        )
+        await database_sync_to_async(services.record_disconnect)(self.node_id)
+        log.info("agent of node %s disconnected (%s)", self.node_name, code)
+
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None
+    ) -> None:
+        if self.node_id is None:
+            return
+        raw = text_data if text_data is not None else bytes_data or b""
+        try:
+            message = protocol.parse_agent_message(raw)
+        except protocol.ProtocolError as exc:
+            version = _peek_version(raw)
+            if version is not None and version != protocol.PROTOCOL_VERSION:
+                await self._send_error(
+                    "unsupported_version",
+                    f"protocol version {version} is not supported; "
+                    f"this server speaks {protocol.PROTOCOL_VERSION}",
+                )
+                await self.close(code=CLOSE_BAD_VERSION)
+                return
+            log.warning("bad frame from node %s: %s", self.node_name, exc)
+            await self._send_error("bad_message", str(exc))
+            return
+        try:
+            await self._dispatch(message)
+        except Exception:
+            # One bad message must not take the node's connection down.
+            log.exception("node %s: %s handling failed", self.node_name, message.type)
+            await self._send_error("server_error", f"could not handle {message.type}")
+            return
+        if message.type in protocol.DURABLE_TYPES:
+            await self._send(protocol.Ack, protocol.AckData(seq=message.seq))
+
+    async def _dispatch(self, message: protocol.AgentMessage) -> None:
+        node_id = self.node_id
+        assert node_id is not None
+        if isinstance(message, protocol.Hello):
+            commands = await database_sync_to_async(services.record_hello)(
+                node_id, message.data
+            )
+            for command in commands:
+                await self._send_frame(command)
+        elif isinstance(message, protocol.Heartbeat):
+            await database_sync_to_async(services.record_heartbeat)(node_id)
+        elif isinstance(message, protocol.Metrics):
+            await database_sync_to_async(services.record_metrics)(node_id, message.data)
+        elif isinstance(message, protocol.JobStarted):
+            await database_sync_to_async(services.mark_started)(node_id, message.data)
+        elif isinstance(message, protocol.JobExited):
+            await database_sync_to_async(services.finish_attempt)(node_id, message.data)
+        elif isinstance(message, protocol.JobLog):
+            await database_sync_to_async(services.append_log)(node_id, message.data)
+
+    async def agent_command(self, event: dict[str, Any]) -> None:
+        """A command for this node's agent (from ``events.send_to_agent``)."""
+        await self._send_frame(event["frame"])
+
+    async def _send_frame(self, frame: dict[str, Any]) -> None:
+        self.out_seq += 1
+        await self.send(text_data=json.dumps({**frame, "seq": self.out_seq}))
+
+    async def _send(self, model: type[protocol._Envelope], data: Any) -> None:
+        await self._send_frame(events.frame(model, data))
+
+    async def _send_error(self, code: str, detail: str) -> None:
+        await self._send(
+            protocol.Error, protocol.ErrorData(code=code, detail=detail[:4096])
+        )
+
+
+def _bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def _peek_version(raw: str | bytes) -> int | None:
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    version = data.get("v") if isinstance(data, dict) else None
+    return version if isinstance(version, int) else None

@@ -1,0 +1,508 @@
+"""The scheduler's data: lab groups, nodes and GPUs, jobs, their attempts and allocations.
+
+Only ``scheduler.services`` writes ``Job.status``, ``Attempt`` and ``Allocation`` rows;
+PostgreSQL constraints back the rules that must hold under concurrency (one job per GPU
+slot, one live attempt per job, unique GPU per node index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+
+
+class Group(models.Model):
+    """A lab group: users belong to one or more; every job is charged to one."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    # Fair-share weight of the group (used by the policy issue).
+    shares = models.PositiveIntegerField(default=1)
+    members = models.ManyToManyField(
+        settings.AUTH_USER_MODEL, through="Membership", related_name="lab_groups"
+    )
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """A user's membership of a lab group."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    group = models.ForeignKey(Group, on_delete=models.CASCADE)
+    shares = models.PositiveIntegerField(default=1)
+    joined_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["user", "group"], name="%(app_label)s_%(class)s_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.group}"
+
+
+def hash_token(token: str) -> str:
+    """SHA-256 of a node token. Tokens are 256-bit random, so no slow hash is needed."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class NodeQuerySet(models.QuerySet["Node"]):
+    def schedulable(self) -> NodeQuerySet:
+        return self.filter(status=Node.Status.UP, draining=False)
+
+
+class Node(models.Model):
+    """A GPU machine running the agent.
+
+    States::
+
+        NEW --hello--> UP --no heartbeat for GPULAB_NODE_LOST_AFTER--> LOST
+                        ^                                               |
+                        +-------------------- hello --------------------+
+
+    ``draining`` is orthogonal: a draining node takes no new jobs.
+    """
+
+    class Status(models.TextChoices):
+        NEW = "new", "never connected"
+        UP = "up", "up"
+        LOST = "lost", "lost"
+
+    name = models.CharField(
+        max_length=63,
+        unique=True,
+        help_text="Usually the machine's host name.",
+    )
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    status = models.CharField(
+        max_length=8, choices=Status.choices, default=Status.NEW, db_index=True
+    )
+    draining = models.BooleanField(default=False)
+    hostname = models.CharField(max_length=255, blank=True)
+    driver_version = models.CharField(max_length=64, blank=True)
+    cuda_version = models.CharField(max_length=64, blank=True)
+    agent_version = models.CharField(max_length=64, blank=True)
+    incarnation = models.CharField(max_length=64, blank=True)
+    connected = models.BooleanField(default=False)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    # Highest durable message seq processed from this node's agent (dedup of replays).
+    last_seq = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = NodeQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def new_token() -> str:
+        return secrets.token_urlsafe(32)
+
+    def set_token(self, token: str) -> None:
+        self.token_hash = hash_token(token)
+
+    def check_token(self, token: str) -> bool:
+        return hmac.compare_digest(self.token_hash, hash_token(token))
+
+    def is_stale(self, now: datetime) -> bool:
+        if self.last_seen_at is None:
+            return False
+        return now - self.last_seen_at > timedelta(
+            seconds=settings.GPULAB_NODE_LOST_AFTER
+        )
+
+
+class Gpu(models.Model):
+    """One GPU of a node, as reported by its agent's ``hello``.
+
+    ``slots`` is how many jobs may share it; an exclusive job takes every slot.
+    """
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=128)
+    name = models.CharField(max_length=128)
+    memory_total_mib = models.PositiveIntegerField()
+    nvlink_peers = models.JSONField(default=list, blank=True)
+    slots = models.PositiveSmallIntegerField(default=1)
+    mig_enabled = models.BooleanField(default=False)
+    # False when the GPU vanished from the node's last hello or fell off the bus.
+    present = models.BooleanField(default=True)
+    # Latest sample (agents.protocol.GpuSample as a dict) and when it was taken.
+    latest = models.JSONField(default=dict, blank=True)
+    latest_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ("node__name", "index")
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["node", "index"], name="%(app_label)s_%(class)s_unique_index"
+            ),
+            models.UniqueConstraint(
+                fields=["uuid"], name="%(app_label)s_%(class)s_unique_uuid"
+            ),
+            models.CheckConstraint(
+                condition=Q(slots__gte=1), name="%(app_label)s_%(class)s_slots_gte_1"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}:{self.index} ({self.name})"
+
+    @property
+    def schedulable(self) -> bool:
+        return self.present and not self.mig_enabled
+
+    @property
+    def unschedulable_reason(self) -> str:
+        if not self.present:
+            return "GPU lost"
+        if self.mig_enabled:
+            return "MIG mode enabled (not supported yet)"
+        return ""
+
+
+class JobQuerySet(models.QuerySet["Job"]):
+    def visible_to(self, user: AbstractBaseUser | AnonymousUser) -> JobQuerySet:
+        """Jobs the user may see: their own; staff see all."""
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self
+        return self.filter(owner=user)
+
+    def pending(self) -> JobQuerySet:
+        return self.filter(status=Job.Status.PENDING)
+
+    def active(self) -> JobQuerySet:
+        return self.filter(status__in=Job.ACTIVE)
+
+
+class Job(models.Model):
+    """A training job submitted by a lab member.
+
+    States (DESIGN.md "Job states"; only ``scheduler.services`` changes them)::
+
+        PENDING -> STARTING -> RUNNING -> COMPLETED | FAILED | CANCELLED | TIMEOUT
+        PENDING <-> HELD
+        PENDING -> CANCELLED
+        STARTING | RUNNING -> PREEMPTED -> PENDING        (requeue)
+        STARTING | RUNNING -> PENDING | FAILED             (node lost)
+
+    Each start is an ``Attempt``; ``attempts`` counts them.
+    """
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "pending"
+        HELD = "held", "held"
+        STARTING = "starting", "starting"
+        RUNNING = "running", "running"
+        PREEMPTED = "preempted", "preempted"
+        COMPLETED = "completed", "completed"
+        FAILED = "failed", "failed"
+        CANCELLED = "cancelled", "cancelled"
+        TIMEOUT = "timeout", "timeout"
+
+    ACTIVE: ClassVar = (Status.PENDING, Status.HELD, Status.STARTING, Status.RUNNING)
+    ON_NODE: ClassVar = (Status.STARTING, Status.RUNNING)
+    TERMINAL: ClassVar = (
+        Status.COMPLETED,
+        Status.FAILED,
+        Status.CANCELLED,
+        Status.TIMEOUT,
+    )
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs"
+    )
+    group = models.ForeignKey(Group, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=128)
+    command = models.TextField()
+    workdir = models.CharField(max_length=1024)
+    env = models.JSONField(default=dict, blank=True)
+    gpus = models.PositiveSmallIntegerField(default=1)
+    gpu_memory_mib = models.PositiveIntegerField(null=True, blank=True)
+    time_limit_s = models.PositiveIntegerField()
+    priority_class = models.CharField(max_length=32, default="normal")
+    shareable = models.BooleanField(default=False)
+    workload = models.CharField(max_length=128, blank=True)
+    requeue_on_node_loss = models.BooleanField(default=True)
+    kill_grace_s = models.PositiveIntegerField(default=30)
+
+    status = models.CharField(
+        max_length=16, choices=Status.choices, default=Status.PENDING
+    )
+    # Why a pending job waits (a scheduler.policy.Reason code) and the details.
+    pending_reason = models.CharField(max_length=32, blank=True)
+    pending_message = models.CharField(max_length=500, blank=True)
+    # Set when a cancel was asked for a job on a node; the job ends when the agent
+    # confirms the process group is gone.
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    exit_code = models.IntegerField(null=True, blank=True)
+    end_reason = models.CharField(max_length=200, blank=True)
+
+    submitted_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("-id",)
+        constraints: ClassVar = [
+            models.CheckConstraint(
+                condition=Q(gpus__gte=1), name="%(app_label)s_%(class)s_gpus_gte_1"
+            ),
+            models.CheckConstraint(
+                condition=Q(time_limit_s__gte=1),
+                name="%(app_label)s_%(class)s_time_limit_gte_1",
+            ),
+            models.CheckConstraint(
+                condition=~Q(command=""), name="%(app_label)s_%(class)s_command_set"
+            ),
+        ]
+        indexes: ClassVar = [
+            models.Index(
+                fields=["submitted_at", "id"],
+                condition=Q(status="pending"),
+                name="scheduler_job_pending_idx",
+            ),
+            models.Index(fields=["owner", "-id"], name="scheduler_job_owner_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.name}"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in self.TERMINAL
+
+    @property
+    def is_cancelling(self) -> bool:
+        return self.cancel_requested_at is not None and not self.is_terminal
+
+    def can_be_seen_by(self, user: AbstractBaseUser | AnonymousUser) -> bool:
+        return user.is_authenticated and (user.is_staff or self.owner_id == user.pk)
+
+    def can_be_cancelled_by(self, user: AbstractBaseUser | AnonymousUser) -> bool:
+        return (
+            self.can_be_seen_by(user)
+            and self.status in self.ACTIVE
+            and self.cancel_requested_at is None
+        )
+
+    def runtime(self, now: datetime | None = None) -> timedelta | None:
+        if self.started_at is None:
+            return None
+        end = self.finished_at or now or timezone.now()
+        return end - self.started_at
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.pk,
+            "name": self.name,
+            "status": self.status,
+            "owner": self.owner.get_username(),
+            "group": self.group.name,
+            "gpus": self.gpus,
+            "priority_class": self.priority_class,
+            "pending_reason": self.pending_reason,
+            "pending_message": self.pending_message,
+            "exit_code": self.exit_code,
+            "submitted_at": self.submitted_at.isoformat(),
+            "started_at": self.started_at.isoformat() if self.started_at else None,
+            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
+        }
+
+
+class Attempt(models.Model):
+    """One start of a job on a node; holds its GPU allocations.
+
+    ``started_at`` / ``ended_at`` are the agent-reported times (authoritative for
+    accounting). An attempt is live until ``ended_at`` is set; a job has at most one
+    live attempt (a PostgreSQL constraint).
+    """
+
+    class Outcome(models.TextChoices):
+        EXITED = "exited", "exited"
+        KILLED = "killed", "killed"
+        NEVER_STARTED = "never_started", "never started"
+        LAUNCH_FAILED = "launch_failed", "launch failed"
+        LOST = "lost", "lost"
+        NODE_LOST = "node_lost", "node lost"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempt_set")
+    number = models.PositiveIntegerField()
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="attempts")
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    # Why the server asked the agent to stop it (cancelled, timeout, stale, ...).
+    kill_reason = models.CharField(max_length=16, blank=True)
+
+    class Meta:
+        ordering = ("job", "number")
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["job", "number"], name="%(app_label)s_%(class)s_unique_number"
+            ),
+            models.UniqueConstraint(
+                fields=["job"],
+                condition=Q(ended_at__isnull=True),
+                name="%(app_label)s_%(class)s_one_live_per_job",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.number}"
+
+    @property
+    def is_live(self) -> bool:
+        return self.ended_at is None
+
+
+class Allocation(models.Model):
+    """One slot of one GPU held by a live attempt.
+
+    The partial unique constraint on (gpu, slot) is what makes a double allocation
+    impossible, whatever the scheduler does.
+    """
+
+    attempt = models.ForeignKey(
+        Attempt, on_delete=models.CASCADE, related_name="allocations"
+    )
+    gpu = models.ForeignKey(Gpu, on_delete=models.PROTECT, related_name="allocations")
+    slot = models.PositiveSmallIntegerField()
+    allocated_at = models.DateTimeField(default=timezone.now)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["gpu", "slot"],
+                condition=Q(released_at__isnull=True),
+                name="%(app_label)s_%(class)s_one_job_per_slot",
+            ),
+            models.UniqueConstraint(
+                fields=["attempt", "gpu", "slot"],
+                name="%(app_label)s_%(class)s_unique_in_attempt",
+            ),
+        ]
+        indexes: ClassVar = [
+            models.Index(
+                fields=["gpu"],
+                condition=Q(released_at__isnull=True),
+                name="scheduler_alloc_live_idx",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.gpu} slot {self.slot} for {self.attempt}"
+
+
+class JobEvent(models.Model):
+    """One line of a job's history: every state transition and notable event."""
+
+    class Source(models.TextChoices):
+        USER = "user", "user"
+        SCHEDULER = "scheduler", "scheduler"
+        AGENT = "agent", "agent"
+        SYSTEM = "system", "system"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(default=timezone.now)
+    source = models.CharField(max_length=16, choices=Source.choices)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    from_status = models.CharField(max_length=16, blank=True)
+    to_status = models.CharField(max_length=16, blank=True)
+    message = models.CharField(max_length=500)
+
+    class Meta:
+        ordering = ("at", "id")
+        indexes: ClassVar = [models.Index(fields=["job", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.message}"
+
+
+class JobLogChunk(models.Model):
+    """A piece of a job's output shipped by the agent (deduplicated by offset)."""
+
+    attempt = models.ForeignKey(
+        Attempt, on_delete=models.CASCADE, related_name="log_chunks"
+    )
+    offset = models.BigIntegerField()
+    data = models.TextField()
+
+    class Meta:
+        ordering = ("attempt", "offset")
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["attempt", "offset"], name="%(app_label)s_%(class)s_unique"
+            )
+        ]
+
+
+class UsageRecord(models.Model):
+    """GPU-seconds used by one attempt on one GPU, from agent-reported start to end.
+
+    ``share`` is the fraction of the GPU the attempt held (slots held / slots), so a
+    GPU-second is never charged twice. Input of fair share and quotas.
+    """
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="usage")
+    gpu = models.ForeignKey(Gpu, on_delete=models.PROTECT, related_name="+")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+"
+    )
+    group = models.ForeignKey(Group, on_delete=models.PROTECT, related_name="+")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField()
+    share = models.FloatField()
+    gpu_seconds = models.FloatField()
+
+    class Meta:
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["attempt", "gpu"], name="%(app_label)s_%(class)s_unique"
+            ),
+            models.CheckConstraint(
+                condition=Q(gpu_seconds__gte=0),
+                name="%(app_label)s_%(class)s_non_negative",
+            ),
+        ]
+        indexes: ClassVar = [
+            models.Index(fields=["group", "ended_at"]),
+            models.Index(fields=["user", "ended_at"]),
+        ]

@@ -1,0 +1,145 @@
+"""The scheduling policy: a pure function from cluster state to decisions.
+
+No Django, no I/O, no wall clock: ``decide(state)`` sees only the frozen dataclasses
+below, so the Celery pass (``scheduler.tasks.schedule_pass``) and the simulator run the
+very same code. This is the foundation's policy: priority class, then submit order;
+first fit on one node; exclusive GPUs. The policy issue replaces the body of
+``decide`` and keeps its interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why a job is still pending: exactly one code per job per pass."""
+
+    RESOURCES = "resources"  # it fits the cluster, but not the free GPUs now
+    NO_SUCH_SHAPE = "no_such_shape"  # no node could ever hold it
+    HELD = "held"
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    id: int
+    gpus: int
+    gpu_memory_mib: int | None
+    priority_weight: float
+    submitted_at: float  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class GpuView:
+    id: int
+    node_id: int
+    index: int
+    memory_total_mib: int
+    slots: int
+    free_slots: int
+    schedulable: bool = True
+
+
+@dataclass(frozen=True)
+class NodeView:
+    id: int
+    name: str
+    schedulable: bool = True
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    now: float
+    nodes: tuple[NodeView, ...]
+    gpus: tuple[GpuView, ...]
+    pending: tuple[PendingJob, ...]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start ``job_id`` on ``node_id``, taking every slot of ``gpu_ids``."""
+
+    job_id: int
+    node_id: int
+    gpu_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """``job_id`` stays pending for ``reason``; ``message`` explains it to a person."""
+
+    job_id: int
+    reason: Reason
+    message: str
+    position: int = field(default=0)  # 1-based place in the scheduling order
+
+
+Decision = Start | Wait
+
+
+def order_key(job: PendingJob) -> tuple[float, float, int]:
+    """Stable scheduling order: higher priority first, then older, then lower id."""
+    return (-job.priority_weight, job.submitted_at, job.id)
+
+
+def _fits(gpu: GpuView, job: PendingJob) -> bool:
+    return gpu.schedulable and (
+        job.gpu_memory_mib is None or gpu.memory_total_mib >= job.gpu_memory_mib
+    )
+
+
+def decide(state: ClusterState) -> list[Decision]:
+    """Decide which pending jobs start now, where, and why the others wait.
+
+    1. Order the pending jobs (``order_key``).
+    2. For each, find the schedulable nodes with enough whole free GPUs (every slot
+       free, enough memory) and take the best fit: the node with the fewest such free
+       GPUs, so large holes stay open for large jobs; lowest GPU indexes first.
+    3. A job that fits no node waits: ``NO_SUCH_SHAPE`` if no node could hold it even
+       when empty, else ``RESOURCES``. Later jobs may still start (no reservations yet).
+    """
+    schedulable_nodes = {n.id for n in state.nodes if n.schedulable}
+    names = {n.id: n.name for n in state.nodes}
+    free: dict[int, list[GpuView]] = {node_id: [] for node_id in schedulable_nodes}
+    capacity: dict[int, list[GpuView]] = {n.id: [] for n in state.nodes}
+    for gpu in sorted(state.gpus, key=lambda g: (g.node_id, g.index)):
+        capacity.setdefault(gpu.node_id, []).append(gpu)
+        if gpu.node_id in free and gpu.free_slots == gpu.slots and gpu.schedulable:
+            free[gpu.node_id].append(gpu)
+
+    decisions: list[Decision] = []
+    position = 0
+    for job in sorted(state.pending, key=order_key):
+        candidates = []
+        for node_id, gpus in free.items():
+            fitting = [g for g in gpus if _fits(g, job)]
+            if len(fitting) >= job.gpus:
+                candidates.append((len(fitting), names.get(node_id, ""), node_id))
+        if candidates:
+            _, _, node_id = min(candidates)
+            chosen = [g for g in free[node_id] if _fits(g, job)][: job.gpus]
+            taken = {g.id for g in chosen}
+            free[node_id] = [g for g in free[node_id] if g.id not in taken]
+            decisions.append(Start(job.id, node_id, tuple(g.id for g in chosen)))
+            continue
+        position += 1
+        could_ever = any(
+            sum(1 for g in gpus if _fits(g, job)) >= job.gpus
+            for gpus in capacity.values()
+        )
+        if not could_ever:
+            mem = f" with {job.gpu_memory_mib} MiB" if job.gpu_memory_mib else ""
+            message = f"no node has {job.gpus} schedulable GPU(s){mem}"
+            decisions.append(Wait(job.id, Reason.NO_SUCH_SHAPE, message, position))
+        else:
+            best = max(
+                (sum(1 for g in gpus if _fits(g, job)) for gpus in free.values()),
+                default=0,
+            )
+            message = (
+                f"waiting for {job.gpus} free GPU(s) on one node "
+                f"(most free on one node now: {best})"
+            )
+            decisions.append(Wait(job.id, Reason.RESOURCES, message, position))
+    return decisions

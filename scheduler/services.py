@@ -1,0 +1,1017 @@
+"""The verbs of the scheduler: the only code that writes job state and allocations.
+
+Each service validates, writes inside one ``transaction.atomic()`` with the job row
+locked (``select_for_update``), records a ``JobEvent``, and only after commit enqueues
+tasks or sends websocket messages (``transaction.on_commit``). Views, tasks, consumers
+and management commands are adapters around these functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import unicodedata
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.db.models import Count, Sum
+from django.db.models.functions import Length
+from django.utils import timezone
+
+from agents import protocol
+from scheduler import classes, events, policy
+from scheduler.models import (
+    Allocation,
+    Attempt,
+    Gpu,
+    Group,
+    Job,
+    JobEvent,
+    JobLogChunk,
+    Membership,
+    Node,
+    UsageRecord,
+)
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+log = logging.getLogger(__name__)
+
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
+RESERVED_ENV_PREFIX = "GPULAB_"
+# Simulator profile variables a job may set (agents/simulate.py reads them).
+ALLOWED_GPULAB_ENV = ("GPULAB_SIM_UTIL", "GPULAB_SIM_MEM_MIB")
+
+
+class JobStateError(Exception):
+    """The job is not in a state that allows this action; ``str()`` says why."""
+
+
+def _ts(value: float) -> datetime:
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def _event(
+    job: Job,
+    message: str,
+    *,
+    source: str,
+    actor: AbstractBaseUser | None = None,
+    from_status: str = "",
+    to_status: str = "",
+    at: datetime | None = None,
+) -> JobEvent:
+    return JobEvent.objects.create(
+        job=job,
+        message=message[:500],
+        source=source,
+        actor=actor,
+        from_status=from_status,
+        to_status=to_status,
+        at=at or timezone.now(),
+    )
+
+
+def _after_commit_state_change(job: Job, message: str) -> None:
+    transaction.on_commit(
+        partial(events.broadcast_job_status, job.pk, job.status, message)
+    )
+
+
+def _enqueue_pass() -> None:
+    from scheduler.tasks import schedule_pass
+
+    transaction.on_commit(schedule_pass.delay)
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _bad_text(value: str, *, allow_newlines: bool) -> str | None:
+    """Why ``value`` is not acceptable text, or None."""
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid UTF-8 text"
+    allowed = {"\n", "\t", "\r"} if allow_newlines else set()
+    for ch in value:
+        if ch not in allowed and unicodedata.category(ch) == "Cc":
+            return f"must not contain control characters (found U+{ord(ch):04X})"
+    return None
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a user asks for; ``validate_job_request`` checks it against the cluster."""
+
+    name: str
+    command: str
+    workdir: str = ""
+    env: Mapping[str, str] | None = None
+    gpus: int = 1
+    gpu_memory_mib: int | None = None
+    time_limit_s: int | None = None
+    priority_class: str = ""
+    shareable: bool = False
+    workload: str = ""
+    group: str = ""
+
+
+def cluster_capacity() -> tuple[int, int, int]:
+    """(GPUs on the largest node, GPUs in the cluster, largest GPU memory in MiB),
+    counting every registered GPU that is present (nodes down now may come back)."""
+    per_node = (
+        Gpu.objects.filter(present=True, mig_enabled=False)
+        .values("node_id")
+        .annotate(n=Count("id"))
+        .values_list("n", flat=True)
+    )
+    counts = list(per_node)
+    largest_mem = (
+        Gpu.objects.filter(present=True, mig_enabled=False)
+        .order_by("-memory_total_mib")
+        .values_list("memory_total_mib", flat=True)
+        .first()
+    )
+    return (max(counts, default=0), sum(counts), largest_mem or 0)
+
+
+def validate_job_request(req: JobRequest) -> dict[str, Any]:
+    """Check a request; return the cleaned fields or raise a field-keyed
+    ``ValidationError`` naming every problem."""
+    errors: dict[str, str] = {}
+    name = req.name.strip()
+    if not name:
+        errors["name"] = "Give the job a name."
+    elif len(name) > 128:
+        errors["name"] = "The name is longer than 128 characters."
+    elif problem := _bad_text(name, allow_newlines=False):
+        errors["name"] = f"The name {problem}."
+
+    command = req.command.strip()
+    max_bytes = settings.GPULAB_MAX_COMMAND_BYTES
+    if not command:
+        errors["command"] = "The command is empty."
+    elif problem := _bad_text(command, allow_newlines=True):
+        errors["command"] = f"The command {problem}."
+    elif len(command.encode("utf-8")) > max_bytes:
+        size = len(command.encode("utf-8"))
+        errors["command"] = (
+            f"The command is {size} bytes; the limit is {max_bytes} bytes. "
+            "Put long scripts in a file and run that file."
+        )
+
+    workdir = req.workdir.strip() or settings.GPULAB_DEFAULT_WORKDIR
+    if problem := _bad_text(workdir, allow_newlines=False):
+        errors["workdir"] = f"The working directory {problem}."
+    elif not os.path.isabs(workdir):
+        errors["workdir"] = "The working directory must be an absolute path."
+    elif len(workdir) > 1024:
+        errors["workdir"] = "The working directory path is too long."
+
+    env = dict(req.env or {})
+    for key, value in env.items():
+        if not ENV_NAME_RE.match(key):
+            errors["env"] = f"{key!r} is not a valid environment variable name."
+            break
+        if key in RESERVED_ENV or (
+            key.startswith(RESERVED_ENV_PREFIX) and key not in ALLOWED_GPULAB_ENV
+        ):
+            errors["env"] = f"{key} is set by gpulab and cannot be overridden."
+            break
+        if problem := _bad_text(value, allow_newlines=True):
+            errors["env"] = f"The value of {key} {problem}."
+            break
+    if len(env) > 200:
+        errors["env"] = "At most 200 environment variables."
+
+    pclass = classes.get_class(req.priority_class or settings.GPULAB_DEFAULT_CLASS)
+    if pclass is None:
+        names = ", ".join(settings.GPULAB_PRIORITY_CLASSES)
+        errors["priority_class"] = (
+            f"Unknown class {req.priority_class!r}; choose one of: {names}."
+        )
+    time_limit = req.time_limit_s
+    if pclass is not None:
+        if time_limit is None:
+            time_limit = pclass.default_time_limit
+        elif time_limit < 1:
+            errors["time_limit_s"] = "The time limit must be positive."
+        elif time_limit > pclass.max_time_limit:
+            errors["time_limit_s"] = (
+                f"The {pclass.name} class allows at most "
+                f"{pclass.max_time_limit // 3600} h."
+            )
+
+    largest_node, total, largest_mem = cluster_capacity()
+    if req.gpus < 1:
+        errors["gpus"] = "Ask for at least one GPU."
+    elif total == 0:
+        errors["gpus"] = "No GPU node has registered yet; ask an admin to add one."
+    elif req.gpus > total:
+        errors["gpus"] = f"The cluster has {total} GPU(s) in all."
+    elif req.gpus > largest_node:
+        # Multi-node jobs come with the policy issue (#4).
+        errors["gpus"] = (
+            f"A job must fit on one node for now; the largest node has "
+            f"{largest_node} GPU(s)."
+        )
+    if req.gpu_memory_mib is not None:
+        if req.gpu_memory_mib < 1:
+            errors["gpu_memory_mib"] = "GPU memory must be positive."
+        elif largest_mem and req.gpu_memory_mib > largest_mem:
+            errors["gpu_memory_mib"] = (
+                f"No GPU has that much memory; the largest has {largest_mem} MiB."
+            )
+
+    workload = req.workload.strip()
+    if problem := _bad_text(workload, allow_newlines=False):
+        errors["workload"] = f"The workload label {problem}."
+    elif len(workload) > 128:
+        errors["workload"] = "The workload label is longer than 128 characters."
+
+    if errors:
+        raise ValidationError(errors)
+    assert pclass is not None and time_limit is not None
+    return {
+        "name": name,
+        "command": command,
+        "workdir": workdir,
+        "env": env,
+        "gpus": req.gpus,
+        "gpu_memory_mib": req.gpu_memory_mib,
+        "time_limit_s": time_limit,
+        "priority_class": pclass.name,
+        "shareable": req.shareable,
+        "workload": workload,
+    }
+
+
+def groups_of(user: AbstractBaseUser) -> list[Group]:
+    return list(Group.objects.filter(membership__user=user).order_by("name"))
+
+
+def _charge_group(user: AbstractBaseUser, name: str) -> Group:
+    """The group a job is charged to: the named one (if the user is a member), else
+    the user's first group; a user in no group joins the default group."""
+    mine = groups_of(user)
+    if name:
+        for group in mine:
+            if group.name == name:
+                return group
+        raise ValidationError({"group": f"You are not a member of group {name!r}."})
+    if mine:
+        return mine[0]
+    group, _ = Group.objects.get_or_create(name=settings.GPULAB_DEFAULT_GROUP)
+    Membership.objects.get_or_create(user=user, group=group)
+    return group
+
+
+# ------------------------------------------------------------------ user verbs
+
+
+def submit_job(owner: AbstractBaseUser, req: JobRequest) -> Job:
+    """Validate and store a new PENDING job, then ask for a scheduling pass."""
+    fields = validate_job_request(req)
+    with transaction.atomic():
+        group = _charge_group(owner, req.group)
+        job = Job.objects.create(
+            owner=owner,
+            group=group,
+            kill_grace_s=settings.GPULAB_KILL_GRACE,
+            pending_message="waiting for the scheduler",
+            **fields,
+        )
+        _event(
+            job,
+            f"submitted by {owner.get_username()}",
+            source=JobEvent.Source.USER,
+            actor=owner,
+            to_status=job.status,
+        )
+        _after_commit_state_change(job, "submitted")
+        _enqueue_pass()
+    return job
+
+
+def cancel_job(job_id: int, *, by: AbstractBaseUser) -> Job:
+    """Cancel a job.
+
+    1. Lock the job row.
+    2. PENDING / HELD: it becomes CANCELLED at once.
+    3. STARTING / RUNNING: record the request and, after commit, send ``job.kill``
+       to its node; the job becomes CANCELLED when the agent reports the exit.
+    """
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if job.is_terminal:
+            raise JobStateError(f"Job #{job.pk} has already ended ({job.status}).")
+        if job.cancel_requested_at is not None:
+            raise JobStateError(f"Job #{job.pk} is already being cancelled.")
+        now = timezone.now()
+        who = by.get_username()
+        if job.status in (Job.Status.PENDING, Job.Status.HELD):
+            old = job.status
+            job.status = Job.Status.CANCELLED
+            job.finished_at = now
+            job.cancel_requested_at = now
+            job.pending_reason = job.pending_message = ""
+            job.end_reason = f"cancelled by {who}"
+            job.save(
+                update_fields=[
+                    "status",
+                    "finished_at",
+                    "cancel_requested_at",
+                    "pending_reason",
+                    "pending_message",
+                    "end_reason",
+                ]
+            )
+            _event(
+                job,
+                f"cancelled by {who}",
+                source=JobEvent.Source.USER,
+                actor=by,
+                from_status=old,
+                to_status=job.status,
+            )
+            _after_commit_state_change(job, "cancelled")
+            return job
+        job.cancel_requested_at = now
+        job.save(update_fields=["cancel_requested_at"])
+        attempt = job.attempt_set.filter(ended_at__isnull=True).first()
+        _event(
+            job,
+            f"cancel requested by {who}; stopping the process",
+            source=JobEvent.Source.USER,
+            actor=by,
+        )
+        if attempt is not None:
+            attempt.kill_reason = "cancelled"
+            attempt.save(update_fields=["kill_reason"])
+            _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
+        _after_commit_state_change(job, "cancelling")
+    return job
+
+
+def _send_kill_on_commit(attempt: Attempt, reason: str, grace_s: int) -> None:
+    command = events.frame(
+        protocol.JobKill,
+        protocol.JobKillData(
+            attempt_id=attempt.pk,
+            job_id=attempt.job_id,
+            reason=reason,  # type: ignore[arg-type]
+            grace_s=grace_s,
+        ),
+    )
+    transaction.on_commit(partial(events.send_to_agent, attempt.node_id, command))
+
+
+# ------------------------------------------------------------------ scheduling
+
+
+def cluster_state(now: datetime | None = None) -> policy.ClusterState:
+    """Load what ``policy.decide`` needs in a handful of queries."""
+    now = now or timezone.now()
+    nodes = list(Node.objects.all().only("id", "name", "status", "draining"))
+    used = dict(
+        Allocation.objects.filter(released_at__isnull=True)
+        .values("gpu_id")
+        .annotate(n=Count("id"))
+        .values_list("gpu_id", "n")
+    )
+    gpus = [
+        policy.GpuView(
+            id=g.pk,
+            node_id=g.node_id,
+            index=g.index,
+            memory_total_mib=g.memory_total_mib,
+            slots=g.slots,
+            free_slots=max(0, g.slots - used.get(g.pk, 0)),
+            schedulable=g.schedulable,
+        )
+        for g in Gpu.objects.all()
+    ]
+    weights = {name: c.weight for name, c in classes.all_classes().items()}
+    pending = [
+        policy.PendingJob(
+            id=j.pk,
+            gpus=j.gpus,
+            gpu_memory_mib=j.gpu_memory_mib,
+            priority_weight=weights.get(j.priority_class, 0.0),
+            submitted_at=j.submitted_at.timestamp(),
+        )
+        for j in Job.objects.pending().only(
+            "id", "gpus", "gpu_memory_mib", "priority_class", "submitted_at"
+        )
+    ]
+    return policy.ClusterState(
+        now=now.timestamp(),
+        nodes=tuple(
+            policy.NodeView(
+                id=n.pk,
+                name=n.name,
+                schedulable=n.status == Node.Status.UP and not n.draining,
+            )
+            for n in nodes
+        ),
+        gpus=tuple(gpus),
+        pending=tuple(pending),
+    )
+
+
+@dataclass
+class ApplyResult:
+    started: int = 0
+    skipped: int = 0
+    updated_reasons: int = 0
+
+
+def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
+    """Apply one pass's decisions.
+
+    1. Each ``Start`` runs in its own savepoint: lock the job (must still be
+       PENDING) and its GPUs (in id order, so two passes cannot deadlock), check the
+       slots are free, create the attempt and one allocation per slot. A start whose
+       job or GPUs changed since the state was read is skipped, not half-applied; the
+       (gpu, slot) unique constraint is the last line of defence.
+    2. After commit, each started attempt's ``job.launch`` goes to its node.
+    3. ``Wait`` decisions update the job's reason only when it changed.
+    """
+    result = ApplyResult()
+    decisions = list(decisions)
+    with transaction.atomic():
+        for decision in decisions:
+            if isinstance(decision, policy.Start):
+                if _start(decision):
+                    result.started += 1
+                else:
+                    result.skipped += 1
+        waits = [d for d in decisions if isinstance(d, policy.Wait)]
+        if waits:
+            result.updated_reasons = _update_reasons(waits)
+    return result
+
+
+def _start(decision: policy.Start) -> bool:
+    try:
+        with transaction.atomic():
+            job = (
+                Job.objects.select_for_update()
+                .filter(pk=decision.job_id, status=Job.Status.PENDING)
+                .first()
+            )
+            if job is None:
+                return False
+            gpus = list(
+                Gpu.objects.select_for_update()
+                .filter(pk__in=decision.gpu_ids, node_id=decision.node_id)
+                .order_by("pk")
+            )
+            if len(gpus) != len(decision.gpu_ids) or not all(
+                g.schedulable for g in gpus
+            ):
+                return False
+            if Allocation.objects.filter(
+                gpu__in=gpus, released_at__isnull=True
+            ).exists():
+                return False
+            node = Node.objects.get(pk=decision.node_id)
+            if node.status != Node.Status.UP or node.draining:
+                return False
+            now = timezone.now()
+            job.attempts += 1
+            attempt = Attempt.objects.create(
+                job=job, number=job.attempts, node=node, created_at=now
+            )
+            Allocation.objects.bulk_create(
+                [
+                    Allocation(attempt=attempt, gpu=g, slot=slot, allocated_at=now)
+                    for g in gpus
+                    for slot in range(g.slots)
+                ]
+            )
+            old = job.status
+            job.status = Job.Status.STARTING
+            job.pending_reason = job.pending_message = ""
+            job.save(
+                update_fields=[
+                    "status",
+                    "attempts",
+                    "pending_reason",
+                    "pending_message",
+                ]
+            )
+            where = ", ".join(f"{node.name}:{g.index}" for g in gpus)
+            _event(
+                job,
+                f"attempt {attempt.number} allocated {where}",
+                source=JobEvent.Source.SCHEDULER,
+                from_status=old,
+                to_status=job.status,
+            )
+            _send_launch_on_commit(job, attempt, gpus)
+            _after_commit_state_change(job, f"starting on {node.name}")
+            return True
+    except IntegrityError:
+        # Another pass took one of these slots first: the constraint held.
+        log.warning("start of job %s lost a race for its GPUs", decision.job_id)
+        return False
+
+
+def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
+    return events.frame(
+        protocol.JobLaunch,
+        protocol.JobLaunchData(
+            attempt_id=attempt.pk,
+            attempt=attempt.number,
+            job_id=job.pk,
+            name=job.name,
+            command=job.command,
+            workdir=job.workdir,
+            env={str(k): str(v) for k, v in job.env.items()},
+            gpu_uuids=[g.uuid for g in sorted(gpus, key=lambda g: g.index)],
+            grace_s=job.kill_grace_s,
+            time_limit_s=job.time_limit_s,
+            run_as=None,
+        ),
+    )
+
+
+def _send_launch_on_commit(job: Job, attempt: Attempt, gpus: list[Gpu]) -> None:
+    command = launch_frame(job, attempt, gpus)
+    transaction.on_commit(partial(events.send_to_agent, attempt.node_id, command))
+
+
+def _update_reasons(waits: list[policy.Wait]) -> int:
+    current = {
+        j.pk: j
+        for j in Job.objects.filter(
+            pk__in=[w.job_id for w in waits], status=Job.Status.PENDING
+        ).only("id", "pending_reason", "pending_message")
+    }
+    changed = []
+    for wait in waits:
+        job = current.get(wait.job_id)
+        message = wait.message[:500]
+        if job is None:
+            continue
+        if job.pending_reason != wait.reason.value or job.pending_message != message:
+            job.pending_reason = wait.reason.value
+            job.pending_message = message
+            changed.append(job)
+    Job.objects.bulk_update(changed, ["pending_reason", "pending_message"])
+    return len(changed)
+
+
+# ------------------------------------------------------------------ agent verbs
+
+
+def authenticate_node(token: str) -> Node | None:
+    """The node whose token this is, or None. The lookup is by hash (unique index);
+    ``check_token`` then compares in constant time."""
+    if not token or len(token) > 512:
+        return None
+    from scheduler.models import hash_token
+
+    node = Node.objects.filter(token_hash=hash_token(token)).first()
+    if node is None or not node.check_token(token):
+        return None
+    return node
+
+
+def record_hello(node_id: int, hello: protocol.HelloData) -> list[dict[str, Any]]:
+    """Record a node's facts and reconcile its jobs; return commands for its agent.
+
+    1. Lock the node; update its facts; it is UP and connected.
+    2. Upsert its GPUs by index; GPUs missing from the hello are marked not present.
+    3. Reconcile: a live attempt of this node that the agent does not run and that
+       never started is launched again (``job.launch`` is idempotent by attempt id);
+       an attempt the agent runs that the portal has ended (or never made) is killed
+       as stale, so a job never runs twice.
+    """
+    commands: list[dict[str, Any]] = []
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        now = timezone.now()
+        was_lost = node.status == Node.Status.LOST
+        node.status = Node.Status.UP
+        node.connected = True
+        node.last_seen_at = now
+        node.hostname = hello.hostname[:255]
+        node.driver_version = (hello.driver_version or "")[:64]
+        node.cuda_version = (hello.cuda_version or "")[:64]
+        node.agent_version = hello.agent_version[:64]
+        node.incarnation = hello.incarnation
+        node.save()
+        if was_lost:
+            log.info("node %s is back after being lost", node.name)
+
+        existing = {g.index: g for g in node.gpus.all()}
+        seen = set()
+        for info in hello.gpus:
+            seen.add(info.index)
+            gpu = existing.get(info.index)
+            if gpu is None:
+                gpu = Gpu(
+                    node=node, index=info.index, slots=settings.GPULAB_GPU_JOB_LIMIT
+                )
+            gpu.uuid = info.uuid
+            gpu.name = info.name
+            gpu.memory_total_mib = info.memory_total_mib
+            gpu.nvlink_peers = list(info.nvlink_peers)
+            gpu.mig_enabled = info.mig_enabled
+            gpu.present = True
+            gpu.save()
+        for index, gpu in existing.items():
+            if index not in seen and gpu.present:
+                gpu.present = False
+                gpu.save(update_fields=["present"])
+
+        running = {r.attempt_id for r in hello.running}
+        live = list(
+            Attempt.objects.filter(node=node, ended_at__isnull=True).select_related(
+                "job"
+            )
+        )
+        for attempt in live:
+            if attempt.pk in running:
+                continue
+            if attempt.started_at is None and attempt.job.cancel_requested_at is None:
+                gpus = [a.gpu for a in attempt.allocations.select_related("gpu")]
+                unique = list({g.pk: g for g in gpus}.values())
+                commands.append(launch_frame(attempt.job, attempt, unique))
+            elif attempt.job.cancel_requested_at is not None:
+                commands.append(
+                    events.frame(
+                        protocol.JobKill,
+                        protocol.JobKillData(
+                            attempt_id=attempt.pk,
+                            job_id=attempt.job_id,
+                            reason="cancelled",
+                            grace_s=attempt.job.kill_grace_s,
+                        ),
+                    )
+                )
+        live_ids = {a.pk for a in live}
+        for job in hello.running:
+            if job.attempt_id not in live_ids:
+                commands.append(
+                    events.frame(
+                        protocol.JobKill,
+                        protocol.JobKillData(
+                            attempt_id=job.attempt_id,
+                            job_id=job.job_id,
+                            reason="stale",
+                            grace_s=settings.GPULAB_KILL_GRACE,
+                        ),
+                    )
+                )
+    transaction.on_commit(_enqueue_pass_now)
+    return commands
+
+
+def _enqueue_pass_now() -> None:
+    from scheduler.tasks import schedule_pass
+
+    schedule_pass.delay()
+
+
+def record_heartbeat(node_id: int) -> None:
+    Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now(), connected=True)
+
+
+def record_disconnect(node_id: int) -> None:
+    Node.objects.filter(pk=node_id).update(connected=False)
+
+
+def record_metrics(node_id: int, metrics: protocol.MetricsData) -> int:
+    """Keep the latest sample of each GPU of the node (history: the agent issue)."""
+    at = _ts(metrics.sampled_at)
+    gpus = {g.index: g for g in Gpu.objects.filter(node_id=node_id)}
+    changed = []
+    for sample in metrics.gpus:
+        gpu = gpus.get(sample.index)
+        if gpu is None or gpu.uuid != sample.uuid:
+            continue
+        gpu.latest = sample.model_dump(mode="json")
+        gpu.latest_at = at
+        if sample.lost and gpu.present:
+            gpu.present = False
+        changed.append(gpu)
+    Gpu.objects.bulk_update(changed, ["latest", "latest_at", "present"])
+    Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
+    return len(changed)
+
+
+def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | None:
+    """The attempt, locked, if it belongs to this node and job (a node cannot report
+    for another node's jobs)."""
+    return (
+        Attempt.objects.select_for_update()
+        .filter(pk=attempt_id, node_id=node_id, job_id=job_id)
+        .first()
+    )
+
+
+def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
+    """The agent started the attempt: STARTING -> RUNNING. Idempotent."""
+    with transaction.atomic():
+        attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
+        if attempt is None or attempt.ended_at is not None:
+            return False
+        if attempt.started_at is not None:
+            return False  # a replay
+        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        started = _ts(data.started_at)
+        attempt.started_at = started
+        attempt.pid = data.pid
+        attempt.save(update_fields=["started_at", "pid"])
+        old = job.status
+        if job.status == Job.Status.STARTING:
+            job.status = Job.Status.RUNNING
+        if job.started_at is None:
+            job.started_at = started
+        job.save(update_fields=["status", "started_at"])
+        _event(
+            job,
+            f"running on {attempt.node.name} (pid {data.pid})",
+            source=JobEvent.Source.AGENT,
+            from_status=old,
+            to_status=job.status,
+            at=started,
+        )
+        _after_commit_state_change(job, "running")
+    return True
+
+
+def _end_attempt(
+    attempt: Attempt, ended: datetime, outcome: str, exit_code: int | None
+) -> None:
+    """End a live attempt: release its slots and charge its GPU time."""
+    attempt.ended_at = ended
+    attempt.outcome = outcome
+    attempt.exit_code = exit_code
+    attempt.save(update_fields=["ended_at", "outcome", "exit_code"])
+    allocations = list(attempt.allocations.filter(released_at__isnull=True))
+    Allocation.objects.filter(pk__in=[a.pk for a in allocations]).update(
+        released_at=ended
+    )
+    if attempt.started_at is None:
+        return
+    seconds = max(0.0, (ended - attempt.started_at).total_seconds())
+    slots_by_gpu: dict[int, int] = {}
+    for alloc in allocations:
+        slots_by_gpu[alloc.gpu_id] = slots_by_gpu.get(alloc.gpu_id, 0) + 1
+    gpu_slots = dict(Gpu.objects.filter(pk__in=slots_by_gpu).values_list("pk", "slots"))
+    job = attempt.job
+    UsageRecord.objects.bulk_create(
+        [
+            UsageRecord(
+                attempt=attempt,
+                gpu_id=gpu_id,
+                user_id=job.owner_id,
+                group_id=job.group_id,
+                started_at=attempt.started_at,
+                ended_at=ended,
+                share=held / gpu_slots[gpu_id],
+                gpu_seconds=seconds * held / gpu_slots[gpu_id],
+            )
+            for gpu_id, held in slots_by_gpu.items()
+        ],
+        ignore_conflicts=True,
+    )
+
+
+def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
+    """The agent reports an attempt's end. Idempotent: a duplicate is ignored.
+
+    1. Lock the attempt (it must belong to this node and job) and the job.
+    2. End the attempt: release its GPU slots, record usage from agent times.
+    3. Move the job: CANCELLED if a cancel was asked; COMPLETED on exit 0; FAILED on
+       a non-zero exit or a launch failure; back to PENDING (or FAILED when the job
+       does not requeue) when its process was lost without an exit code.
+    4. After commit: broadcast, and run a scheduling pass for the freed GPUs.
+    """
+    with transaction.atomic():
+        attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
+        if attempt is None or attempt.ended_at is not None:
+            return False
+        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        ended = _ts(data.ended_at)
+        if attempt.started_at is not None and ended < attempt.started_at:
+            ended = attempt.started_at
+        _end_attempt(attempt, ended, data.reason, data.exit_code)
+        old = job.status
+        if job.status not in Job.ON_NODE:
+            # The job already moved on (e.g. requeued when its node was lost).
+            _event(
+                job,
+                f"late exit of attempt {attempt.number} ignored ({data.reason})",
+                source=JobEvent.Source.AGENT,
+            )
+            return True
+        code = data.exit_code
+        if job.cancel_requested_at is not None:
+            job.status = Job.Status.CANCELLED
+            message = "cancelled; process stopped"
+        elif data.reason == "exited" and code == 0:
+            job.status = Job.Status.COMPLETED
+            message = "completed (exit code 0)"
+        elif data.reason in ("exited", "killed"):
+            job.status = Job.Status.FAILED
+            message = f"failed with exit code {code}"
+        elif data.reason == "launch_failed":
+            job.status = Job.Status.FAILED
+            message = f"could not be started: {data.message or 'launch failed'}"
+        else:  # lost / never_started without a cancel: a system error
+            if job.requeue_on_node_loss:
+                job.status = Job.Status.PENDING
+                message = f"requeued: process {data.reason} on {attempt.node.name}"
+            else:
+                job.status = Job.Status.FAILED
+                message = f"failed: process {data.reason} on {attempt.node.name}"
+        if job.status != Job.Status.PENDING:
+            job.finished_at = ended
+            job.exit_code = code
+            job.end_reason = message
+        job.save(update_fields=["status", "finished_at", "exit_code", "end_reason"])
+        _event(
+            job,
+            message,
+            source=JobEvent.Source.AGENT,
+            from_status=old,
+            to_status=job.status,
+            at=ended,
+        )
+        _after_commit_state_change(job, message)
+        transaction.on_commit(_enqueue_pass_now)
+    return True
+
+
+def append_log(node_id: int, data: protocol.JobLogData) -> bool:
+    """Store a log chunk of the node's attempt, within the per-job size cap;
+    a replayed chunk (same offset) is ignored."""
+    attempt = (
+        Attempt.objects.filter(pk=data.attempt_id, node_id=node_id, job_id=data.job_id)
+        .only("id")
+        .first()
+    )
+    if attempt is None or not data.data:
+        return False
+    stored = (
+        JobLogChunk.objects.filter(attempt__job_id=data.job_id).aggregate(
+            n=Sum(Length("data"))
+        )["n"]
+        or 0
+    )
+    if stored >= settings.GPULAB_LOG_MAX_BYTES:
+        return False
+    room = settings.GPULAB_LOG_MAX_BYTES - stored
+    JobLogChunk.objects.bulk_create(
+        [JobLogChunk(attempt=attempt, offset=data.offset, data=data.data[:room])],
+        ignore_conflicts=True,
+    )
+    return True
+
+
+def log_tail(job: Job, max_chars: int = 20_000) -> str:
+    """The end of a job's stored output (all attempts, in order)."""
+    chunks = list(
+        JobLogChunk.objects.filter(attempt__job=job)
+        .order_by("-attempt__number", "-offset")
+        .values_list("data", flat=True)[:200]
+    )
+    text = "".join(reversed(chunks))
+    return text[-max_chars:]
+
+
+# ------------------------------------------------------------------ liveness
+
+
+def mark_lost_nodes(now: datetime | None = None) -> list[int]:
+    """Mark UP nodes without a heartbeat for ``GPULAB_NODE_LOST_AFTER`` as LOST and
+    requeue (or fail) their jobs, exactly once per node (row lock + status check)."""
+    now = now or timezone.now()
+    cutoff = now - timezone.timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER)
+    lost = []
+    candidates = Node.objects.filter(
+        status=Node.Status.UP, last_seen_at__lt=cutoff
+    ).values_list("pk", flat=True)
+    for node_id in candidates:
+        with transaction.atomic():
+            node = (
+                Node.objects.select_for_update()
+                .filter(pk=node_id, status=Node.Status.UP, last_seen_at__lt=cutoff)
+                .first()
+            )
+            if node is None:
+                continue
+            node.status = Node.Status.LOST
+            node.connected = False
+            node.save(update_fields=["status", "connected"])
+            ended = node.last_seen_at or now
+            for attempt in Attempt.objects.select_for_update().filter(
+                node=node, ended_at__isnull=True
+            ):
+                job = Job.objects.select_for_update().get(pk=attempt.job_id)
+                _end_attempt(
+                    attempt,
+                    max(ended, attempt.started_at or ended),
+                    Attempt.Outcome.NODE_LOST,
+                    None,
+                )
+                old = job.status
+                if job.cancel_requested_at is not None:
+                    job.status = Job.Status.CANCELLED
+                elif job.requeue_on_node_loss:
+                    job.status = Job.Status.PENDING
+                else:
+                    job.status = Job.Status.FAILED
+                message = f"node {node.name} lost; job {job.status}"
+                if job.status != Job.Status.PENDING:
+                    job.finished_at = now
+                    job.end_reason = message
+                job.save(update_fields=["status", "finished_at", "end_reason"])
+                _event(
+                    job,
+                    message,
+                    source=JobEvent.Source.SYSTEM,
+                    from_status=old,
+                    to_status=job.status,
+                )
+                _after_commit_state_change(job, message)
+            transaction.on_commit(_enqueue_pass_now)
+            lost.append(node.pk)
+            log.warning("node %s marked lost (last seen %s)", node.name, ended)
+    return lost
+
+
+# ------------------------------------------------------------------ admin verbs
+
+
+def create_node(name: str) -> tuple[Node, str]:
+    """Register a node; return it and its token (shown once, stored hashed)."""
+    name = name.strip()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
+        raise ValidationError(
+            {"name": "Use 1-63 letters, digits, dots, dashes or underscores."}
+        )
+    token = Node.new_token()
+    node = Node(name=name)
+    node.set_token(token)
+    try:
+        with transaction.atomic():
+            node.save()
+    except IntegrityError:
+        raise ValidationError({"name": f"A node named {name!r} exists."}) from None
+    return node, token
+
+
+def rotate_node_token(node_id: int) -> str:
+    """Give the node a new token; the old one stops working at once."""
+    token = Node.new_token()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        node.set_token(token)
+        node.save(update_fields=["token_hash"])
+    return token
+
+
+def set_draining(node_id: int, *, draining: bool) -> None:
+    Node.objects.filter(pk=node_id).update(draining=draining)
+    if not draining:
+        transaction.on_commit(_enqueue_pass_now)
+
+
+def gpu_summary() -> dict[str, int]:
+    """Headline counts for the overview page."""
+    gpus = Gpu.objects.filter(present=True)
+    busy = (
+        Allocation.objects.filter(released_at__isnull=True)
+        .values("gpu_id")
+        .distinct()
+        .count()
+    )
+    total = gpus.count()
+    return {
+        "gpus": total,
+        "busy": busy,
+        "free": max(0, total - busy),
+        "running": Job.objects.filter(status=Job.Status.RUNNING).count(),
+        "pending": Job.objects.filter(status=Job.Status.PENDING).count(),
+        "nodes_up": Node.objects.filter(status=Node.Status.UP).count(),
+        "nodes": Node.objects.count(),
+        "lost": Node.objects.filter(status=Node.Status.LOST).count(),
+    }

@@ -1,0 +1,108 @@
+"""Celery tasks: thin adapters around ``scheduler.services``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import shared_task
+from django.conf import settings
+from django.db import connection
+
+from scheduler import policy, services
+
+log = logging.getLogger(__name__)
+
+# Key of the PostgreSQL advisory lock that makes the scheduling pass single-flight.
+SCHEDULE_LOCK_KEY = 0x6770_7531  # "gpu1"
+# How many times one task may loop on "rerun requested" before leaving the rest to
+# the next trigger (bounded work per task).
+MAX_LOOPS = 20
+
+_redis: redis.Redis | None = None
+
+
+def _rerun_key() -> str:
+    return f"{settings.REDIS_PREFIX}:schedule:rerun"
+
+
+def _redis_client() -> redis.Redis:
+    global _redis
+    if _redis is None:
+        _redis = redis.Redis.from_url(settings.REDIS_URL)
+    return _redis
+
+
+def _try_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [SCHEDULE_LOCK_KEY])
+        return bool(cursor.fetchone()[0])
+
+
+def _unlock() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [SCHEDULE_LOCK_KEY])
+
+
+def run_one_pass() -> dict[str, Any]:
+    """Load the state, decide, apply. Returns figures for the log."""
+    t0 = time.perf_counter()
+    state = services.cluster_state()
+    decisions = policy.decide(state)
+    result = services.apply_decisions(decisions)
+    return {
+        "pending": len(state.pending),
+        "started": result.started,
+        "skipped": result.skipped,
+        "reasons_updated": result.updated_reasons,
+        "ms": round((time.perf_counter() - t0) * 1000, 1),
+    }
+
+
+def schedule_pass_body() -> dict[str, Any]:
+    """One single-flight scheduling run.
+
+    1. Take the advisory lock without waiting. If another pass holds it, set the
+       "rerun requested" flag, so the running pass loops once more, and return.
+    2. Clear the flag, run a pass; loop while the flag was set again meanwhile.
+    3. Release the lock, then look at the flag once more: a request that arrived
+       between the last check and the release would otherwise be lost.
+    The lock is session-level: if the worker dies, PostgreSQL drops it with the
+    connection, and each pass's writes are one transaction, so nothing is half-applied.
+    """
+    flags = _redis_client()
+    key = _rerun_key()
+    passes = []
+    for _ in range(MAX_LOOPS):
+        if not _try_lock():
+            flags.set(key, "1")
+            return {"skipped": "another pass is running", "passes": passes}
+        try:
+            while len(passes) < MAX_LOOPS:
+                flags.delete(key)
+                passes.append(run_one_pass())
+                if not flags.exists(key):
+                    break
+        finally:
+            _unlock()
+        if not flags.exists(key) or len(passes) >= MAX_LOOPS:
+            break
+    return {"passes": passes}
+
+
+@shared_task(ignore_result=True)
+def schedule_pass() -> dict[str, Any]:
+    """Run the scheduler (triggered on submit, job exit, node change and by beat)."""
+    result = schedule_pass_body()
+    started = sum(p["started"] for p in result.get("passes", []))
+    if started:
+        log.info("schedule pass: %s", result)
+    return result
+
+
+@shared_task(ignore_result=True)
+def check_nodes() -> list[int]:
+    """Mark nodes without heartbeat as lost and requeue their jobs (beat)."""
+    return services.mark_lost_nodes()
