@@ -18,6 +18,7 @@ URLs produced:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import hashlib
@@ -32,7 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -88,6 +89,7 @@ class EmbeddedPostgres:
     started: bool
     system_user: str | None
     url: str = ""
+    handle: Any = field(default=None, repr=False)
 
     def stop(self) -> None:
         """Stop the server if we started it and no other live process uses it.
@@ -106,6 +108,15 @@ class EmbeddedPostgres:
             for pid in users.get_and_remove(os.getpid())
             if pid != os.getpid() and _pid_alive(pid)
         ]
+        # Forget pgserver's in-process handle, or a later get_server() in this
+        # process would return it without starting the server again.
+        from pgserver import PostgresServer
+
+        PostgresServer._instances.pop(self.pgdata, None)
+        if self.handle is not None:
+            # Its atexit hook would only log, possibly to a closed stream.
+            atexit.unregister(self.handle._cleanup)
+            self.handle = None
         if not self.started or others:
             return
         with contextlib.suppress(subprocess.CalledProcessError):
@@ -173,6 +184,7 @@ def start_postgres(state: Path) -> EmbeddedPostgres:
         socket_dir=info.socket_dir,
         started=not was_running,
         system_user=server.system_user,
+        handle=server,
     )
     _ensure_database(info.socket_dir, DATABASE_NAME)
     pg.url = f"postgresql://postgres@/{DATABASE_NAME}?host={info.socket_dir}"
