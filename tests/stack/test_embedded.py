@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import dj_database_url
 import psycopg
 import redis
-from kombu import Connection
+from kombu import Connection  # type: ignore[attr-defined]
 
 from portal.stack.embedded import (
     MAX_SOCKET_PATH,
@@ -72,8 +72,10 @@ def test_it_starts_redis_for_redis_py_channels_and_celery(
         assert client.get("k") == b"v"
         client.close()
 
-        async def channel_round_trip() -> dict[str, str]:
-            from channels_redis.core import RedisChannelLayer
+        async def channel_round_trip() -> object:
+            from channels_redis.core import (  # type: ignore[import-untyped]
+                RedisChannelLayer,
+            )
 
             layer = RedisChannelLayer(hosts=[{"address": server.url}], prefix="t")
             name = await layer.new_channel()
@@ -86,7 +88,7 @@ def test_it_starts_redis_for_redis_py_channels_and_celery(
 
         broker = celery_broker_url(server.url)
         assert broker == f"redis+socket://{server.socket_path}?virtual_host=0"
-        with Connection(broker) as conn:
+        with Connection(broker) as conn:  # type: ignore[no-untyped-call]
             queue = conn.SimpleQueue("stack-test")
             queue.put({"n": 1})
             message = queue.get(timeout=5)
