@@ -479,7 +479,14 @@ class Agent:
                 ) as ws:
                     up_since = time.monotonic()
                     log.info("connected to %s", self.config.server)
-                    await self._session(ws)
+                    try:
+                        await self._session(ws)
+                    except asyncio.CancelledError:
+                        # Shutdown: say goodbye with 1000, not 1011 (the default
+                        # when the context manager exits on an exception).
+                        with contextlib.suppress(Exception):
+                            await ws.close()
+                        raise
                 code = ws.close_code
                 if code in REJECTED_CODES:
                     log.error(

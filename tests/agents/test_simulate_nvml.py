@@ -1,0 +1,156 @@
+"""The simulator and NvmlReader: one reader over pynvml's API and its real errors."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from agents.nvml import NvmlReader, NvmlUnavailable
+from agents.simulate import SimNvml, sim_uuid
+from agents.spec import parse_node_spec
+
+
+def make(spec: str = "4xA100-80GB", **kw: object) -> tuple[SimNvml, NvmlReader]:
+    sim = SimNvml(parse_node_spec(spec), hostname="node-a", **kw)  # type: ignore[arg-type]
+    return sim, NvmlReader(sim)
+
+
+def no_owner(_pid: int) -> None:
+    return None
+
+
+def test_hello_facts_follow_the_spec() -> None:
+    _, reader = make("4xA100-80GB:nvlink")
+    gpus = reader.gpus()
+    assert [g.index for g in gpus] == [0, 1, 2, 3]
+    assert {g.name for g in gpus} == {"NVIDIA A100-80GB"}
+    assert {g.memory_total_mib for g in gpus} == {80 * 1024}
+    assert gpus[1].nvlink_peers == [0, 2, 3]
+    assert gpus[3].nvlink_peers == [0, 1, 2]
+    assert not any(g.mig_enabled for g in gpus)
+    assert reader.driver_version and reader.cuda_version == "12.4"
+    # Stable uuids derived from hostname + index, distinct per GPU and per host.
+    assert gpus[2].uuid == sim_uuid("node-a", 2)
+    assert gpus[2].uuid.startswith("GPU-")
+    assert len({g.uuid for g in gpus}) == 4
+    assert sim_uuid("node-b", 2) != gpus[2].uuid
+
+
+def test_no_nvlink_without_the_flag_and_known_model_memory() -> None:
+    _, reader = make("2xp100")
+    gpus = reader.gpus()
+    assert [g.nvlink_peers for g in gpus] == [[], []]
+    assert gpus[0].memory_total_mib == 16 * 1024
+
+
+def test_idle_gpu_numbers() -> None:
+    _, reader = make()
+    s = reader.sample(no_owner)[0]
+    assert s.util_gpu == 0
+    assert s.memory_used_mib is not None and s.memory_used_mib < 1024
+    assert s.memory_total_mib == 80 * 1024
+    assert s.temperature_c == pytest.approx(30, abs=2)
+    assert s.power_w == pytest.approx(50, abs=5)
+    assert s.processes == []
+    assert not s.lost
+
+
+def test_numbers_follow_the_jobs() -> None:
+    now = [100.0]
+    sim, reader = make(clock=lambda: now[0])
+    uuids = [g.uuid for g in reader.gpus()]
+    idle = reader.sample(no_owner)
+    sim.attach(
+        7, [uuids[1]], 4242, {"GPULAB_SIM_UTIL": "70", "GPULAB_SIM_MEM_MIB": "10000"}
+    )
+    owners = {4242: 7}
+    busy = reader.sample(owners.get)
+    g1 = busy[1]
+    assert g1.util_gpu == 70
+    assert g1.memory_used_mib == idle[1].memory_used_mib + 10000
+    assert g1.temperature_c > idle[1].temperature_c
+    assert g1.power_w > idle[1].power_w
+    assert [(p.pid, p.used_memory_mib, p.attempt_id) for p in g1.processes] == [
+        (4242, 10000, 7)
+    ]
+    assert g1.processes[0].sm_util == 70
+    assert busy[0].util_gpu == 0  # the other GPUs stay idle
+
+    # A second job on the same GPU: util adds up (capped at 100), each is slowed.
+    sim.attach(8, [uuids[1]], 4343, {"GPULAB_SIM_UTIL": "50"})
+    shared = reader.sample(no_owner)[1]
+    assert shared.util_gpu == 100
+    by_pid = {p.pid: p for p in shared.processes}
+    assert by_pid[4242].sm_util < 70
+    assert by_pid[4343].sm_util < 50
+    assert by_pid[4343].used_memory_mib == 2048  # the default
+    assert all(p.attempt_id is None for p in shared.processes)  # foreign to no_owner
+
+    # Energy integrates power over time.
+    e0 = reader.sample(no_owner)[1].energy_mj
+    now[0] += 10
+    e1 = reader.sample(no_owner)[1].energy_mj
+    assert e1 - e0 == pytest.approx(400 * 10 * 1000, rel=0.01)  # 100 % of 400 W
+
+    sim.detach(7)
+    sim.detach(8)
+    assert reader.sample(no_owner)[1].util_gpu == 0
+
+
+def test_not_supported_metric_is_none_not_zero() -> None:
+    sim, reader = make()
+    sim.unsupported |= {"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption"}
+    s = reader.sample(no_owner)[0]
+    assert s.power_w is None
+    assert s.energy_mj is None
+    assert s.temperature_c is not None  # the rest is still read
+
+
+def test_lost_gpu_is_reported_lost_without_crashing() -> None:
+    sim, reader = make()
+    sim.lost.add(2)
+    samples = reader.sample(no_owner)
+    assert [s.lost for s in samples] == [False, False, True, False]
+    assert samples[2].uuid == reader.uuids[2]
+    assert samples[2].util_gpu is None
+    assert reader.gpus()[2].uuid == reader.uuids[2]  # hello still works
+
+
+class RaisingAtInit(SimNvml):
+    def __init__(self, code: int) -> None:
+        super().__init__(parse_node_spec("1xA100-80GB"), hostname="x")
+        self.code = code
+
+    def nvmlInit(self) -> None:
+        raise pynvml.NVMLError(self.code)
+
+
+@pytest.mark.parametrize(
+    "code", [pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED]
+)
+def test_no_driver_gives_a_clear_message(code: int) -> None:
+    with pytest.raises(NvmlUnavailable) as info:
+        NvmlReader(RaisingAtInit(code))
+    msg = str(info.value)
+    assert msg.startswith("no NVIDIA driver found on this machine: ")
+    assert "use --simulate SPEC to run a simulated node" in msg
+    assert "\n" not in msg
+
+
+def test_fake_raises_pynvmls_real_classes() -> None:
+    sim, _ = make()
+    sim.lost.add(0)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        sim.nvmlDeviceGetUtilizationRates(sim.nvmlDeviceGetHandleByIndex(0))
+    assert sim.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU
+
+
+def test_real_pynvml_without_a_driver_is_refused_clearly() -> None:
+    # This machine has no NVIDIA driver: the real module must give the same message.
+    try:
+        reader = NvmlReader(pynvml)
+    except NvmlUnavailable as exc:
+        assert "use --simulate SPEC" in str(exc)
+    else:  # pragma: no cover - only on a GPU machine
+        reader.close()
+        pytest.skip("this machine has an NVIDIA driver")
