@@ -12,8 +12,9 @@ URLs produced:
   TCP port is opened). dj-database-url turns ``host`` into ``OPTIONS['host']``, which
   Django passes to psycopg.
 - Redis: ``unix://<socket path>?db=0``. redis-py and channels_redis take it as is;
-  Celery's broker (kombu) needs ``redis+socket://<socket path>``: see
-  :func:`portal.stack.urls.celery_broker_url`.
+  Celery's broker (kombu) needs ``redis+socket://<socket path>?virtual_host=0``
+  (:func:`portal.stack.urls.celery_broker_url`), exported as ``CELERY_BROKER_URL``,
+  which Celery reads before its ``broker_url`` setting.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from portal.stack.urls import celery_broker_url
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -349,7 +352,8 @@ def ensure_services(env: Mapping[str, str] | None = None) -> Services:
     """Start the embedded servers that ``env`` does not configure.
 
     Returns the variables to export (``DATABASE_URL``, ``REDIS_URL``,
-    ``GPULAB_STATE_DIR``) in ``Services.env``; ``env`` itself is not changed.
+    ``GPULAB_STATE_DIR``, and ``CELERY_BROKER_URL`` when Redis is a Unix socket) in
+    ``Services.env``; ``env`` itself is not changed.
     """
     env = os.environ if env is None else env
     state = state_dir(env)
@@ -368,6 +372,13 @@ def ensure_services(env: Mapping[str, str] | None = None) -> Services:
         raise
     services.env["DATABASE_URL"] = database_url
     services.env["REDIS_URL"] = redis_url
+    broker_url = celery_broker_url(redis_url)
+    if broker_url != redis_url:
+        # kombu cannot read unix:// URLs. Celery prefers the CELERY_BROKER_URL
+        # environment variable over the broker_url setting, so exporting the
+        # redis+socket:// spelling makes every process we start work whatever
+        # settings do with REDIS_URL.
+        services.env["CELERY_BROKER_URL"] = broker_url
     return services
 
 

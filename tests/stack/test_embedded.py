@@ -137,6 +137,7 @@ def test_it_starts_only_what_the_urls_do_not_configure(
         assert services.redis is None
         assert services.env["DATABASE_URL"] == env["DATABASE_URL"]
         assert services.env["REDIS_URL"] == env["REDIS_URL"]
+        assert "CELERY_BROKER_URL" not in services.env
     assert not (short_state_dir / "pg").exists()
 
 

@@ -24,6 +24,7 @@ redis.Redis.from_url(os.environ["REDIS_URL"]).ping()
 print(os.environ["DATABASE_URL"])
 print(os.environ["REDIS_URL"])
 print(bool(os.environ.get("DJANGO_SECRET_KEY")))
+print(os.environ["CELERY_BROKER_URL"])
 sys.exit(3)
 """
 
@@ -32,7 +33,8 @@ def _env(state: Path, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SECRET_KEY"}
+        if k
+        not in {"DATABASE_URL", "REDIS_URL", "DJANGO_SECRET_KEY", "CELERY_BROKER_URL"}
     }
     env["GPULAB_STATE_DIR"] = str(state)
     env.update(extra)
@@ -59,10 +61,13 @@ def test_run_exports_embedded_urls_and_returns_the_exit_code(
         check=False,
     )
     assert result.returncode == 3, result.stderr
-    database_url, redis_url, has_key = result.stdout.split()
+    database_url, redis_url, has_key, broker_url = result.stdout.split()
     assert database_url.startswith("postgresql://postgres@/gpulab?host=")
     assert redis_url == f"unix://{short_state_dir}/redis/redis.sock?db=0"
     assert has_key == "True"
+    assert broker_url == (
+        f"redis+socket://{short_state_dir}/redis/redis.sock?virtual_host=0"
+    )
     assert _redis_servers_of(short_state_dir) == []
     assert not (short_state_dir / "pg" / "postmaster.pid").exists()
 
