@@ -7,9 +7,8 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -20,6 +19,9 @@ if str(ROOT) not in sys.path:
 
 from agents.protocol import parse_agent_message  # noqa: E402
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 DURABLE = {"job.started", "job.exited", "job.log"}
 
 
@@ -28,7 +30,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.02) -> Any:
+def wait_until(
+    pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.02
+) -> Any:
     """Poll ``pred`` until it returns something truthy; fail after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -107,7 +111,13 @@ class Portal:
         self.out_seq += 1
         await self.conn.send(
             json.dumps(
-                {"type": type_, "v": 1, "seq": self.out_seq, "ts": time.time(), "data": data}
+                {
+                    "type": type_,
+                    "v": 1,
+                    "seq": self.out_seq,
+                    "ts": time.time(),
+                    "data": data,
+                }
             )
         )
 
@@ -115,7 +125,8 @@ class Portal:
         return [
             f
             for f in self.frames
-            if f["type"] == type_ and all(f["data"].get(k) == v for k, v in match.items())
+            if f["type"] == type_
+            and all(f["data"].get(k) == v for k, v in match.items())
         ]
 
 

@@ -9,9 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from conftest import DURABLE, ROOT, Portal, await_until, launch_data
@@ -20,6 +18,10 @@ from agents.agent import Agent, Config
 from agents.nvml import NvmlReader
 from agents.simulate import SimNvml
 from agents.spec import parse_node_spec
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
 
 pytestmark = pytest.mark.anyio
 
@@ -167,9 +169,7 @@ async def test_reconnect_replays_unacked_durable_frames_in_order(
         # The unacked job.started comes again, with its seq, then the rest in order.
         assert replay[0]["seq"] == first_started["seq"]
         assert [f["seq"] for f in replay] == sorted(f["seq"] for f in replay)
-        text = "".join(
-            f["data"]["data"] for f in replay if f["type"] == "job.log"
-        )
+        text = "".join(f["data"]["data"] for f in replay if f["type"] == "job.log")
         assert text == "before\nafter\n"
         await await_until(lambda: not agent.spool.entries)
         await await_until(lambda: not (tmp_path / "state/jobs/6").exists())
@@ -260,7 +260,9 @@ async def test_agent_killed_mid_job_adopts_it_after_restart(
             first.kill()
     second = spawn_agent(portal.url, state, token)
     try:
-        hellos = await await_until(lambda: len(portal.of("hello")) == 2 and portal.of("hello"))
+        hellos = await await_until(
+            lambda: len(portal.of("hello")) == 2 and portal.of("hello")
+        )
         running_jobs = hellos[1]["data"]["running"]
         assert [r["attempt_id"] for r in running_jobs] == [8]
         assert hellos[0]["data"]["incarnation"] != hellos[1]["data"]["incarnation"]

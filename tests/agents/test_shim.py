@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import signal
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import launch_data, wait_until
@@ -13,6 +13,9 @@ from conftest import launch_data, wait_until
 from agents.launcher import Job, Launcher, Outcome
 from agents.protocol import JobLaunchData
 from agents.statedir import StateDir, read_int
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.fixture
@@ -107,9 +110,7 @@ def test_environment(launcher: Launcher, tmp_path: Path) -> None:
     assert out == "cvd=GPU-a,GPU-b job=1001 att=1 tok=none mine=x y\n"
 
 
-def test_only_the_command_reaches_the_shell(
-    launcher: Launcher, tmp_path: Path
-) -> None:
+def test_only_the_command_reaches_the_shell(launcher: Launcher, tmp_path: Path) -> None:
     canary = tmp_path / "pwned"
     evil = f"$(touch {canary}); touch {canary}; `touch {canary}`"
     job = start(

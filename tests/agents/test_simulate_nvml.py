@@ -99,7 +99,10 @@ def test_numbers_follow_the_jobs() -> None:
 
 def test_not_supported_metric_is_none_not_zero() -> None:
     sim, reader = make()
-    sim.unsupported |= {"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption"}
+    sim.unsupported |= {
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetTotalEnergyConsumption",
+    }
     s = reader.sample(no_owner)[0]
     assert s.power_w is None
     assert s.energy_mj is None
