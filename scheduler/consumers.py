@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 # Close codes (4000-4999 are the application's): the agent logs them.
 CLOSE_BAD_TOKEN = 4401
 CLOSE_BAD_VERSION = 4400
+CLOSE_REPLACED = 4409
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -115,6 +116,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await database_sync_to_async(services.finish_attempt)(node_id, message.data)
         elif isinstance(message, protocol.JobLog):
             await database_sync_to_async(services.append_log)(node_id, message.data)
+
+    async def agent_replaced(self, event: dict[str, Any]) -> None:
+        """Another connection authenticated as this node: this one is stale."""
+        if event["by"] == self.channel_name or self.node_id is None:
+            return
+        log.warning("agent of node %s replaced by a newer connection", self.node_name)
+        await self.channel_layer.group_discard(
+            events.agent_group(self.node_id), self.channel_name
+        )
+        self.node_id = None
+        await self.close(code=CLOSE_REPLACED)
 
     async def agent_command(self, event: dict[str, Any]) -> None:
         """A command for this node's agent (from ``events.send_to_agent``)."""

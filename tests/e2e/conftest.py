@@ -1,0 +1,311 @@
+"""Real processes for end-to-end tests: the ASGI server, a Celery worker and agents.
+
+They run against this run's PostgreSQL test database (``transactional_db``, so their
+writes and ours are visible to each other) and this run's Redis prefix (inherited
+through ``GPULAB_REDIS_PREFIX``). Readiness is awaited on the processes' own log
+lines, never on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def database_url() -> str:
+    """The URL of the test database this run's tests use (host may be a socket dir)."""
+    from django.db import connection
+
+    s = connection.settings_dict
+    auth = quote(s["USER"] or "postgres")
+    if s.get("PASSWORD"):
+        auth += ":" + quote(s["PASSWORD"])
+    host = s.get("HOST") or ""
+    name = quote(s["NAME"])
+    if host.startswith("/"):
+        return f"postgresql://{auth}@/{name}?host={quote(host)}"
+    port = f":{s['PORT']}" if s.get("PORT") else ""
+    return f"postgresql://{auth}@{host}{port}/{name}"
+
+
+@dataclass
+class Proc:
+    """A child process whose combined output is collected line by line, so tests
+    can wait for a line to appear (an event) instead of sleeping."""
+
+    name: str
+    popen: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def start_reader(self) -> None:
+        def pump() -> None:
+            assert self.popen.stdout is not None
+            for line in self.popen.stdout:
+                with self.cond:
+                    self.lines.append(line.rstrip("\n"))
+                    self.cond.notify_all()
+            with self.cond:
+                self.cond.notify_all()
+
+        threading.Thread(target=pump, name=f"log-{self.name}", daemon=True).start()
+
+    def wait_for(self, pattern: str, timeout: float = 60.0, start: int = 0) -> str:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            seen = start
+            while True:
+                for line in self.lines[seen:]:
+                    if regex.search(line):
+                        return line
+                seen = len(self.lines)
+                if self.popen.poll() is not None:
+                    raise AssertionError(
+                        f"{self.name} exited ({self.popen.returncode}) before "
+                        f"{pattern!r}:\n" + self.output()
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(
+                        f"{self.name}: no {pattern!r} within {timeout}s:\n"
+                        + self.output()
+                    )
+                self.cond.wait(remaining)
+
+    def output(self, last: int = 60) -> str:
+        with self.cond:
+            return "\n".join(self.lines[-last:])
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+@dataclass
+class Stack:
+    """The running portal: base URL, its processes, and helpers."""
+
+    base_url: str
+    port: int
+    env: dict[str, str]
+    procs: dict[str, Proc]
+    tmp: Path
+
+    def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Proc:
+        env = {**self.env, **(extra_env or {})}
+        popen = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
+        proc = Proc(name, popen)
+        proc.start_reader()
+        self.procs[name] = proc
+        return proc
+
+    def start_agent(self, node: str, token: str, spec: str = "2xA100-80GB") -> Proc:
+        state = self.tmp / f"agent-{node}"
+        state.mkdir(exist_ok=True)
+        token_file = state / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        return self.start(
+            f"agent-{node}",
+            sys.executable,
+            "-m",
+            "agents",
+            "--server",
+            f"ws://127.0.0.1:{self.port}",
+            "--token-file",
+            str(token_file),
+            "--simulate",
+            spec,
+            "--state-dir",
+            str(state),
+            "--heartbeat",
+            "1",
+            "--backoff-base",
+            "0.2",
+            "--backoff-cap",
+            "1",
+            *(["--allow-root-jobs"] if os.geteuid() == 0 else []),
+        )
+
+
+@pytest.fixture
+def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
+    """The ASGI server (uvicorn) and a Celery worker on this run's test database."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "PYTHONUNBUFFERED": "1",
+        "GPULAB_SCHEDULE_INTERVAL": "5",
+        # Plain HTTP on loopback: cookies must not be Secure-only.
+        "DJANGO_SECURE_COOKIES": "false",
+    }
+    env.pop("DJANGO_DEBUG", None)
+    s = Stack(f"http://127.0.0.1:{port}", port, env, {}, tmp_path)
+    try:
+        web = s.start(
+            "web",
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "portal.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        )
+        worker = s.start(
+            "worker",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "portal",
+            "worker",
+            "--loglevel",
+            "INFO",
+            "--concurrency",
+            "1",
+            "--pool",
+            "solo",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        )
+        web.wait_for(r"Uvicorn running on")
+        worker.wait_for(r"\bready\.")
+        yield s
+    finally:
+        for proc in reversed(list(s.procs.values())):
+            proc.stop()
+        # The worker and server hold connections to the test database: they are
+        # gone now, so pytest-django can flush it.
+
+
+def login(base_url: str, username: str, password: str) -> httpx.Client:
+    """An HTTP client logged in through the real login form."""
+    client = httpx.Client(base_url=base_url, follow_redirects=False, timeout=30)
+    page = client.get("/accounts/login/")
+    assert page.status_code == 200, page.text
+    token = client.cookies["csrftoken"]
+    resp = client.post(
+        "/accounts/login/",
+        data={"username": username, "password": password, "csrfmiddlewaretoken": token},
+    )
+    assert resp.status_code == 302, f"login failed: {resp.status_code}"
+    return client
+
+
+def csrf_post(client: httpx.Client, path: str, data: dict[str, Any]) -> httpx.Response:
+    return client.post(
+        path, data={**data, "csrfmiddlewaretoken": client.cookies["csrftoken"]}
+    )
+
+
+def wait_for_job(job_id: int, wanted: set[str], timeout: float = 60.0) -> str:
+    """Wait until the job's status is one of ``wanted``.
+
+    Subscribes to the job's Channels group (the same events the dashboards get),
+    then checks the database after every event: no polling interval, no sleep.
+    """
+    from scheduler.events import job_group
+    from scheduler.models import Job
+
+    @database_sync_to_async
+    def status() -> str:
+        return str(Job.objects.values_list("status", flat=True).get(pk=job_id))
+
+    async def waiter() -> str:
+        layer = get_channel_layer()
+        assert layer is not None
+        channel = await layer.new_channel()
+        await layer.group_add(job_group(job_id), channel)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                current = await status()
+                if current in wanted:
+                    return current
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise AssertionError(
+                        f"job {job_id} still {current!r}, wanted one of {wanted}"
+                    )
+                try:
+                    await asyncio.wait_for(layer.receive(channel), min(remaining, 5))
+                except TimeoutError:
+                    pass  # re-check the database (an event may predate the group_add)
+        finally:
+            await layer.group_discard(job_group(job_id), channel)
+
+    return async_to_sync(waiter)()
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
+    """For conditions no process announces (a file appearing): a bounded poll."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.05)
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """PIDs of the process group's members that are not zombies."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may contain spaces or parentheses.
+        rest = text[text.rindex(")") + 2 :].split()
+        state, pgrp = rest[0], int(rest[2])
+        if pgrp == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
