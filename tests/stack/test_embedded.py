@@ -4,6 +4,7 @@ export, and PostgreSQL keeps its data across a restart."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import stat
 from typing import TYPE_CHECKING
 
@@ -122,6 +123,7 @@ def test_it_moves_the_redis_socket_to_tmp_when_the_state_dir_is_long(
     assert len(str(path)) <= MAX_SOCKET_PATH
     assert str(path).startswith("/tmp/gpulab-")
     assert redis_socket_path(deep) == path  # stable for one state dir
+    shutil.rmtree(path.parent.parent)
 
 
 def test_it_starts_only_what_the_urls_do_not_configure(
