@@ -178,7 +178,10 @@ async def test_reconnect_replays_unacked_durable_frames_in_order(
         acked = {f["seq"] for f in second if f["type"] in DURABLE}
         await portal.stop()
         await portal.start()
-        await await_until(lambda: portal.connections == 3 and portal.of("metrics"))
+        def third_metrics() -> list[dict[str, Any]]:
+            return [f for f in portal.of("metrics") if f["conn"] == 3]
+
+        await await_until(third_metrics)
         third = [f for f in portal.frames if f["conn"] == 3]
         assert not acked & {f["seq"] for f in third}
         assert not [f for f in third if f["type"] in DURABLE]
