@@ -1,7 +1,7 @@
 # gpulab developer entry points (README). Each target is a thin alias; the work is
 # in portal/stack/ (embedded PostgreSQL/Redis, the `make up` supervisor).
 #
-#   make up          portal + worker + beat + simulated agents on http://127.0.0.1:$(PORT)
+#   make up          portal, worker, beat, simulated agents on http://127.0.0.1:8000 (PORT=)
 #   make test        the whole pytest suite (PYTEST_ARGS="-k foo -x" to narrow it)
 #   make bench       every bench/*.py, results under bench/results/
 #   make lint        ruff check + ruff format --check
@@ -32,6 +32,7 @@ $(VPY):
 	@if [ -z "$(PYTHON)" ]; then \
 		echo "gpulab: no python3.11 or python3 on PATH; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'" >&2; exit 1; fi
 	@v=$$("$(PYTHON)" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); \
+	case "$$v" in [0-9]*.[0-9]*) ;; *) v="";; esac; \
 	if [ "$$v" != "3.11" ]; then \
 		echo "gpulab: $(PYTHON) is Python $${v:-?}; gpulab needs Python 3.11 (Django 5.2 LTS pins)." >&2; \
 		echo "        Install it (e.g. 'pyenv install 3.11') and run 'make PYTHON=python3.11 ...'" >&2; exit 1; fi

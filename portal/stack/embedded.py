@@ -8,9 +8,12 @@ No Django import here: this runs before settings can be loaded (they need the UR
 
 URLs produced:
 
-- PostgreSQL: ``postgresql://postgres@/gpulab?host=<socket dir>`` (a Unix socket; no
-  TCP port is opened). dj-database-url turns ``host`` into ``OPTIONS['host']``, which
-  Django passes to psycopg.
+- PostgreSQL: ``postgresql://postgres@<socket dir, percent-encoded>/gpulab``, e.g.
+  ``postgresql://postgres@%2Fwork%2Fmain%2Fvar%2Fpg/gpulab`` (a Unix socket; no TCP
+  port is opened). dj-database-url decodes the host into ``HOST`` (so code reading
+  ``settings.DATABASES`` sees the socket dir there, as with any server), and libpq
+  reads the same URL. The ``?host=<dir>`` spelling would leave ``HOST`` empty and
+  put the dir in ``OPTIONS``.
 - Redis: ``unix://<socket path>?db=0``. redis-py and channels_redis take it as is;
   Celery's broker (kombu) needs ``redis+socket://<socket path>?virtual_host=0``
   (:func:`portal.stack.urls.celery_broker_url`), exported as ``CELERY_BROKER_URL``,
@@ -35,6 +38,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from portal.stack.urls import celery_broker_url
 
@@ -190,8 +194,13 @@ def start_postgres(state: Path) -> EmbeddedPostgres:
         handle=server,
     )
     _ensure_database(info.socket_dir, DATABASE_NAME)
-    pg.url = f"postgresql://postgres@/{DATABASE_NAME}?host={info.socket_dir}"
+    pg.url = database_url(info.socket_dir, DATABASE_NAME)
     return pg
+
+
+def database_url(socket_dir: Path, name: str) -> str:
+    """``postgresql://postgres@%2Fsocket%2Fdir/name``: the socket dir as the host."""
+    return f"postgresql://postgres@{quote(str(socket_dir), safe='')}/{name}"
 
 
 def _ensure_database(socket_dir: Path, name: str) -> None:

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 def _connect(url: str) -> psycopg.Connection[tuple[object, ...]]:
     """Connect the way Django does: through dj-database-url's parse."""
     cfg = dj_database_url.parse(url)
+    assert cfg["HOST"].startswith("/")  # the socket dir, as Django code expects
     return psycopg.connect(
-        dbname=cfg["NAME"], user=cfg["USER"], autocommit=True, **cfg["OPTIONS"]
+        dbname=cfg["NAME"], user=cfg["USER"], host=cfg["HOST"], autocommit=True
     )
 
 
@@ -41,7 +42,10 @@ def test_it_starts_postgres_and_keeps_data_across_a_restart(
     pg = start_postgres(short_state_dir)
     try:
         assert pg.started
-        assert pg.url == f"postgresql://postgres@/gpulab?host={pg.socket_dir}"
+        encoded = str(pg.socket_dir).replace("/", "%2F")
+        assert pg.url == f"postgresql://postgres@{encoded}/gpulab"
+        with psycopg.connect(pg.url) as conn:  # libpq reads the same URL
+            assert conn.info.host == str(pg.socket_dir)
         with _connect(pg.url) as conn:
             assert conn.execute("SELECT current_database()").fetchone() == ("gpulab",)
             conn.execute("CREATE TABLE kept (v text)")
