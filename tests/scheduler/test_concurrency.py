@@ -1,0 +1,189 @@
+"""Scheduling passes under real concurrency on PostgreSQL: racing passes never
+double-allocate, and schedule_pass_body is single-flight with a rerun flag."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import psycopg
+import pytest
+from django.db import connection
+
+from scheduler import tasks
+from scheduler.models import Allocation, Attempt, Gpu, Job
+from tests.conftest import make_node
+from tests.factories import FAST_HASHERS, JobFactory
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+THREADS = 4
+
+
+@pytest.fixture(autouse=True)
+def _fast_passwords(settings: Any) -> None:
+    settings.PASSWORD_HASHERS = FAST_HASHERS
+
+
+@pytest.fixture(autouse=True)
+def _no_io() -> Any:
+    """The broker and the channel layer are the I/O boundaries of a pass."""
+    with (
+        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
+        mock.patch("scheduler.events.send_to_agent", autospec=True),
+        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
+    ):
+        yield
+
+
+def _race(target: Any, n: int) -> tuple[list[Any], list[BaseException]]:
+    barrier = threading.Barrier(n)
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            barrier.wait(timeout=10)
+            results.append(target())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a pass hung"
+    return results, errors
+
+
+def _assert_no_double_allocation() -> None:
+    live = list(Allocation.objects.filter(released_at__isnull=True))
+    slots = Counter((a.gpu_id, a.slot) for a in live)
+    assert all(n == 1 for n in slots.values()), slots
+    owners: dict[int, set[int]] = {}
+    for a in live:
+        owners.setdefault(a.gpu_id, set()).add(a.attempt_id)
+    assert all(len(attempts) == 1 for attempts in owners.values()), owners
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("shape", [(1,), (1, 2)], ids=["1-gpu", "mixed"])
+def test_it_never_double_allocates_in_parallel_passes(
+    alice: User, shape: tuple[int, ...]
+) -> None:
+    make_node("node-a", 4)
+    make_node("node-b", 2)
+    make_node("node-c", 2)
+    jobs = [JobFactory(owner=alice, gpus=shape[i % len(shape)]) for i in range(24)]
+
+    results, errors = _race(tasks.run_one_pass, THREADS)
+
+    assert errors == []
+    _assert_no_double_allocation()
+    started = Job.objects.filter(status=Job.Status.STARTING)
+    assert sum(r["started"] for r in results) == started.count() > 0
+    used = 0
+    for job in started:
+        [attempt] = Attempt.objects.filter(job=job, ended_at__isnull=True)
+        gpus = Gpu.objects.filter(allocations__attempt=attempt).distinct()
+        assert gpus.count() == job.gpus
+        assert {g.node_id for g in gpus} == {attempt.node_id}
+        assert all(attempt.allocations.filter(gpu=g).count() == g.slots for g in gpus)
+        used += job.gpus
+    busy = (
+        Allocation.objects.filter(released_at__isnull=True)
+        .values("gpu_id")
+        .distinct()
+        .count()
+    )
+    assert busy == used <= 8
+    assert Job.objects.filter(status=Job.Status.PENDING).count() == (
+        len(jobs) - started.count()
+    )
+    assert not Attempt.objects.filter(job__status=Job.Status.PENDING).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_fills_every_free_gpu_when_passes_race(alice: User) -> None:
+    make_node("node-a", 4)
+    make_node("node-b", 2)
+    for _ in range(10):
+        JobFactory(owner=alice, gpus=1)
+
+    _results, errors = _race(tasks.run_one_pass, THREADS)
+
+    assert errors == []
+    assert Job.objects.filter(status=Job.Status.STARTING).count() == 6
+
+
+# ------------------------------------------------------------------ single flight
+
+
+@pytest.fixture
+def redis_flags() -> Any:
+    flags = tasks._redis_client()
+    flags.delete(tasks._rerun_key())
+    yield flags
+    flags.delete(tasks._rerun_key())
+
+
+@pytest.fixture
+def other_session() -> Any:
+    """A second PostgreSQL session on the test database (another worker)."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    params.pop("prepare_threshold", None)
+    conn = psycopg.connect(autocommit=True, **params)
+    yield conn
+    conn.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_skips_and_flags_a_rerun_while_another_pass_holds_the_lock(
+    redis_flags: Any, other_session: Any
+) -> None:
+    other_session.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+
+    result = tasks.schedule_pass_body()
+
+    assert result == {"skipped": "another pass is running", "passes": []}
+    assert redis_flags.exists(tasks._rerun_key())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_runs_once_the_lock_is_free_and_clears_the_flag(
+    alice: User, redis_flags: Any, other_session: Any
+) -> None:
+    make_node("node-a", 2)
+    job = JobFactory(owner=alice)
+    other_session.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+    tasks.schedule_pass_body()
+    other_session.execute("SELECT pg_advisory_unlock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+
+    result = tasks.schedule_pass_body()
+
+    job.refresh_from_db()
+    assert len(result["passes"]) == 1
+    assert result["passes"][0]["started"] == 1
+    assert job.status == Job.Status.STARTING
+    assert not redis_flags.exists(tasks._rerun_key())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_releases_the_lock_after_a_pass(
+    redis_flags: Any, other_session: Any
+) -> None:
+    tasks.schedule_pass_body()
+
+    row = other_session.execute(
+        "SELECT pg_try_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY]
+    ).fetchone()
+
+    assert row == (True,)
