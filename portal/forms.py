@@ -4,7 +4,7 @@ parses text into values and shows the service's field errors next to the fields.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from django import forms
 from django.conf import settings
@@ -147,7 +147,10 @@ class JobForm(forms.Form):
         )
 
     # Service field names -> form field names.
-    FIELD_MAP = {"gpu_memory_mib": "gpu_memory", "time_limit_s": "time_limit"}
+    FIELD_MAP: ClassVar[dict[str, str]] = {
+        "gpu_memory_mib": "gpu_memory",
+        "time_limit_s": "time_limit",
+    }
 
     def add_service_errors(self, errors: dict[str, list[str]]) -> None:
         for field, messages in errors.items():

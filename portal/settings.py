@@ -25,7 +25,7 @@ from portal.settings_env import (
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
-DEBUG = envbool("DJANGO_DEBUG", False)
+DEBUG = envbool("DJANGO_DEBUG", default=False)
 SECRET_KEY = envsecret(
     "DJANGO_SECRET_KEY",
     # Only a DEBUG server may run without a secret key of its own.
@@ -145,7 +145,7 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "portal-overview"
 LOGOUT_REDIRECT_URL = "login"
 
-SESSION_COOKIE_SECURE = envbool("DJANGO_SECURE_COOKIES", not DEBUG)
+SESSION_COOKIE_SECURE = envbool("DJANGO_SECURE_COOKIES", default=not DEBUG)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"

@@ -25,7 +25,7 @@ def envstr(name: str, default: str | None = None) -> str:
     return value
 
 
-def envbool(name: str, default: bool) -> bool:  # noqa: FBT001
+def envbool(name: str, *, default: bool) -> bool:
     value = os.environ.get(name)
     if value is None:
         return default

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
-from django.http import HttpRequest
 
 from scheduler import services
 from scheduler.models import (
@@ -21,6 +19,10 @@ from scheduler.models import (
     Node,
     UsageRecord,
 )
+
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
+    from django.http import HttpRequest
 
 
 class MembershipInline(admin.TabularInline):
@@ -93,8 +95,12 @@ class NodeAdmin(admin.ModelAdmin):
     actions = ("rotate_token", "drain", "resume")
 
     def save_model(
-        self, request: HttpRequest, obj: Node, form: Any, change: bool
-    ) -> None:  # noqa: FBT001
+        self,
+        request: HttpRequest,
+        obj: Node,
+        form: Any,
+        change: bool,  # noqa: FBT001 - Django's signature
+    ) -> None:
         if not change:
             token = Node.new_token()
             obj.set_token(token)
@@ -192,13 +198,13 @@ class AttemptAdmin(admin.ModelAdmin):
         "exit_code",
     )
     list_filter = ("outcome", "node")
-    readonly_fields = [f.name for f in Attempt._meta.fields]
+    readonly_fields = tuple(f.name for f in Attempt._meta.fields)
 
 
 @admin.register(Allocation)
 class AllocationAdmin(admin.ModelAdmin):
     list_display = ("attempt", "gpu", "slot", "allocated_at", "released_at")
-    readonly_fields = [f.name for f in Allocation._meta.fields]
+    readonly_fields = tuple(f.name for f in Allocation._meta.fields)
 
 
 @admin.register(JobEvent)

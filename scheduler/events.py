@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
-from agents import protocol
+if TYPE_CHECKING:
+    from agents import protocol
 
 log = logging.getLogger(__name__)
 

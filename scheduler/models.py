@@ -473,6 +473,9 @@ class JobLogChunk(models.Model):
             )
         ]
 
+    def __str__(self) -> str:
+        return f"{self.attempt} output at {self.offset}"
+
 
 class UsageRecord(models.Model):
     """GPU-seconds used by one attempt on one GPU, from agent-reported start to end.
@@ -506,3 +509,6 @@ class UsageRecord(models.Model):
             models.Index(fields=["group", "ended_at"]),
             models.Index(fields=["user", "ended_at"]),
         ]
+
+    def __str__(self) -> str:
+        return f"{self.attempt} on GPU {self.gpu_id}: {self.gpu_seconds:.0f} GPU-s"

@@ -9,13 +9,12 @@ and management commands are adapters around these functions.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -41,6 +40,8 @@ from scheduler.models import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
     from django.contrib.auth.models import AbstractBaseUser
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def validate_job_request(req: JobRequest) -> dict[str, Any]:
     workdir = req.workdir.strip() or settings.GPULAB_DEFAULT_WORKDIR
     if problem := _bad_text(workdir, allow_newlines=False):
         errors["workdir"] = f"The working directory {problem}."
-    elif not os.path.isabs(workdir):
+    elif not PurePosixPath(workdir).is_absolute():
         errors["workdir"] = "The working directory must be an absolute path."
     elif len(workdir) > 1024:
         errors["workdir"] = "The working directory path is too long."

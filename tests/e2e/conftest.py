@@ -9,6 +9,7 @@ lines, never on a fixed sleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -17,10 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -28,6 +28,9 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +126,9 @@ class Stack:
     procs: dict[str, Proc]
     tmp: Path
 
-    def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self, name: str, *args: str, extra_env: dict[str, str] | None = None
+    ) -> Proc:
         env = {**self.env, **(extra_env or {})}
         popen = subprocess.Popen(
             args,
@@ -273,10 +278,10 @@ def wait_for_job(job_id: int, wanted: set[str], timeout: float = 60.0) -> str:
                     raise AssertionError(
                         f"job {job_id} still {current!r}, wanted one of {wanted}"
                     )
-                try:
+                # Re-check the database at least every 5 s: an event may predate
+                # the group_add.
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(layer.receive(channel), min(remaining, 5))
-                except TimeoutError:
-                    pass  # re-check the database (an event may predate the group_add)
         finally:
             await layer.group_discard(job_group(job_id), channel)
 

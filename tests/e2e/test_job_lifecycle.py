@@ -67,8 +67,10 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
     stack.procs["web"].wait_for(r"agent of node e2e-node connected")
     agent.wait_for(r"connected to ws://")
     wait_until(
-        lambda: Node.objects.filter(pk=node.pk, status="up").exists()
-        and node.gpus.count() == 2,
+        lambda: (
+            Node.objects.filter(pk=node.pk, status="up").exists()
+            and node.gpus.count() == 2
+        ),
         what="the node's hello",
     )
     client = login(stack.base_url, "alice", "pw-alice")
@@ -80,9 +82,7 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
     assert job.exit_code == 0
     assert statuses(ok) == ["pending", "starting", "running", "completed"]
     gpu_uuid = Attempt.objects.get(job=job).allocations.first().gpu.uuid
-    wait_until(
-        lambda: "bye" in services.log_tail(job), what="the log of the first job"
-    )
+    wait_until(lambda: "bye" in services.log_tail(job), what="the log of the first job")
     assert f"hello from {gpu_uuid}" in services.log_tail(job)
     page = client.get(f"/jobs/{ok}/")
     assert "completed" in page.text
@@ -101,7 +101,11 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
     assert wait_for_job(long, {"running"}) == "running"
     attempt = Attempt.objects.get(job_id=long)
     pgid_file = stack.tmp / "agent-e2e-node" / "jobs" / str(attempt.pk) / "pgid"
-    pgid = int(wait_until(lambda: pgid_file.exists() and pgid_file.read_text().strip(), what="pgid"))
+    pgid = int(
+        wait_until(
+            lambda: pgid_file.exists() and pgid_file.read_text().strip(), what="pgid"
+        )
+    )
     assert len(live_processes_in_group(pgid)) >= 2  # sh, and its background sleep
 
     # An outsider cannot cancel it (404, nothing changes).
