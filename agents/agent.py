@@ -98,10 +98,12 @@ class Agent:
         self.done: dict[int, p.JobExitedData] = {}
         self.connected = False
         self._wake = asyncio.Event()
-        self._live: list[tuple[type[p._Envelope], Any]] = []
+        self._live: list[tuple[int, str]] = []  # (seq, frame), sent in seq order
         # Per connection: seq -> position in send order, and the durable ones sent.
+        # Only kept while durable frames are in flight, pruned on every ack.
         self._sent_pos: dict[int, int] = {}
         self._sent_durable: list[tuple[int, int]] = []
+        self._send_count = 0
         self._recover()
 
     # ------------------------------------------------------------ frames
@@ -120,7 +122,9 @@ class Agent:
     def _send_live(self, cls: type[p._Envelope], data: Any) -> None:
         """Queue a frame that is only worth sending now (metrics, heartbeat)."""
         if self.connected and len(self._live) < 100:
-            self._live.append((cls, data))
+            # The seq is taken now, so that frames go out in seq order (the sender
+            # merges these with the spool) except for the replay after hello.
+            self._live.append(self._frame(cls, data))
             self._wake.set()
 
     # ------------------------------------------------------------ recovery
@@ -219,6 +223,10 @@ class Agent:
             return
         acked = [s for i, s in self._sent_durable if i <= pos]
         self._sent_durable = [(i, s) for i, s in self._sent_durable if i > pos]
+        if self._sent_durable:
+            self._sent_pos = {s: i for s, i in self._sent_pos.items() if i > pos}
+        else:
+            self._sent_pos = {}
         for msg in self.spool.remove(acked):
             if msg["type"] == "job.exited":
                 self._forget(msg["data"]["attempt_id"], msg["seq"])
@@ -406,8 +414,15 @@ class Agent:
             ],
         )
 
-    async def _send(self, ws: ClientConnection, seq: int, frame: str) -> None:
-        self._sent_pos[seq] = len(self._sent_pos)
+    async def _send(
+        self, ws: ClientConnection, seq: int, frame: str, *, durable: bool = False
+    ) -> None:
+        pos = self._send_count
+        self._send_count += 1
+        if durable:
+            self._sent_durable.append((pos, seq))
+        if self._sent_durable:  # an ack for this frame may cover durable ones
+            self._sent_pos[seq] = pos
         await ws.send(frame)
 
     async def _sender(self, ws: ClientConnection) -> None:
@@ -416,14 +431,15 @@ class Agent:
         last = 0
         while True:
             self._wake.clear()
-            for seq, frame in self.spool.pending(after=last):
-                self._sent_durable.append((len(self._sent_pos), seq))
-                await self._send(ws, seq, frame)
-                last = seq
+            durable = self.spool.pending(after=last)
             live, self._live = self._live, []
-            for cls, data in live:
-                seq, frame = self._frame(cls, data)
-                await self._send(ws, seq, frame)
+            batch = sorted(
+                [(s, f, True) for s, f in durable] + [(s, f, False) for s, f in live]
+            )
+            for seq, frame, is_durable in batch:
+                await self._send(ws, seq, frame, durable=is_durable)
+                if is_durable:
+                    last = seq
             await self._wake.wait()
 
     async def _receiver(self, ws: ClientConnection) -> None:
@@ -447,6 +463,7 @@ class Agent:
     async def _session(self, ws: ClientConnection) -> None:
         """Send and receive until either side fails or the server closes."""
         self._sent_pos, self._sent_durable, self._live = {}, [], []
+        self._send_count = 0
         self.connected = True
         tasks = [
             asyncio.create_task(self._sender(ws)),

@@ -81,6 +81,7 @@ class Launcher:
     def __init__(self, state: StateDir, *, allow_root_jobs: bool = False) -> None:
         self.state = state
         self.allow_root_jobs = allow_root_jobs
+        self._children: list[subprocess.Popen[bytes]] = []
 
     # ------------------------------------------------------------ launching
 
@@ -133,8 +134,6 @@ class Launcher:
             shim.pid,
         )
         return job
-
-    _children: list[subprocess.Popen[bytes]] = []  # noqa: RUF012 - per-process
 
     def _preflight(self, data: JobLaunchData) -> None:
         check_workdir(data.workdir)

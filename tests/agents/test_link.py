@@ -178,6 +178,7 @@ async def test_reconnect_replays_unacked_durable_frames_in_order(
         acked = {f["seq"] for f in second if f["type"] in DURABLE}
         await portal.stop()
         await portal.start()
+
         def third_metrics() -> list[dict[str, Any]]:
             return [f for f in portal.of("metrics") if f["conn"] == 3]
 
