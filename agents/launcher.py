@@ -150,7 +150,13 @@ class Launcher:
         """Write ``stop`` (grace + reason), then SIGTERM the shim."""
         if not job.stopping:
             atomic_write(job.dir / "stop", f"{grace_s} {reason}\n")
-        if job.shim_pid and process_alive(job.shim_pid, job.shim_start):
+        # Before ``pgid`` exists the shim may not have its SIGTERM handler yet (the
+        # signal would kill it without an exit code); it polls the stop file instead.
+        if (
+            job.pgid is not None
+            and job.shim_pid
+            and process_alive(job.shim_pid, job.shim_start)
+        ):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(job.shim_pid, signal.SIGTERM)
 

@@ -188,7 +188,9 @@ def run(job_dir: Path) -> int:
                 status = st
         if status is not None:
             break
-        if _Stop.requested and kill_at is None:
+        # The agent writes ``stop`` before signalling; checking the file too closes
+        # the window where a SIGTERM could arrive before our handler existed.
+        if kill_at is None and (_Stop.requested or (job_dir / "stop").exists()):
             grace = _stop_grace(job_dir, grace)
             _killpg(pgid, signal.SIGTERM)
             kill_at = time.monotonic() + grace

@@ -189,3 +189,13 @@ def test_run_as_switches_account(launcher: Launcher, tmp_path: Path) -> None:
     job = start(launcher, 'id -u; echo "$HOME"', "/", run_as="nobody")
     assert finish(launcher, job).exit_code == 0
     assert (job.dir / "output.log").read_text() == f"{nobody.pw_uid}\n{nobody.pw_dir}\n"
+
+
+def test_kill_right_after_launch_is_not_lost(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    job = start(launcher, "sleep 1000", tmp_path)
+    launcher.kill(job, 1, "cancelled")  # before the shim is even running Python
+    outcome = finish(launcher, job)
+    assert outcome.reason == "killed"
+    assert outcome.exit_code == 143
