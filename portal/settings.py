@@ -22,6 +22,7 @@ from portal.settings_env import (
     envstr,
     envurl,
 )
+from portal.stack.urls import celery_broker_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -110,7 +111,8 @@ CHANNEL_LAYERS = {
 }
 
 # ------------------------------------------------------------------ Celery
-CELERY_BROKER_URL = REDIS_URL
+# kombu spells a Unix socket redis+socket:// (REDIS_URL may be unix://).
+CELERY_BROKER_URL = celery_broker_url(REDIS_URL)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{REDIS_PREFIX}:celery:"}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = f"{REDIS_PREFIX}.default"

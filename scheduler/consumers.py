@@ -101,10 +101,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
         node_id = self.node_id
         assert node_id is not None
         if isinstance(message, protocol.Hello):
-            commands = await database_sync_to_async(services.record_hello)(
+            result = await database_sync_to_async(services.record_hello)(
                 node_id, message.data
             )
-            for command in commands:
+            for problem in result.rejected:
+                await self._send_error("gpu_rejected", problem)
+            for command in result.commands:
                 await self._send_frame(command)
         elif isinstance(message, protocol.Heartbeat):
             await database_sync_to_async(services.record_heartbeat)(node_id)

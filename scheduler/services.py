@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -592,7 +592,12 @@ def authenticate_node(token: str) -> Node | None:
     return node
 
 
-def record_hello(node_id: int, hello: protocol.HelloData) -> list[dict[str, Any]]:
+class HelloResult(NamedTuple):
+    commands: list[dict[str, Any]]
+    rejected: list[str]
+
+
+def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
     """Record a node's facts and reconcile its jobs; return commands for its agent.
 
     1. Lock the node; update its facts; it is UP and connected.
@@ -603,6 +608,7 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> list[dict[str, Any]
        as stale, so a job never runs twice.
     """
     commands: list[dict[str, Any]] = []
+    rejected: list[str] = []
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
         now = timezone.now()
@@ -620,8 +626,20 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> list[dict[str, Any]
             log.info("node %s is back after being lost", node.name)
 
         existing = {g.index: g for g in node.gpus.all()}
+        taken = dict(
+            Gpu.objects.filter(uuid__in=[i.uuid for i in hello.gpus])
+            .exclude(node=node)
+            .values_list("uuid", "node__name")
+        )
         seen = set()
         for info in hello.gpus:
+            if info.uuid in taken:
+                # Two nodes cannot hold one GPU: refuse it, keep the rest.
+                rejected.append(
+                    f"GPU {info.index} ({info.uuid}) is registered to node "
+                    f"{taken[info.uuid]}"
+                )
+                continue
             seen.add(info.index)
             gpu = existing.get(info.index)
             if gpu is None:
@@ -680,7 +698,9 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> list[dict[str, Any]
                     )
                 )
     transaction.on_commit(_enqueue_pass_now)
-    return commands
+    for problem in rejected:
+        log.error("node %s hello: %s", node.name, problem)
+    return HelloResult(commands, rejected)
 
 
 def _enqueue_pass_now() -> None:

@@ -140,6 +140,11 @@ def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list
             "--token-file", str(node_dir / "token"),
             "--simulate", node.spec,
             "--state-dir", str(node_dir),
+            # Simulated GPU uuids derive from the host name: give each demo node
+            # its own, or two nodes on this machine would report the same GPUs.
+            "--hostname", node.name,
+            # The demo runs jobs as whoever runs `make up`, root included.
+            *(["--allow-root-jobs"] if os.geteuid() == 0 else []),
         ]  # fmt: skip
     return procs
 
