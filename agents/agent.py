@@ -108,18 +108,18 @@ class Agent:
 
     # ------------------------------------------------------------ frames
 
-    def _frame(self, cls: type[p._Envelope], data: Any) -> tuple[int, str]:
+    def _frame(self, cls: Callable[..., p._Envelope], data: Any) -> tuple[int, str]:
         seq = self.seq.take()
         return seq, cls(seq=seq, ts=time.time(), data=data).model_dump_json()
 
-    def _durable(self, cls: type[p._Envelope], data: Any) -> int:
+    def _durable(self, cls: Callable[..., p._Envelope], data: Any) -> int:
         """Spool a frame (fsynced) and wake the sender; returns its seq."""
         seq, frame = self._frame(cls, data)
         self.spool.append(seq, frame)
         self._wake.set()
         return seq
 
-    def _send_live(self, cls: type[p._Envelope], data: Any) -> None:
+    def _send_live(self, cls: Callable[..., p._Envelope], data: Any) -> None:
         """Queue a frame that is only worth sending now (metrics, heartbeat)."""
         if self.connected and len(self._live) < 100:
             # The seq is taken now, so that frames go out in seq order (the sender

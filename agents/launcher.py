@@ -187,7 +187,7 @@ class Launcher:
 
     def scan(self) -> list[Job]:
         """Rebuild the jobs from their directories (after an agent restart)."""
-        jobs = []
+        jobs: list[Job] = []
         if not self.state.jobs.exists():
             return jobs
         for job_dir in sorted(self.state.jobs.iterdir()):

@@ -107,7 +107,7 @@ def make_reader(
             raise ConfigError(f"--simulate: {exc}") from None
         sim = SimNvml(spec, hostname=hostname)
         return NvmlReader(sim), sim
-    import pynvml
+    import pynvml  # type: ignore[import-untyped]
 
     try:
         return NvmlReader(pynvml), None

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-import pynvml
+import pynvml  # type: ignore[import-untyped]
 
 from agents.protocol import GpuInfo, GpuSample, ProcessSample
 
@@ -78,8 +78,7 @@ class NvmlReader:
         count = nvml.nvmlDeviceGetCount()
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self.uuids = [
-            self._opt(lambda h=h: _text(nvml.nvmlDeviceGetUUID(h)))
-            or f"GPU-unknown-{i}"
+            self._opt(lambda: _text(nvml.nvmlDeviceGetUUID(h))) or f"GPU-unknown-{i}"
             for i, h in enumerate(self.handles)
         ]
 
@@ -115,12 +114,12 @@ class NvmlReader:
         infos = []
         for i, h in enumerate(self.handles):
             try:
-                name = self._opt(lambda h=h: _text(nvml.nvmlDeviceGetName(h)))
-                mem = self._opt(lambda h=h: nvml.nvmlDeviceGetMemoryInfo(h).total)
-                mig = self._opt(lambda h=h: nvml.nvmlDeviceGetMigMode(h))
+                name = self._opt(lambda: _text(nvml.nvmlDeviceGetName(h)))
+                mem = self._opt(lambda: nvml.nvmlDeviceGetMemoryInfo(h).total)
+                mig = self._opt(lambda: nvml.nvmlDeviceGetMigMode(h))
                 peers = self._nvlink_peers(h, bus_ids)
             except GpuLost:
-                name, mem, mig, peers = None, None, None, []
+                name, mem, mig, peers = None, None, None, set()
             infos.append(
                 GpuInfo(
                     index=i,

@@ -107,7 +107,7 @@ def _killpg(pgid: int, sig: int) -> None:
 
 def _reap_any() -> list[tuple[int, int]]:
     """Reap every exited child (ours or re-parented to us); (pid, status) pairs."""
-    done = []
+    done: list[tuple[int, int]] = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)

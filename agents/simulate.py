@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import pynvml
+import pynvml  # type: ignore[import-untyped]
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -282,7 +282,7 @@ class SimNvml:
         if link >= self.spec.gpus - 1:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         del gpu
-        return pynvml.NVML_FEATURE_ENABLED
+        return int(pynvml.NVML_FEATURE_ENABLED)
 
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h: _Handle, link: int) -> Any:
         gpu = self._gpu(h, "nvmlDeviceGetNvLinkRemotePciInfo")
