@@ -14,11 +14,12 @@ from django.test import Client
 
 from portal.asgi import application
 from scheduler import events
-from scheduler.models import Job
 from tests.factories import FAST_HASHERS, JobFactory
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
+
+    from scheduler.models import Job
 
 pytestmark = [pytest.mark.anyio, pytest.mark.django_db(transaction=True)]
 
