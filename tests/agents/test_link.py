@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import DURABLE, ROOT, Portal, await_until, launch_data
+from agent_helpers import DURABLE, ROOT, Portal, await_until, launch_data
 
 from agents.agent import Agent, Config
 from agents.nvml import NvmlReader
@@ -335,3 +335,32 @@ def test_spool_file_is_json_lines(tmp_path: Path) -> None:
     first = [counter.take() for _ in range(3)]
     assert first == [1, 2, 3]
     assert SeqCounter(tmp_path / "agent.json").take() > 3
+
+
+def test_log_chunks_never_split_a_utf8_character(tmp_path: Path) -> None:
+    from agents.launcher import Job
+
+    agent = make_agent("ws://127.0.0.1:9", tmp_path / "state")
+    job_dir = tmp_path / "state/jobs/3"
+    job_dir.mkdir(parents=True)
+    # "é" (2 bytes) straddles the 64 KiB chunk boundary.
+    raw = b"a" * (64 * 1024 - 1) + "é".encode() + "z€".encode()
+    (job_dir / "output.log").write_bytes(raw)
+    job = Job(3, 1003, job_dir, [], {})
+    agent._ship_log(job, final=False)
+    agent._ship_log(job, final=False)
+    chunks = [json.loads(f)["data"] for _, f in agent.spool.pending()]
+    assert [c["offset"] for c in chunks] == [0, 64 * 1024 - 1]
+    assert chunks[0]["data"] == "a" * (64 * 1024 - 1)
+    assert chunks[1]["data"] == "éz€"
+    assert "\ufffd" not in "".join(c["data"] for c in chunks)
+    # A character still being written is held back until it is complete.
+    with (job_dir / "output.log").open("ab") as fh:
+        fh.write("€".encode()[:2])
+    agent._ship_log(job, final=False)
+    assert len(agent.spool.pending()) == 2
+    with (job_dir / "output.log").open("ab") as fh:
+        fh.write("€".encode()[2:])
+    agent._ship_log(job, final=True)
+    last = json.loads(agent.spool.pending()[-1][1])["data"]
+    assert (last["offset"], last["data"]) == (len(raw), "€")

@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import ROOT
+from agent_helpers import ROOT
 
 from agents.main import ConfigError, main, read_token, server_url
 

@@ -8,7 +8,7 @@ import signal
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import launch_data, wait_until
+from agent_helpers import launch_data, wait_until
 
 from agents.launcher import Job, Launcher, Outcome
 from agents.protocol import JobLaunchData
