@@ -1,0 +1,230 @@
+"""Settings parsers: a bad environment value stops the start with a message that
+names the variable."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from portal.settings_env import (
+    envbool,
+    envfloat,
+    envint,
+    envlist,
+    envsecret,
+    envstr,
+    envurl,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+VAR = "GPULAB_TEST_SETTING"
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (VAR, f"{VAR}_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", True),
+        ("TRUE", True),
+        (" yes ", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("off", False),
+        ("", False),
+    ],
+)
+def test_it_parses_booleans(
+    monkeypatch: pytest.MonkeyPatch, value: str, *, expected: bool
+) -> None:
+    monkeypatch.setenv(VAR, value)
+
+    assert envbool(VAR, default=not expected) is expected
+
+
+def test_it_defaults_an_unset_boolean() -> None:
+    assert envbool(VAR, default=True) is True
+    assert envbool(VAR, default=False) is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "yess"])
+def test_it_refuses_a_bad_boolean(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(VAR, value)
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}='{value}' is not a boolean"):
+        envbool(VAR, default=False)
+
+
+def test_it_parses_an_integer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VAR, " 42 ")
+
+    assert envint(VAR, 7, minimum=1) == 42
+
+
+def test_it_defaults_an_empty_integer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VAR, " ")
+
+    assert envint(VAR, 7) == 7
+
+
+@pytest.mark.parametrize("value", ["ten", "1.5", "0x10", "1e3"])
+def test_it_refuses_a_bad_integer(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(VAR, value)
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}=.* is not an integer"):
+        envint(VAR, 1)
+
+
+def test_it_refuses_an_integer_below_the_minimum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(VAR, "4")
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}=4 must be at least 5"):
+        envint(VAR, 60, minimum=5)
+
+
+def test_it_parses_a_float(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VAR, "0.5")
+
+    assert envfloat(VAR, 5.0, minimum=0.5) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("fast", "is not a number"),
+        ("nan", "is not a finite number"),
+        ("inf", "is not a finite number"),
+        ("-inf", "is not a finite number"),
+    ],
+)
+def test_it_refuses_a_bad_float(
+    monkeypatch: pytest.MonkeyPatch, value: str, says: str
+) -> None:
+    monkeypatch.setenv(VAR, value)
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}=.* {says}"):
+        envfloat(VAR, 1.0)
+
+
+def test_it_refuses_a_float_below_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VAR, "0.1")
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}=0.1 must be at least 0.5"):
+        envfloat(VAR, 5.0, minimum=0.5)
+
+
+def test_it_splits_a_list_dropping_empty_items(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(VAR, " a.example, ,b.example,")
+
+    assert envlist(VAR, ["default"]) == ["a.example", "b.example"]
+
+
+def test_it_defaults_an_unset_list() -> None:
+    assert envlist(VAR, ["localhost"]) == ["localhost"]
+
+
+def test_it_requires_a_string_without_default() -> None:
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR} is not set"):
+        envstr(VAR)
+
+
+def test_it_reads_a_secret_from_its_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n", encoding="utf-8")
+    monkeypatch.setenv(VAR, "from-env")
+    monkeypatch.setenv(f"{VAR}_FILE", str(secret))
+
+    assert envsecret(VAR) == "s3cret"
+
+
+def test_it_reads_a_secret_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(VAR, "from-env")
+
+    assert envsecret(VAR) == "from-env"
+
+
+def test_it_refuses_an_unreadable_secret_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope"
+    monkeypatch.setenv(f"{VAR}_FILE", str(missing))
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}_FILE=.* cannot be read"):
+        envsecret(VAR)
+
+
+def test_it_refuses_an_empty_secret_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("  \n", encoding="utf-8")
+    monkeypatch.setenv(f"{VAR}_FILE", str(empty))
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}_FILE=.* is empty"):
+        envsecret(VAR)
+
+
+def test_it_requires_a_secret_without_default() -> None:
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR} is not set"):
+        envsecret(VAR)
+
+
+def test_it_accepts_a_url_with_an_allowed_scheme(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(VAR, " redis://127.0.0.1:6379/0 ")
+
+    assert envurl(VAR, ("redis", "unix")) == "redis://127.0.0.1:6379/0"
+
+
+def test_it_explains_a_missing_url() -> None:
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR} is not set") as caught:
+        envurl(VAR, ("postgres",))
+
+    assert "postgres://" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [("http://x", "'http'"), ("127.0.0.1:6379", "'127.0.0.1:6379'")],
+)
+def test_it_refuses_a_url_with_another_scheme(
+    monkeypatch: pytest.MonkeyPatch, value: str, got: str
+) -> None:
+    monkeypatch.setenv(VAR, value)
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR} must start with") as caught:
+        envurl(VAR, ("redis", "rediss"))
+
+    assert f"got {got}" in str(caught.value)
+    assert "redis://, rediss://" in str(caught.value)
+
+
+def test_it_keeps_a_password_out_of_the_bad_url_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A typo in the scheme separator must not print the credentials to the log.
+    monkeypatch.setenv(VAR, "postgres:/gpulab:hunter2@db.example/gpulab")
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR} must start with") as caught:
+        envurl(VAR, ("postgres",))
+
+    assert "hunter2" not in str(caught.value)
