@@ -11,11 +11,11 @@ This module must not import Django: the agent is a standalone package.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1
 # Largest frame either side accepts, in bytes (log chunks are the largest).
 MAX_FRAME_BYTES = 1 << 20
 
@@ -241,8 +241,10 @@ ServerMessage = Annotated[
     Field(discriminator="type"),
 ]
 
-# Messages the agent must never lose: spooled to disk, acked by the server.
-DURABLE_TYPES = frozenset({"job.started", "job.exited", "job.log", "metrics"})
+# Messages the agent must never lose: spooled to disk, acked by the server (each
+# with its own seq; the agent clears by send order). Metrics are live-only until the
+# agent issue spools them too.
+DURABLE_TYPES = frozenset({"job.started", "job.exited", "job.log"})
 
 _agent_adapter: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
