@@ -5,7 +5,6 @@ channel layer, and a connection that survives idle periods."""
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
@@ -91,9 +90,10 @@ async def receive(comm: WebsocketCommunicator) -> dict[str, Any]:
 
 
 async def send_durable(comm: WebsocketCommunicator, seq: int) -> None:
-    """A metrics frame (durable, harmless) and its ack: a processing barrier."""
-    data = protocol.MetricsData(sampled_at=time.time(), gpus=[])
-    await comm.send_to(text_data=agent_frame(protocol.Metrics, data, seq))
+    """A durable frame the server ignores (a log chunk of no attempt of this node)
+    and its ack: a barrier proving every earlier frame was handled."""
+    data = protocol.JobLogData(attempt_id=999_999, job_id=999_999, offset=0, data="x")
+    await comm.send_to(text_data=agent_frame(protocol.JobLog, data, seq))
     ack = await receive(comm)
     assert ack["type"] == "ack"
     assert ack["data"] == {"seq": seq}
@@ -365,4 +365,22 @@ async def test_it_still_talks_after_a_quiet_spell_longer_than_5s(
     command = await receive(comm)
 
     assert command["type"] == "node.drain"
+    await comm.disconnect()
+
+
+async def test_it_keeps_the_latest_metrics_without_acking_them(
+    nodes: dict[str, tuple[Node, str]],
+) -> None:
+    node, token = nodes["a"]
+    gpu = await db(node.gpus.get)(index=1)
+    sample = protocol.GpuSample(index=1, uuid=gpu.uuid, util_gpu=87.0)
+    metrics = protocol.MetricsData(sampled_at=time.time(), gpus=[sample])
+    comm = await agent(token)
+
+    await comm.send_to(text_data=agent_frame(protocol.Metrics, metrics, 1))
+    await send_durable(comm, 2)  # the first reply is the ack of seq 2
+
+    gpu = await fetch(Gpu, gpu.pk)
+    assert gpu.latest["util_gpu"] == 87.0
+    assert gpu.latest_at is not None
     await comm.disconnect()

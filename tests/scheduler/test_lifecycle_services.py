@@ -494,7 +494,7 @@ def test_it_relaunches_a_never_started_attempt_on_hello(
     job = JobFactory(owner=alice)
     attempt = start_job(job, node)
 
-    commands = services.record_hello(node.pk, hello_data(4, host="node-a"))
+    commands = services.record_hello(node.pk, hello_data(4, host="node-a")).commands
 
     [launch] = [parse_command(c) for c in commands]
     assert isinstance(launch, protocol.JobLaunch)
@@ -514,7 +514,7 @@ def test_it_does_not_relaunch_an_attempt_the_agent_runs(
         update={"running": [protocol.RunningJob(attempt_id=attempt.pk, job_id=job.pk)]}
     )
 
-    commands = services.record_hello(node.pk, hello)
+    commands = services.record_hello(node.pk, hello).commands
 
     assert commands == []
 
@@ -530,7 +530,7 @@ def test_it_kills_an_attempt_the_portal_has_ended_as_stale(
         update={"running": [protocol.RunningJob(attempt_id=attempt.pk, job_id=job.pk)]}
     )
 
-    commands = services.record_hello(node.pk, hello)
+    commands = services.record_hello(node.pk, hello).commands
 
     [kill] = [parse_command(c) for c in commands]
     assert isinstance(kill, protocol.JobKill)
@@ -544,6 +544,23 @@ def test_it_marks_gpus_missing_from_hello_not_present(cluster: list[Node]) -> No
 
     present = dict(node.gpus.values_list("index", "present"))
     assert present == {0: True, 1: True, 2: False, 3: False}
+
+
+def test_it_rejects_a_gpu_already_registered_to_another_node(
+    cluster: list[Node],
+) -> None:
+    node_a, node_b = cluster
+    stolen = node_a.gpus.get(index=0)
+    hello = hello_data(2, host="node-b")
+    gpus = [hello.gpus[0].model_copy(update={"uuid": stolen.uuid}), hello.gpus[1]]
+
+    result = services.record_hello(node_b.pk, hello.model_copy(update={"gpus": gpus}))
+
+    [problem] = result.rejected
+    assert stolen.uuid in problem and "node-a" in problem
+    stolen.refresh_from_db()
+    assert (stolen.node_id, stolen.present) == (node_a.pk, True)
+    assert dict(node_b.gpus.values_list("index", "present")) == {0: False, 1: True}
 
 
 def test_it_brings_a_lost_node_back_up_on_hello(cluster: list[Node]) -> None:

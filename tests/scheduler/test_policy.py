@@ -30,12 +30,21 @@ def gpus(node_id: int, count: int, *, mem: int = 16384, busy: tuple[int, ...] = 
     )
 
 
-def job(job_id: int, n: int = 1, *, mem: int | None = None, weight: float = 0.5, at: float = 0.0):
+def job(
+    job_id: int,
+    n: int = 1,
+    *,
+    mem: int | None = None,
+    weight: float = 0.5,
+    at: float = 0.0,
+):
     return PendingJob(job_id, n, mem, weight, at or float(job_id))
 
 
 def state(nodes, gpu_views, pending) -> ClusterState:
-    return ClusterState(now=1000.0, nodes=tuple(nodes), gpus=tuple(gpu_views), pending=tuple(pending))
+    return ClusterState(
+        now=1000.0, nodes=tuple(nodes), gpus=tuple(gpu_views), pending=tuple(pending)
+    )
 
 
 def test_it_starts_a_job_on_free_gpus_lowest_index_first():
@@ -51,7 +60,9 @@ def test_it_prefers_the_best_fitting_node():
 
 def test_it_never_takes_a_partly_used_gpu():
     busy = (
-        GpuView(id=1, node_id=1, index=0, memory_total_mib=16384, slots=2, free_slots=1),
+        GpuView(
+            id=1, node_id=1, index=0, memory_total_mib=16384, slots=2, free_slots=1
+        ),
     )
     decisions = decide(state([NodeView(1, "a")], busy, [job(7)]))
     assert decisions == [Wait(7, Reason.RESOURCES, decisions[0].message, 1)]
@@ -96,12 +107,26 @@ def test_jobs_do_not_span_nodes_and_later_small_jobs_still_start():
     )
     decisions = decide(s)
     assert Start(2, 1, (100,)) in decisions
-    assert [d for d in decisions if isinstance(d, Wait)][0].reason is Reason.NO_SUCH_SHAPE
+    assert (
+        next(d for d in decisions if isinstance(d, Wait)).reason is Reason.NO_SUCH_SHAPE
+    )
 
 
 def test_unschedulable_nodes_and_gpus_are_not_used_but_count_as_capacity():
-    lost = GpuView(id=1, node_id=1, index=0, memory_total_mib=16384, slots=1, free_slots=1, schedulable=False)
-    s = state([NodeView(1, "a"), NodeView(2, "b", schedulable=False)], (lost, *gpus(2, 1)), [job(1)])
+    lost = GpuView(
+        id=1,
+        node_id=1,
+        index=0,
+        memory_total_mib=16384,
+        slots=1,
+        free_slots=1,
+        schedulable=False,
+    )
+    s = state(
+        [NodeView(1, "a"), NodeView(2, "b", schedulable=False)],
+        (lost, *gpus(2, 1)),
+        [job(1)],
+    )
     [wait] = decide(s)
     assert wait.reason is Reason.RESOURCES  # node b may come back
 
