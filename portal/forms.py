@@ -68,12 +68,15 @@ def parse_env(text: str) -> dict[str, str]:
 
 
 class JobForm(forms.Form):
-    name = forms.CharField(max_length=128)
+    # Required-ness of name and command is checked by the service, so that one
+    # submission shows every problem at once.
+    name = forms.CharField(max_length=128, required=False)
     command = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 4, "spellcheck": "false"}),
         # The service enforces the real limit with a clear message; this only stops
         # absurd bodies early.
         max_length=200_000,
+        required=False,
         strip=False,
         help_text="Run by /bin/sh in your working directory, e.g. "
         "<code>python train.py --epochs 10</code>.",
