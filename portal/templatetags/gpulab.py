@@ -13,7 +13,7 @@ register = template.Library()
 def duration(value: int | float | timedelta | None) -> str:
     """Seconds (or a timedelta) as '1d 2h', '4h 30m', '90s'."""
     if value is None:
-        return "–"
+        return "\u2013"  # en dash
     seconds = int(value.total_seconds() if isinstance(value, timedelta) else value)
     if seconds < 60:
         return f"{seconds}s"
