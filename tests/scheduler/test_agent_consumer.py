@@ -5,6 +5,7 @@ channel layer, and a connection that survives idle periods."""
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
