@@ -708,3 +708,24 @@ def test_it_caps_the_stored_log_in_bytes(
     services.append_log(node.pk, _log(attempt, 0, "é" * 20))
 
     assert len(services.log_tail(job).encode("utf-8")) <= 10
+
+
+def test_it_can_launch_the_longest_command_it_accepts(
+    alice: User,
+    cluster: list[Node],
+    send: Any,
+    settings: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    settings.GPULAB_MAX_COMMAND_BYTES = 100 * 1024  # the documented 100 kB limit
+    command = "x" * settings.GPULAB_MAX_COMMAND_BYTES
+    job = services.submit_job(
+        alice, services.JobRequest(name="long", command=command, workdir="/tmp")
+    )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        start_job(job, cluster[0])
+
+    launch = parse_command(send.call_args.args[1])
+    assert isinstance(launch, protocol.JobLaunch)
+    assert launch.data.command == command
