@@ -18,7 +18,7 @@ from django.db import connections
 from agents import protocol
 from portal.asgi import application
 from scheduler import events, services
-from scheduler.consumers import CLOSE_BAD_TOKEN, CLOSE_BAD_VERSION
+from scheduler.consumers import CLOSE_BAD_TOKEN, CLOSE_BAD_VERSION, CLOSE_REPLACED
 from scheduler.models import Attempt, Gpu, Job, JobEvent, Node, UsageRecord
 from tests.conftest import hello_data, make_node
 from tests.factories import (
@@ -385,3 +385,21 @@ async def test_it_keeps_the_latest_metrics_without_acking_them(
     assert gpu.latest["util_gpu"] == 87.0
     assert gpu.latest_at is not None
     await comm.disconnect()
+
+
+async def test_it_closes_the_older_connection_when_a_node_reconnects(
+    nodes: dict[str, tuple[Node, str]],
+) -> None:
+    node, token = nodes["a"]
+    old = await agent(token)
+
+    new = await agent(token)
+    closed = await old.receive_output(timeout=TIMEOUT)
+    drain = events.frame(protocol.NodeDrain, protocol.EmptyData())
+    await db(events.send_to_agent)(node.pk, drain)
+    command = await receive(new)
+
+    assert closed["type"] == "websocket.close"
+    assert closed["code"] == CLOSE_REPLACED
+    assert command["type"] == "node.drain"
+    await new.disconnect()

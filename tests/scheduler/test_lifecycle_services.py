@@ -620,6 +620,20 @@ def test_it_fails_a_job_that_must_not_requeue_when_its_node_is_lost(
     assert job.finished_at is not None
 
 
+def test_it_cancels_a_job_being_cancelled_when_its_node_is_lost(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    job = JobFactory(owner=alice)
+    running(job, cluster[0])
+    services.cancel_job(job.pk, by=alice)
+
+    with _after_lost_timeout():
+        services.mark_lost_nodes()
+
+    job.refresh_from_db()
+    assert job.status == Job.Status.CANCELLED
+
+
 def test_it_handles_a_lost_node_exactly_once(
     alice: User, cluster: list[Node], send: Any
 ) -> None:
