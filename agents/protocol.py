@@ -16,8 +16,11 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 PROTOCOL_VERSION: Final = 1
-# Largest frame either side accepts, in bytes (log chunks are the largest).
+# Largest frame either side accepts, in bytes.
 MAX_FRAME_BYTES = 1 << 20
+# Largest job command a launch can carry, in characters (the portal's
+# GPULAB_MAX_COMMAND_BYTES may not exceed it).
+MAX_COMMAND_CHARS = 256 * 1024
 
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1)]
@@ -136,7 +139,7 @@ class JobLaunchData(_Model):
     attempt: PosInt  # attempt number of the job (1, 2, ...)
     job_id: PosInt
     name: Text
-    command: Annotated[str, Field(min_length=1, max_length=65536)]
+    command: Annotated[str, Field(min_length=1, max_length=MAX_COMMAND_CHARS)]
     workdir: Text
     env: dict[str, str] = {}
     gpu_uuids: list[str]

@@ -13,6 +13,7 @@ from typing import Any
 
 import dj_database_url
 
+from agents.protocol import MAX_COMMAND_CHARS
 from portal.settings_env import (
     envbool,
     envfloat,
@@ -221,7 +222,9 @@ GPULAB_NODE_LOST_AFTER = envint("GPULAB_NODE_LOST_AFTER", 60, minimum=5)
 # Default SIGTERM -> SIGKILL grace for a job, seconds.
 GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
 # Largest command accepted, bytes.
-GPULAB_MAX_COMMAND_BYTES = envint("GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256)
+GPULAB_MAX_COMMAND_BYTES = envint(
+    "GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256, maximum=MAX_COMMAND_CHARS
+)
 # Job log kept by the portal per job, bytes (the agent keeps the whole file).
 GPULAB_LOG_MAX_BYTES = envint("GPULAB_LOG_MAX_BYTES", 4 * 1024 * 1024, minimum=4096)
 # Default working directory of a job when none is given ({user} is the username).

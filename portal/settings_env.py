@@ -39,7 +39,9 @@ def envbool(name: str, *, default: bool) -> bool:
     )
 
 
-def envint(name: str, default: int, *, minimum: int | None = None) -> int:
+def envint(
+    name: str, default: int, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
@@ -49,6 +51,8 @@ def envint(name: str, default: int, *, minimum: int | None = None) -> int:
         raise ImproperlyConfigured(f"{name}={value!r} is not an integer") from None
     if minimum is not None and number < minimum:
         raise ImproperlyConfigured(f"{name}={number} must be at least {minimum}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name}={number} must be at most {maximum}")
     return number
 
 
@@ -102,8 +106,10 @@ def envurl(name: str, schemes: tuple[str, ...]) -> str:
         )
     scheme = value.split("://", 1)[0].lower() if "://" in value else ""
     if scheme not in schemes:
+        # Name the scheme only: the rest of a URL may hold a password.
+        got = f"scheme {scheme!r}" if scheme else "no scheme://"
         raise ImproperlyConfigured(
             f"{name} must start with one of {', '.join(s + '://' for s in schemes)};"
-            f" got {value.split('://', 1)[0]!r}"
+            f" it has {got}"
         )
     return value

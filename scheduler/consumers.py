@@ -51,9 +51,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.node_id = node.pk
         self.node_name = node.name
-        await self.channel_layer.group_add(
-            events.agent_group(node.pk), self.channel_name
+        group = events.agent_group(node.pk)
+        # One agent per node: a new connection replaces any older one (which may be
+        # half-open after a network cut), so a job.launch reaches one agent only.
+        await self.channel_layer.group_send(
+            group, {"type": "agent.replaced", "by": self.channel_name}
         )
+        await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         log.info("agent of node %s connected from %s", node.name, client[0])
 

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import Count, Sum
-from django.db.models.functions import Length
+from django.db.models import Count, F, Func, IntegerField, Sum
 from django.utils import timezone
 
 from agents import protocol
@@ -514,6 +513,10 @@ def _start(decision: policy.Start) -> bool:
                     "pending_message",
                 ]
             )
+            try:
+                launch = launch_frame(job, attempt, gpus)
+            except ValueError as exc:  # pydantic ValidationError is a ValueError
+                raise _Unlaunchable(str(exc)) from exc
             where = ", ".join(f"{node.name}:{g.index}" for g in gpus)
             _event(
                 job,
@@ -522,13 +525,45 @@ def _start(decision: policy.Start) -> bool:
                 from_status=old,
                 to_status=job.status,
             )
-            _send_launch_on_commit(job, attempt, gpus)
+            transaction.on_commit(
+                partial(events.send_to_agent, attempt.node_id, launch)
+            )
             _after_commit_state_change(job, f"starting on {node.name}")
             return True
     except IntegrityError:
         # Another pass took one of these slots first: the constraint held.
         log.warning("start of job %s lost a race for its GPUs", decision.job_id)
         return False
+    except _Unlaunchable as exc:
+        # The savepoint is rolled back (no attempt, no allocation): fail the job.
+        _fail_unlaunchable(decision.job_id, str(exc))
+        return False
+
+
+class _Unlaunchable(Exception):
+    pass
+
+
+def _fail_unlaunchable(job_id: int, problem: str) -> None:
+    """A job that no agent could be told to run fails with the reason, in its own
+    savepoint, so one bad row never stops the pass for everyone else."""
+    log.error("job %s cannot be launched: %s", job_id, problem)
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if job.status != Job.Status.PENDING:
+            return
+        job.status = Job.Status.FAILED
+        job.finished_at = timezone.now()
+        job.end_reason = f"cannot be launched: {problem}"[:200]
+        job.save(update_fields=["status", "finished_at", "end_reason"])
+        _event(
+            job,
+            job.end_reason,
+            source=JobEvent.Source.SCHEDULER,
+            from_status=Job.Status.PENDING,
+            to_status=job.status,
+        )
+        _after_commit_state_change(job, job.end_reason)
 
 
 def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
@@ -548,11 +583,6 @@ def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
             run_as=None,
         ),
     )
-
-
-def _send_launch_on_commit(job: Job, attempt: Attempt, gpus: list[Gpu]) -> None:
-    command = launch_frame(job, attempt, gpus)
-    transaction.on_commit(partial(events.send_to_agent, attempt.node_id, command))
 
 
 def _update_reasons(waits: list[policy.Wait]) -> int:
@@ -893,15 +923,19 @@ def append_log(node_id: int, data: protocol.JobLogData) -> bool:
         return False
     stored = (
         JobLogChunk.objects.filter(attempt__job_id=data.job_id).aggregate(
-            n=Sum(Length("data"))
+            n=Sum(Func(F("data"), function="octet_length", output_field=IntegerField()))
         )["n"]
         or 0
     )
     if stored >= settings.GPULAB_LOG_MAX_BYTES:
         return False
     room = settings.GPULAB_LOG_MAX_BYTES - stored
+    # Cut by bytes, never inside a UTF-8 sequence.
+    text = data.data.encode("utf-8")[:room].decode("utf-8", "ignore")
+    if not text:
+        return False
     JobLogChunk.objects.bulk_create(
-        [JobLogChunk(attempt=attempt, offset=data.offset, data=data.data[:room])],
+        [JobLogChunk(attempt=attempt, offset=data.offset, data=text)],
         ignore_conflicts=True,
     )
     return True

@@ -122,7 +122,10 @@ def admin_user(groups: dict[str, Any]) -> User:
 
 
 def hello_data(
-    gpus: int = 4, memory_mib: int = 81920, name: str = "NVIDIA A100-80GB", host: str = "n"
+    gpus: int = 4,
+    memory_mib: int = 81920,
+    name: str = "NVIDIA A100-80GB",
+    host: str = "n",
 ) -> protocol.HelloData:
     return protocol.HelloData(
         agent_version="test",
@@ -156,4 +159,3 @@ def make_node(name: str, gpus: int = 4, memory_mib: int = 81920) -> tuple[Node, 
 def cluster(db: None) -> list[Node]:
     """Two UP nodes: node-a with 4 A100-80GB, node-b with 2."""
     return [make_node("node-a", 4)[0], make_node("node-b", 2)[0]]
-
