@@ -21,9 +21,11 @@ from scheduler.consumers import AgentConsumer  # noqa: E402
 # Agents send no Origin header: the Origin check stays off their route (they
 # authenticate by token) and on the browsers' route (session cookies).
 browser_routes = AllowedHostsOriginValidator(
-    AuthMiddlewareStack(URLRouter([path("ws/dashboard/", DashboardConsumer.as_asgi())]))
+    AuthMiddlewareStack(
+        URLRouter([path("ws/dashboard/", DashboardConsumer.as_asgi())])  # type: ignore[arg-type, list-item]
+    )
 )
-agent_routes = URLRouter([path("ws/agent/", AgentConsumer.as_asgi())])
+agent_routes = URLRouter([path("ws/agent/", AgentConsumer.as_asgi())])  # type: ignore[arg-type, list-item]
 
 
 async def _websocket_router(scope, receive, send):  # type: ignore[no-untyped-def]

@@ -48,7 +48,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _may_see_job(self, job_id: int) -> bool:
-        return Job.objects.visible_to(self.scope["user"]).filter(pk=job_id).exists()
+        user = self.scope.get("user")
+        if user is None:
+            return False
+        return Job.objects.visible_to(user).filter(pk=job_id).exists()  # type: ignore[arg-type]
 
     async def job_status(self, event: dict[str, Any]) -> None:
         await self.send_json(

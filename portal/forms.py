@@ -4,7 +4,7 @@ parses text into values and shows the service's field errors next to the fields.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from django import forms
 from django.conf import settings
@@ -117,9 +117,13 @@ class JobForm(forms.Form):
 
     def __init__(self, *args: Any, group_names: list[str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["priority_class"].choices = classes.class_choices()
+        cast(
+            "forms.ChoiceField", self.fields["priority_class"]
+        ).choices = classes.class_choices()
         self.fields["priority_class"].initial = settings.GPULAB_DEFAULT_CLASS
-        self.fields["group"].choices = [("", "default")] + [(g, g) for g in group_names]
+        cast("forms.ChoiceField", self.fields["group"]).choices = [("", "default")] + [
+            (g, g) for g in group_names
+        ]
         self.fields["workdir"].widget.attrs["placeholder"] = (
             settings.GPULAB_DEFAULT_WORKDIR
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import dj_database_url
+import django_stubs_ext
 
 from agents.protocol import MAX_COMMAND_CHARS
 from portal.settings_env import (
@@ -24,6 +25,9 @@ from portal.settings_env import (
     envurl,
 )
 from portal.stack.urls import celery_broker_url
+
+# Django generics (ModelAdmin[Job]) become subscriptable at run time.
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 

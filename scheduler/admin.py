@@ -25,26 +25,26 @@ if TYPE_CHECKING:
     from django.http import HttpRequest
 
 
-class MembershipInline(admin.TabularInline):
+class MembershipInline(admin.TabularInline[Membership, Group]):
     model = Membership
     extra = 1
     autocomplete_fields = ("user",)
 
 
 @admin.register(Group)
-class GroupAdmin(admin.ModelAdmin):
+class GroupAdmin(admin.ModelAdmin[Group]):
     list_display = ("name", "description", "shares")
     search_fields = ("name",)
     inlines = (MembershipInline,)
 
 
 @admin.register(Membership)
-class MembershipAdmin(admin.ModelAdmin):
+class MembershipAdmin(admin.ModelAdmin[Membership]):
     list_display = ("user", "group", "shares", "joined_at")
     list_filter = ("group",)
 
 
-class GpuInline(admin.TabularInline):
+class GpuInline(admin.TabularInline[Gpu, Node]):
     model = Gpu
     extra = 0
     fields = (
@@ -68,7 +68,7 @@ class GpuInline(admin.TabularInline):
 
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(admin.ModelAdmin[Node]):
     list_display = (
         "name",
         "status",
@@ -135,7 +135,7 @@ class NodeAdmin(admin.ModelAdmin):
 
 
 @admin.register(Gpu)
-class GpuAdmin(admin.ModelAdmin):
+class GpuAdmin(admin.ModelAdmin[Gpu]):
     list_display = (
         "node",
         "index",
@@ -149,7 +149,7 @@ class GpuAdmin(admin.ModelAdmin):
     readonly_fields = ("latest", "latest_at")
 
 
-class JobEventInline(admin.TabularInline):
+class JobEventInline(admin.TabularInline[JobEvent, Job]):
     model = JobEvent
     extra = 0
     can_delete = False
@@ -157,7 +157,7 @@ class JobEventInline(admin.TabularInline):
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(admin.ModelAdmin[Job]):
     list_display = (
         "id",
         "name",
@@ -187,7 +187,7 @@ class JobAdmin(admin.ModelAdmin):
 
 
 @admin.register(Attempt)
-class AttemptAdmin(admin.ModelAdmin):
+class AttemptAdmin(admin.ModelAdmin[Attempt]):
     list_display = (
         "job",
         "number",
@@ -202,24 +202,24 @@ class AttemptAdmin(admin.ModelAdmin):
 
 
 @admin.register(Allocation)
-class AllocationAdmin(admin.ModelAdmin):
+class AllocationAdmin(admin.ModelAdmin[Allocation]):
     list_display = ("attempt", "gpu", "slot", "allocated_at", "released_at")
     readonly_fields = tuple(f.name for f in Allocation._meta.fields)
 
 
 @admin.register(JobEvent)
-class JobEventAdmin(admin.ModelAdmin):
+class JobEventAdmin(admin.ModelAdmin[JobEvent]):
     list_display = ("job", "at", "source", "from_status", "to_status", "message")
     list_filter = ("source",)
 
 
 @admin.register(JobLogChunk)
-class JobLogChunkAdmin(admin.ModelAdmin):
+class JobLogChunkAdmin(admin.ModelAdmin[JobLogChunk]):
     list_display = ("attempt", "offset")
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
     list_display = (
         "attempt",
         "gpu",

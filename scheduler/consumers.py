@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from agents import protocol
 from scheduler import events, services
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.out_seq += 1
         await self.send(text_data=json.dumps({**frame, "seq": self.out_seq}))
 
-    async def _send(self, model: type[protocol._Envelope], data: Any) -> None:
+    async def _send(self, model: Callable[..., protocol._Envelope], data: Any) -> None:
         await self._send_frame(events.frame(model, data))
 
     async def _send_error(self, code: str, detail: str) -> None:
@@ -151,7 +154,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         )
 
 
-def _bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+def _bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")

@@ -14,6 +14,8 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from agents import protocol
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,11 @@ class JobStatusEvent(TypedDict):
     message: str
 
 
-def frame(model: type[protocol._Envelope], data: Any) -> dict[str, Any]:
+def frame(model: Callable[..., protocol._Envelope], data: Any) -> dict[str, Any]:
     """A server -> agent frame as a JSON-ready dict (the consumer stamps ``seq``)."""
-    return model(seq=0, ts=time.time(), data=data).model_dump(mode="json")
+    envelope = model(seq=0, ts=time.time(), data=data)
+    result: dict[str, Any] = envelope.model_dump(mode="json")
+    return result
 
 
 def _group_send(group: str, event: AgentCommandEvent | JobStatusEvent) -> None:

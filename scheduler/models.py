@@ -19,7 +19,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+    from django.contrib.auth.models import AnonymousUser, User
 
 
 class Group(models.Model):
@@ -29,7 +29,7 @@ class Group(models.Model):
     description = models.CharField(max_length=200, blank=True)
     # Fair-share weight of the group (used by the policy issue).
     shares = models.PositiveIntegerField(default=1)
-    members = models.ManyToManyField(
+    members: models.ManyToManyField[Any, Any] = models.ManyToManyField(
         settings.AUTH_USER_MODEL, through="Membership", related_name="lab_groups"
     )
 
@@ -184,7 +184,7 @@ class Gpu(models.Model):
 
 
 class JobQuerySet(models.QuerySet["Job"]):
-    def visible_to(self, user: AbstractBaseUser | AnonymousUser) -> JobQuerySet:
+    def visible_to(self, user: User | AnonymousUser) -> JobQuerySet:
         """Jobs the user may see: their own; staff see all."""
         if not user.is_authenticated:
             return self.none()
@@ -303,10 +303,10 @@ class Job(models.Model):
     def is_cancelling(self) -> bool:
         return self.cancel_requested_at is not None and not self.is_terminal
 
-    def can_be_seen_by(self, user: AbstractBaseUser | AnonymousUser) -> bool:
+    def can_be_seen_by(self, user: User | AnonymousUser) -> bool:
         return user.is_authenticated and (user.is_staff or self.owner_id == user.pk)
 
-    def can_be_cancelled_by(self, user: AbstractBaseUser | AnonymousUser) -> bool:
+    def can_be_cancelled_by(self, user: User | AnonymousUser) -> bool:
         return (
             self.can_be_seen_by(user)
             and self.status in self.ACTIVE

@@ -12,7 +12,7 @@ import logging
 import re
 import unicodedata
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,7 +41,7 @@ from scheduler.models import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import User
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _event(
     message: str,
     *,
     source: str,
-    actor: AbstractBaseUser | None = None,
+    actor: User | None = None,
     from_status: str = "",
     to_status: str = "",
     at: datetime | None = None,
@@ -258,11 +258,11 @@ def validate_job_request(req: JobRequest) -> dict[str, Any]:
     }
 
 
-def groups_of(user: AbstractBaseUser) -> list[Group]:
+def groups_of(user: User) -> list[Group]:
     return list(Group.objects.filter(membership__user=user).order_by("name"))
 
 
-def _charge_group(user: AbstractBaseUser, name: str) -> Group:
+def _charge_group(user: User, name: str) -> Group:
     """The group a job is charged to: the named one (if the user is a member), else
     the user's first group; a user in no group joins the default group."""
     mine = groups_of(user)
@@ -281,7 +281,7 @@ def _charge_group(user: AbstractBaseUser, name: str) -> Group:
 # ------------------------------------------------------------------ user verbs
 
 
-def submit_job(owner: AbstractBaseUser, req: JobRequest) -> Job:
+def submit_job(owner: User, req: JobRequest) -> Job:
     """Validate and store a new PENDING job, then ask for a scheduling pass."""
     fields = validate_job_request(req)
     with transaction.atomic():
@@ -305,7 +305,7 @@ def submit_job(owner: AbstractBaseUser, req: JobRequest) -> Job:
     return job
 
 
-def cancel_job(job_id: int, *, by: AbstractBaseUser) -> Job:
+def cancel_job(job_id: int, *, by: User) -> Job:
     """Cancel a job.
 
     1. Lock the job row.
@@ -959,7 +959,7 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
     """Mark UP nodes without a heartbeat for ``GPULAB_NODE_LOST_AFTER`` as LOST and
     requeue (or fail) their jobs, exactly once per node (row lock + status check)."""
     now = now or timezone.now()
-    cutoff = now - timezone.timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER)
+    cutoff = now - timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER)
     lost = []
     candidates = Node.objects.filter(
         status=Node.Status.UP, last_seen_at__lt=cutoff

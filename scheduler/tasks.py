@@ -74,7 +74,7 @@ def schedule_pass_body() -> dict[str, Any]:
     """
     flags = _redis_client()
     key = _rerun_key()
-    passes = []
+    passes: list[dict[str, Any]] = []
     for _ in range(MAX_LOOPS):
         if not _try_lock():
             flags.set(key, "1")

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.contrib.auth.decorators import login_required
 from django.db.models import Prefetch
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpResponse
 from django.shortcuts import render
 
 from scheduler import services
 from scheduler.models import Allocation, Gpu, Job, Node
+
+if TYPE_CHECKING:
+    from portal.http import AuthenticatedHttpRequest
 
 
 def _nodes_with_gpus() -> list[Node]:
@@ -33,7 +38,7 @@ def _nodes_with_gpus() -> list[Node]:
 
 
 @login_required
-def overview(request: HttpRequest) -> HttpResponse:
+def overview(request: AuthenticatedHttpRequest) -> HttpResponse:
     context = {"summary": services.gpu_summary(), "nodes": _nodes_with_gpus()}
     if request.htmx and not request.htmx.boosted:
         return render(request, "portal/partials/_cluster.html", context)
@@ -41,7 +46,7 @@ def overview(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
-def queue(request: HttpRequest) -> HttpResponse:
+def queue(request: AuthenticatedHttpRequest) -> HttpResponse:
     pending = list(
         Job.objects.pending()
         .select_related("owner", "group")
@@ -56,12 +61,12 @@ def queue(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
-def node_list(request: HttpRequest) -> HttpResponse:
+def node_list(request: AuthenticatedHttpRequest) -> HttpResponse:
     return render(request, "portal/nodes.html", {"nodes": _nodes_with_gpus()})
 
 
 @login_required
-def node_detail(request: HttpRequest, node_id: int) -> HttpResponse:
+def node_detail(request: AuthenticatedHttpRequest, node_id: int) -> HttpResponse:
     node = next((n for n in _nodes_with_gpus() if n.pk == node_id), None)
     if node is None:
         raise Http404("No such node")

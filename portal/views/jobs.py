@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -14,8 +16,11 @@ from portal.forms import JobForm
 from scheduler import services
 from scheduler.models import Allocation, Job
 
+if TYPE_CHECKING:
+    from portal.http import AuthenticatedHttpRequest
 
-def _get_job_for_user(request: HttpRequest, job_id: int) -> Job:
+
+def _get_job_for_user(request: AuthenticatedHttpRequest, job_id: int) -> Job:
     """The job if the user may see it; 404 otherwise (no existence leak)."""
     job = (
         Job.objects.visible_to(request.user)
@@ -29,7 +34,7 @@ def _get_job_for_user(request: HttpRequest, job_id: int) -> Job:
 
 
 @login_required
-def job_list(request: HttpRequest) -> HttpResponse:
+def job_list(request: AuthenticatedHttpRequest) -> HttpResponse:
     jobs = Job.objects.visible_to(request.user).select_related("owner", "group")
     status = request.GET.get("status", "")
     if status in Job.Status.values:
@@ -43,7 +48,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
-def job_new(request: HttpRequest) -> HttpResponse:
+def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
     group_names = [g.name for g in services.groups_of(request.user)]
     initial = {}
     copy_of = request.GET.get("copy")
@@ -104,7 +109,7 @@ def _job_context(job: Job) -> dict[str, object]:
 
 
 @login_required
-def job_detail(request: HttpRequest, job_id: int) -> HttpResponse:
+def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     job = _get_job_for_user(request, job_id)
     context = _job_context(job)
     context["can_cancel"] = job.can_be_cancelled_by(request.user)
@@ -115,7 +120,7 @@ def job_detail(request: HttpRequest, job_id: int) -> HttpResponse:
 
 @require_POST
 @login_required
-def job_cancel(request: HttpRequest, job_id: int) -> HttpResponse:
+def job_cancel(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     job = _get_job_for_user(request, job_id)
     if not job.can_be_cancelled_by(request.user):
         messages.error(request, f"Job #{job.pk} cannot be cancelled now.")
