@@ -365,16 +365,21 @@ def cancel_job(job_id: int, *, by: User) -> Job:
     return job
 
 
-def _send_kill_on_commit(attempt: Attempt, reason: str, grace_s: int) -> None:
-    command = events.frame(
+def kill_frame(
+    attempt_id: int, job_id: int, reason: protocol.KillReason, grace_s: int
+) -> dict[str, Any]:
+    return events.frame(
         protocol.JobKill,
         protocol.JobKillData(
-            attempt_id=attempt.pk,
-            job_id=attempt.job_id,
-            reason=reason,  # type: ignore[arg-type]
-            grace_s=grace_s,
+            attempt_id=attempt_id, job_id=job_id, reason=reason, grace_s=grace_s
         ),
     )
+
+
+def _send_kill_on_commit(
+    attempt: Attempt, reason: protocol.KillReason, grace_s: int
+) -> None:
+    command = kill_frame(attempt.pk, attempt.job_id, reason, grace_s)
     transaction.on_commit(partial(events.send_to_agent, attempt.node_id, command))
 
 
@@ -703,28 +708,19 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
                 commands.append(launch_frame(attempt.job, attempt, unique))
             elif attempt.job.cancel_requested_at is not None:
                 commands.append(
-                    events.frame(
-                        protocol.JobKill,
-                        protocol.JobKillData(
-                            attempt_id=attempt.pk,
-                            job_id=attempt.job_id,
-                            reason="cancelled",
-                            grace_s=attempt.job.kill_grace_s,
-                        ),
+                    kill_frame(
+                        attempt.pk,
+                        attempt.job_id,
+                        "cancelled",
+                        attempt.job.kill_grace_s,
                     )
                 )
         live_ids = {a.pk for a in live}
         for job in hello.running:
             if job.attempt_id not in live_ids:
                 commands.append(
-                    events.frame(
-                        protocol.JobKill,
-                        protocol.JobKillData(
-                            attempt_id=job.attempt_id,
-                            job_id=job.job_id,
-                            reason="stale",
-                            grace_s=settings.GPULAB_KILL_GRACE,
-                        ),
+                    kill_frame(
+                        job.attempt_id, job.job_id, "stale", settings.GPULAB_KILL_GRACE
                     )
                 )
     transaction.on_commit(_enqueue_pass_now)
