@@ -34,6 +34,16 @@ class _Model(BaseModel):
 # ---------------------------------------------------------------- payloads (data)
 
 
+class TopologyLink(_Model):
+    """How GPU ``peer`` is reached from this GPU: NVML's common-ancestor level
+    (``nvmlDeviceGetTopologyCommonAncestor``): 0 same board, 10 single PCIe switch,
+    20 multiple switches, 30 host bridge, 40 same NUMA node, 50 across the system
+    (SMP interconnect). Lower is closer; NVLink is reported in ``nvlink_peers``."""
+
+    peer: NonNegInt
+    level: Annotated[int, Field(ge=0, le=100)]
+
+
 class GpuInfo(_Model):
     """Static facts about one GPU, sent in ``hello``."""
 
@@ -43,6 +53,7 @@ class GpuInfo(_Model):
     memory_total_mib: PosInt
     # Indexes of the GPUs joined to this one by NVLink.
     nvlink_peers: list[NonNegInt] = []
+    topology: Annotated[list[TopologyLink], Field(max_length=64)] = []
     mig_enabled: bool = False
 
 
@@ -115,6 +126,7 @@ ExitReason = Literal[
     "never_started",  # a kill arrived for an attempt the agent never launched
     "launch_failed",  # the agent could not start it (bad workdir, unknown user...)
     "lost",  # the agent found the job's shim gone without an exit code
+    "timeout",  # stopped by the agent at the job's time limit
 ]
 
 
@@ -245,9 +257,10 @@ ServerMessage = Annotated[
 ]
 
 # Messages the agent must never lose: spooled to disk, acked by the server (each
-# with its own seq; the agent clears by send order). Metrics are live-only until the
-# agent issue spools them too.
-DURABLE_TYPES = frozenset({"job.started", "job.exited", "job.log"})
+# with its own seq; the agent clears by send order). Metrics are spooled only while
+# the agent is disconnected (downsampled, oldest dropped first when the spool is full)
+# and replayed with their original ``sampled_at``; the server stores a sample once.
+DURABLE_TYPES = frozenset({"job.started", "job.exited", "job.log", "metrics"})
 
 _agent_adapter: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
