@@ -137,6 +137,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "scheduler.tasks.schedule_pass",
         "schedule": GPULAB_SCHEDULE_INTERVAL,
     },
+    "maintain-metrics": {
+        "task": "scheduler.tasks.maintain_metrics",
+        "schedule": 60.0,
+    },
     "check-nodes": {
         "task": "scheduler.tasks.check_nodes",
         "schedule": 10.0,
@@ -231,5 +235,14 @@ GPULAB_MAX_COMMAND_BYTES = envint(
 )
 # Job log kept by the portal per job, bytes (the agent keeps the whole file).
 GPULAB_LOG_MAX_BYTES = envint("GPULAB_LOG_MAX_BYTES", 4 * 1024 * 1024, minimum=4096)
+# Metric history: one sample per GPU persisted every N seconds (the 1 Hz stream stays
+# live-only), raw samples kept N days (then their day partitions are dropped),
+# minute and hour rollups kept longer.
+GPULAB_METRICS_PERSIST_INTERVAL = envint(
+    "GPULAB_METRICS_PERSIST_INTERVAL", 10, minimum=1
+)
+GPULAB_METRICS_RETENTION_DAYS = envint("GPULAB_METRICS_RETENTION_DAYS", 7, minimum=1)
+GPULAB_ROLLUP_1M_DAYS = envint("GPULAB_ROLLUP_1M_DAYS", 30, minimum=1)
+GPULAB_ROLLUP_1H_DAYS = envint("GPULAB_ROLLUP_1H_DAYS", 400, minimum=1)
 # Default working directory of a job when none is given ({user} is the username).
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")

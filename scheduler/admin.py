@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
+from django.contrib.auth.admin import UserAdmin
+from django.contrib.auth.models import User
 
 from scheduler import services
 from scheduler.models import (
@@ -17,6 +19,7 @@ from scheduler.models import (
     JobLogChunk,
     Membership,
     Node,
+    Profile,
     UsageRecord,
 )
 
@@ -230,3 +233,31 @@ class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
         "gpu_seconds",
     )
     list_filter = ("group",)
+
+
+class ProfileInline(admin.StackedInline[Profile, User]):
+    model = Profile
+    can_delete = False
+    verbose_name_plural = "gpulab profile"
+
+
+class MembershipOfUserInline(admin.TabularInline[Membership, User]):
+    model = Membership
+    extra = 0
+    verbose_name_plural = "lab groups"
+
+
+class GpulabUserAdmin(UserAdmin[User]):
+    """Django's user admin plus the Unix account and the lab groups of the user."""
+
+    inlines = (ProfileInline, MembershipOfUserInline)
+
+
+admin.site.unregister(User)
+admin.site.register(User, GpulabUserAdmin)
+
+
+@admin.register(Profile)
+class ProfileAdmin(admin.ModelAdmin[Profile]):
+    list_display = ("user", "unix_account")
+    search_fields = ("user__username", "unix_account")

@@ -10,7 +10,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from agents import protocol
-from scheduler import events, services
+from scheduler import events, metrics, services
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -37,6 +37,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
     node_id: int | None = None
     node_name: str = ""
     out_seq: int = 0
+    # sampled_at of the last metrics frame persisted to the history.
+    last_persisted: float | None = None
 
     async def connect(self) -> None:
         token = _bearer_token(self.scope.get("headers", []))
@@ -118,7 +120,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
         elif isinstance(message, protocol.Heartbeat):
             await database_sync_to_async(services.record_heartbeat)(node_id)
         elif isinstance(message, protocol.Metrics):
-            await database_sync_to_async(services.record_metrics)(node_id, message.data)
+            sampled_at = message.data.sampled_at
+            persist = metrics.should_persist(self.last_persisted, sampled_at)
+            await database_sync_to_async(services.record_metrics)(
+                node_id, message.data, persist=persist
+            )
+            if persist:
+                self.last_persisted = max(self.last_persisted or 0.0, sampled_at)
         elif isinstance(message, protocol.JobStarted):
             await database_sync_to_async(services.mark_started)(node_id, message.data)
         elif isinstance(message, protocol.JobExited):

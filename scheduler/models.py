@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.conf import settings
+from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -145,6 +146,8 @@ class Gpu(models.Model):
     name = models.CharField(max_length=128)
     memory_total_mib = models.PositiveIntegerField()
     nvlink_peers = models.JSONField(default=list, blank=True)
+    # [{"peer": index, "level": NVML common-ancestor level}] (agents.protocol).
+    topology = models.JSONField(default=list, blank=True)
     slots = models.PositiveSmallIntegerField(default=1)
     mig_enabled = models.BooleanField(default=False)
     # False when the GPU vanished from the node's last hello or fell off the bus.
@@ -512,3 +515,101 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.attempt} on GPU {self.gpu_id}: {self.gpu_seconds:.0f} GPU-s"
+
+
+class GpuSample(models.Model):
+    """One persisted reading of one GPU (every ``GPULAB_METRICS_PERSIST_INTERVAL``
+    seconds; the 1 Hz stream stays live-only).
+
+    The table is partitioned by day on ``at`` (created by a migration, kept by
+    ``scheduler.metrics``): retention drops whole partitions instead of deleting rows.
+    The primary key (gpu, at) is what de-duplicates samples an agent replays.
+    ``processes`` holds ``[{pid, used_memory_mib, sm_util, attempt_id}]``; a process
+    with no attempt is foreign (nobody scheduled it).
+    """
+
+    pk = models.CompositePrimaryKey("gpu_id", "at")
+    gpu = models.ForeignKey(
+        Gpu, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    at = models.DateTimeField()
+    util_gpu = models.FloatField(null=True)
+    util_mem = models.FloatField(null=True)
+    memory_used_mib = models.IntegerField(null=True)
+    temperature_c = models.FloatField(null=True)
+    power_w = models.FloatField(null=True)
+    sm_clock_mhz = models.IntegerField(null=True)
+    pcie_rx_kib_s = models.BigIntegerField(null=True)
+    pcie_tx_kib_s = models.BigIntegerField(null=True)
+    ecc_uncorrected = models.BigIntegerField(null=True)
+    energy_mj = models.BigIntegerField(null=True)
+    lost = models.BooleanField(default=False)
+    processes = models.JSONField(default=list)
+
+    class Meta:
+        managed = False  # a partitioned table: see migration 0002
+        db_table = "scheduler_gpusample"
+
+    def __str__(self) -> str:
+        return f"GPU {self.gpu_id} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class GpuRollup(models.Model):
+    """Min / mean / max of a GPU's samples over one minute or one hour, kept longer
+    than raw samples (``GPULAB_ROLLUP_1M_DAYS``, ``GPULAB_ROLLUP_1H_DAYS``)."""
+
+    class Resolution(models.TextChoices):
+        MINUTE = "1m", "1 minute"
+        HOUR = "1h", "1 hour"
+
+    gpu = models.ForeignKey(
+        Gpu, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    resolution = models.CharField(max_length=2, choices=Resolution.choices)
+    start = models.DateTimeField()
+    samples = models.PositiveIntegerField()
+    util_gpu_min = models.FloatField(null=True)
+    util_gpu_mean = models.FloatField(null=True)
+    util_gpu_max = models.FloatField(null=True)
+    util_mem_mean = models.FloatField(null=True)
+    memory_used_mean = models.FloatField(null=True)
+    memory_used_max = models.IntegerField(null=True)
+    power_mean = models.FloatField(null=True)
+    power_max = models.FloatField(null=True)
+    temperature_mean = models.FloatField(null=True)
+    temperature_max = models.FloatField(null=True)
+
+    class Meta:
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["gpu", "resolution", "start"],
+                name="%(app_label)s_%(class)s_unique",
+            )
+        ]
+        indexes: ClassVar = [models.Index(fields=["resolution", "start"])]
+
+    def __str__(self) -> str:
+        return f"GPU {self.gpu_id} {self.resolution} at {self.start:%Y-%m-%d %H:%M}"
+
+
+class Profile(models.Model):
+    """Per-user settings of the portal: the Unix account jobs run as on the nodes."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="gpulab"
+    )
+    unix_account = models.CharField(
+        max_length=32,
+        blank=True,
+        help_text="The user's account on the GPU nodes; jobs run as this account. "
+        "Empty: the node's default account, if it allows one.",
+        validators=[
+            RegexValidator(
+                r"^[a-z_][a-z0-9_-]{0,30}\$?$",
+                "A Unix account name: lower-case letters, digits, _ and -.",
+            )
+        ],
+    )
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.unix_account or 'no Unix account'})"

@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from agents import protocol
 from scheduler import classes, events, policy
+from scheduler import metrics as metrics_store
 from scheduler.models import (
     Allocation,
     Attempt,
@@ -35,6 +36,7 @@ from scheduler.models import (
     JobLogChunk,
     Membership,
     Node,
+    Profile,
     UsageRecord,
 )
 
@@ -571,6 +573,17 @@ def _fail_unlaunchable(job_id: int, problem: str) -> None:
         _after_commit_state_change(job, job.end_reason)
 
 
+def unix_account_of(user_id: int) -> str | None:
+    """The Unix account a user's jobs run as (their profile), or None: the node
+    then uses its default account, if it allows one, else refuses the job."""
+    account = (
+        Profile.objects.filter(user_id=user_id)
+        .values_list("unix_account", flat=True)
+        .first()
+    )
+    return account or None
+
+
 def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
     return events.frame(
         protocol.JobLaunch,
@@ -585,7 +598,7 @@ def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
             gpu_uuids=[g.uuid for g in sorted(gpus, key=lambda g: g.index)],
             grace_s=job.kill_grace_s,
             time_limit_s=job.time_limit_s,
-            run_as=None,
+            run_as=unix_account_of(job.owner_id),
         ),
     )
 
@@ -685,6 +698,7 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
             gpu.name = info.name
             gpu.memory_total_mib = info.memory_total_mib
             gpu.nvlink_peers = list(info.nvlink_peers)
+            gpu.topology = [link.model_dump() for link in info.topology]
             gpu.mig_enabled = info.mig_enabled
             gpu.present = True
             gpu.save()
@@ -743,22 +757,42 @@ def record_disconnect(node_id: int) -> None:
     Node.objects.filter(pk=node_id).update(connected=False)
 
 
-def record_metrics(node_id: int, metrics: protocol.MetricsData) -> int:
-    """Keep the latest sample of each GPU of the node (history: the agent issue)."""
+def record_metrics(
+    node_id: int, metrics: protocol.MetricsData, *, persist: bool = False
+) -> int:
+    """Take one metrics frame of a node.
+
+    1. Keep it as the latest state of each GPU (unless a newer one is stored: a
+       replayed sample never overwrites the present).
+    2. A GPU reported lost (fell off the bus) stops being schedulable: the node's
+       capacity shrinks until a hello reports it again.
+    3. With ``persist``, store it in the history (``scheduler.metrics``); a replay
+       of a stored sample is ignored there.
+    Samples of GPUs the node does not have (wrong index or uuid) are ignored.
+    """
     at = _ts(metrics.sampled_at)
     gpus = {g.index: g for g in Gpu.objects.filter(node_id=node_id)}
+    known: dict[int, int] = {}
     changed = []
+    lost = []
     for sample in metrics.gpus:
         gpu = gpus.get(sample.index)
         if gpu is None or gpu.uuid != sample.uuid:
             continue
-        gpu.latest = sample.model_dump(mode="json")
-        gpu.latest_at = at
+        known[sample.index] = gpu.pk
         if sample.lost and gpu.present:
-            gpu.present = False
-        changed.append(gpu)
-    Gpu.objects.bulk_update(changed, ["latest", "latest_at", "present"])
+            lost.append(gpu.pk)
+        if gpu.latest_at is None or at >= gpu.latest_at:
+            gpu.latest = sample.model_dump(mode="json")
+            gpu.latest_at = at
+            changed.append(gpu)
+    Gpu.objects.bulk_update(changed, ["latest", "latest_at"])
+    if lost:
+        Gpu.objects.filter(pk__in=lost).update(present=False)
+        log.error("node %s: GPU(s) %s lost (fell off the bus)", node_id, lost)
     Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
+    if persist and known:
+        metrics_store.store_samples(known, metrics)
     return len(changed)
 
 
@@ -870,25 +904,37 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             )
             return True
         code = data.exit_code
+        server_kill = attempt.kill_reason
         if job.cancel_requested_at is not None:
             job.status = Job.Status.CANCELLED
             message = "cancelled; process stopped"
+        elif data.reason == "timeout" or server_kill == "timeout":
+            job.status = Job.Status.TIMEOUT
+            limit = timedelta(seconds=job.time_limit_s)
+            message = f"stopped at its time limit ({limit})"
         elif data.reason == "exited" and code == 0:
             job.status = Job.Status.COMPLETED
             message = "completed (exit code 0)"
-        elif data.reason in ("exited", "killed"):
+        elif data.reason == "exited":
+            # The user's program failed: a user error, not a system one.
             job.status = Job.Status.FAILED
             message = f"failed with exit code {code}"
+        elif data.reason == "killed" and server_kill:
+            job.status = Job.Status.FAILED
+            message = f"stopped ({server_kill}), exit code {code}"
         elif data.reason == "launch_failed":
             job.status = Job.Status.FAILED
             message = f"could not be started: {data.message or 'launch failed'}"
-        else:  # lost / never_started without a cancel: a system error
+        else:
+            # lost / never_started / killed by the agent on its own (cut off from
+            # the portal): a node problem, not the user's. Requeue per the job.
+            what = data.message or f"process {data.reason}"
             if job.requeue_on_node_loss:
                 job.status = Job.Status.PENDING
-                message = f"requeued: process {data.reason} on {attempt.node.name}"
+                message = f"requeued: {what} on {attempt.node.name}"
             else:
                 job.status = Job.Status.FAILED
-                message = f"failed: process {data.reason} on {attempt.node.name}"
+                message = f"failed: {what} on {attempt.node.name}"
         if job.status != Job.Status.PENDING:
             job.finished_at = ended
             job.exit_code = code

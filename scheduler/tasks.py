@@ -11,7 +11,7 @@ from celery import shared_task
 from django.conf import settings
 from django.db import connection
 
-from scheduler import policy, services
+from scheduler import metrics, policy, services
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +106,9 @@ def schedule_pass() -> dict[str, Any]:
 def check_nodes() -> list[int]:
     """Mark nodes without heartbeat as lost and requeue their jobs (beat)."""
     return services.mark_lost_nodes()
+
+
+@shared_task(ignore_result=True)
+def maintain_metrics() -> dict[str, Any]:
+    """Roll samples up, keep partitions ahead, drop what is past retention (beat)."""
+    return metrics.maintain()

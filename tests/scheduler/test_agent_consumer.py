@@ -19,7 +19,15 @@ from agents import protocol
 from portal.asgi import application
 from scheduler import events, services
 from scheduler.consumers import CLOSE_BAD_TOKEN, CLOSE_BAD_VERSION, CLOSE_REPLACED
-from scheduler.models import Attempt, Gpu, Job, JobEvent, Node, UsageRecord
+from scheduler.models import (
+    Attempt,
+    Gpu,
+    GpuSample,
+    Job,
+    JobEvent,
+    Node,
+    UsageRecord,
+)
 from tests.conftest import hello_data, make_node
 from tests.factories import (
     FAST_HASHERS,
@@ -369,21 +377,39 @@ async def test_it_still_talks_after_a_quiet_spell_longer_than_5s(
     await comm.disconnect()
 
 
-async def test_it_keeps_the_latest_metrics_without_acking_them(
-    nodes: dict[str, tuple[Node, str]],
+async def test_it_keeps_metrics_live_and_persists_one_sample_per_interval(
+    nodes: dict[str, tuple[Node, str]], settings: Any
 ) -> None:
+    """Every frame updates the live state and is acked; one per
+    GPULAB_METRICS_PERSIST_INTERVAL reaches the history; a replay is stored once."""
+    settings.GPULAB_METRICS_PERSIST_INTERVAL = 10
     node, token = nodes["a"]
     gpu = await db(node.gpus.get)(index=1)
-    sample = protocol.GpuSample(index=1, uuid=gpu.uuid, util_gpu=87.0)
-    metrics = protocol.MetricsData(sampled_at=time.time(), gpus=[sample])
+    t0 = (time.time() // 10) * 10 - 30 + 1  # 1 s into a 10 s interval, 30 s ago
     comm = await agent(token)
 
-    await comm.send_to(text_data=agent_frame(protocol.Metrics, metrics, 1))
-    await send_durable(comm, 2)  # the first reply is the ack of seq 2
+    async def send_metrics(seq: int, at: float, util: float) -> None:
+        sample = protocol.GpuSample(index=1, uuid=gpu.uuid, util_gpu=util)
+        metrics = protocol.MetricsData(sampled_at=at, gpus=[sample])
+        await comm.send_to(text_data=agent_frame(protocol.Metrics, metrics, seq))
+        ack = await receive(comm)
+        assert ack == {**ack, "type": "ack", "data": {"seq": seq}}
 
+    await send_metrics(1, t0, 10.0)  # persisted: first of its interval
+    await send_metrics(2, t0 + 2, 20.0)  # same interval: live only
+    await send_metrics(3, t0 + 10, 30.0)  # next interval: persisted
+    await send_metrics(4, t0, 10.0)  # a replay of the first: stored once
+
+    stored = await db(
+        lambda: list(
+            GpuSample.objects.filter(gpu_id=gpu.pk)
+            .order_by("at")
+            .values_list("at", "util_gpu")
+        )
+    )()
+    assert [(a.timestamp(), u) for a, u in stored] == [(t0, 10.0), (t0 + 10, 30.0)]
     gpu = await fetch(Gpu, gpu.pk)
-    assert gpu.latest["util_gpu"] == 87.0
-    assert gpu.latest_at is not None
+    assert gpu.latest["util_gpu"] == 30.0  # the replay did not overwrite the present
     await comm.disconnect()
 
 

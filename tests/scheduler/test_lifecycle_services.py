@@ -238,12 +238,50 @@ def test_it_rejects_a_started_from_another_node(
 # ------------------------------------------------------------------ finish_attempt
 
 
+def test_it_ends_a_job_stopped_at_its_time_limit_as_timeout(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    node = cluster[0]
+    job = JobFactory(owner=alice, time_limit_s=5400)
+    attempt = running(job, node)
+
+    services.finish_attempt(
+        node.pk, exited_data(attempt, 143, at=T0 + 60, reason="timeout")
+    )
+
+    job.refresh_from_db()
+    assert job.status == Job.Status.TIMEOUT
+    assert job.exit_code == 143
+    assert job.end_reason == "stopped at its time limit (1:30:00)"
+
+
+def test_it_requeues_a_job_the_agent_stopped_on_its_own(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    """An agent cut off from the portal may stop its jobs: a node problem, so the
+    job goes back to the queue instead of failing."""
+    node = cluster[0]
+    job = JobFactory(owner=alice)
+    attempt = running(job, node)
+    data = exited_data(attempt, 143, at=T0 + 60, reason="killed")
+    data = data.model_copy(update={"message": "agent cut off from the portal"})
+
+    services.finish_attempt(node.pk, data)
+
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING
+    assert job.end_reason == ""
+    assert "agent cut off from the portal" in job.events.last().message
+
+
 @pytest.mark.parametrize(
     ("exit_code", "reason", "status", "says"),
     [
         (0, "exited", Job.Status.COMPLETED, "completed (exit code 0)"),
         (3, "exited", Job.Status.FAILED, "failed with exit code 3"),
-        (137, "killed", Job.Status.FAILED, "failed with exit code 137"),
+        # The program was killed by something else than gpulab (e.g. the OOM
+        # killer): the user's failure.
+        (137, "exited", Job.Status.FAILED, "failed with exit code 137"),
     ],
 )
 def test_it_ends_a_job_by_its_exit(
