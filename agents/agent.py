@@ -5,9 +5,14 @@
   (base 1 s, cap 60 s, reset after the link stayed up 30 s). It retries forever: the
   jobs keep running, and the server's ``node_lost_after`` decides when they are lost.
 - ``reaper``: watches job directories; spools ``job.started``, ``job.log``,
-  ``job.exited`` (durable: on disk until the server acks them).
-- ``sampler`` / ``heartbeat``: live ``metrics`` and ``heartbeat`` frames, dropped while
-  disconnected.
+  ``job.exited`` (durable: on disk until the server acks them). It also stops a job at
+  its time limit (``time_limit_s`` after the start reported in ``job.started``, read
+  back from the job directory after a restart; reported as reason ``timeout``), and,
+  with ``kill_after_disconnect_s``, every job once the link has been down that long.
+- ``sampler`` / ``heartbeat``: live ``metrics`` and ``heartbeat`` frames. While
+  disconnected, heartbeats are dropped and one metrics frame every
+  ``spool_metrics_interval_s`` goes to the spool (capped at ``spool_max_bytes``, the
+  oldest samples dropped first), replayed with its original ``sampled_at``.
 
 SIGTERM/SIGINT set ``shutdown``; the agent closes the websocket and returns, never
 killing jobs (their shims run in their own sessions).
@@ -26,6 +31,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,7 +39,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
 from agents import protocol as p
-from agents.launcher import Job, Launcher, Outcome
+from agents.launcher import STOP_CUT_OFF, STOP_TIME_LIMIT, Job, Launcher, Outcome
 from agents.spool import SeqCounter, Spool
 from agents.statedir import StateDir, atomic_write, read_int
 
@@ -72,6 +78,13 @@ class Config:
     reap_interval_s: float = 0.25
     allow_root_jobs: bool = False
     hostname: str = ""
+    # Jobs without run_as run as this account when the agent is root.
+    default_account: str | None = None
+    # While disconnected: one metrics frame per this many seconds goes to the spool.
+    spool_metrics_interval_s: float = 10.0
+    spool_max_bytes: int = 64 * 1024 * 1024
+    # Stop every job once the link has been down this long (None: never).
+    kill_after_disconnect_s: float | None = None
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:
@@ -91,18 +104,28 @@ class Agent:
         self.shutdown = asyncio.Event()
         self.state = StateDir(config.state_dir)
         self.state.ensure()
-        self.launcher = Launcher(self.state, allow_root_jobs=config.allow_root_jobs)
-        self.spool = Spool(self.state.spool)
+        self.launcher = Launcher(
+            self.state,
+            allow_root_jobs=config.allow_root_jobs,
+            default_account=config.default_account,
+        )
+        self.spool = Spool(self.state.spool, max_bytes=config.spool_max_bytes)
         self.seq = SeqCounter(self.state.agent_json, floor=self.spool.max_seq)
         self.jobs: dict[int, Job] = {}
         self.done: dict[int, p.JobExitedData] = {}
         self.connected = False
+        self.down_since = time.monotonic()  # when the link last went down
+        # The first sample is spooled one interval after the link went down (a blip
+        # shorter than that spools nothing), then one per interval.
+        self._last_spooled_sample = self.down_since
         self._wake = asyncio.Event()
         self._live: list[tuple[int, str]] = []  # (seq, frame), sent in seq order
-        # Per connection: seq -> position in send order, and the durable ones sent.
-        # Only kept while durable frames are in flight, pruned on every ack.
+        # Per connection, only while durable frames are in flight (pruned on every
+        # ack): seq -> position in send order, and (position, seq, durable) of every
+        # frame sent since the oldest unacked durable one, in send order.
         self._sent_pos: dict[int, int] = {}
-        self._sent_durable: list[tuple[int, int]] = []
+        self._sent: deque[tuple[int, int, bool]] = deque()
+        self._in_flight = 0  # durable frames sent on this connection, not acked
         self._send_count = 0
         self._recover()
 
@@ -221,12 +244,16 @@ class Agent:
         if pos is None:
             log.debug("ack %d for a frame not sent on this connection", seq)
             return
-        acked = [s for i, s in self._sent_durable if i <= pos]
-        self._sent_durable = [(i, s) for i, s in self._sent_durable if i > pos]
-        if self._sent_durable:
-            self._sent_pos = {s: i for s, i in self._sent_pos.items() if i > pos}
-        else:
-            self._sent_pos = {}
+        acked: list[int] = []
+        while self._sent and self._sent[0][0] <= pos:
+            _, sent_seq, durable = self._sent.popleft()
+            self._sent_pos.pop(sent_seq, None)
+            if durable:
+                acked.append(sent_seq)
+        self._in_flight -= len(acked)
+        if not self._in_flight:
+            self._sent.clear()
+            self._sent_pos.clear()
         for msg in self.spool.remove(acked):
             if msg["type"] == "job.exited":
                 self._forget(msg["data"]["attempt_id"], msg["seq"])
@@ -338,11 +365,45 @@ class Agent:
             self._report_started(job)
         outcome = self.launcher.poll(job)
         if outcome is None:
+            self._enforce_time_limit(job)
             self._ship_log(job, final=False)
             return
         job.outcome = outcome
         self._ship_log(job, final=True)
         self._report_exit(job, outcome)
+
+    def _enforce_time_limit(self, job: Job) -> None:
+        deadline = job.deadline
+        if deadline is None or time.time() < deadline or job.stopping:
+            return
+        log.info(
+            "attempt %d: time limit of %s s reached, stopping it (grace %d s)",
+            job.attempt_id,
+            job.time_limit_s,
+            job.grace_s,
+        )
+        self.launcher.kill(job, job.grace_s, STOP_TIME_LIMIT)
+
+    def _enforce_cut_off(self) -> None:
+        limit = self.config.kill_after_disconnect_s
+        if limit is None or self.connected:
+            return
+        if time.monotonic() - self.down_since < limit:
+            return
+        for job in self.running():
+            if job.stopping:
+                continue
+            log.warning(
+                "attempt %d: cut off from the portal for %g s, stopping it",
+                job.attempt_id,
+                limit,
+            )
+            self.launcher.kill(
+                job,
+                job.grace_s,
+                STOP_CUT_OFF,
+                f"agent cut off from the portal for {limit:g} s",
+            )
 
     async def reaper(self) -> None:
         while True:
@@ -351,6 +412,10 @@ class Agent:
                     self._reap(job)
                 except OSError as exc:
                     log.warning("attempt %d: reaper: %s", job.attempt_id, exc)
+            try:
+                self._enforce_cut_off()
+            except OSError as exc:
+                log.warning("stopping jobs after a cut-off: %s", exc)
             self.launcher.reap_children()
             await asyncio.sleep(self.config.reap_interval_s)
 
@@ -385,12 +450,26 @@ class Agent:
         while True:
             owner = self._owner_lookup()
             gpus = await asyncio.to_thread(self.reader.sample, owner)
-            self._send_live(p.Metrics, p.MetricsData(sampled_at=time.time(), gpus=gpus))
+            data = p.MetricsData(sampled_at=time.time(), gpus=gpus)
+            if self.connected:
+                self._send_live(p.Metrics, data)
+            else:
+                self._spool_sample(data)
             next_at += interval
             now = time.monotonic()
             if next_at < now:  # fell behind: skip, keep the cadence
                 next_at = now + interval
             await asyncio.sleep(next_at - now)
+
+    def _spool_sample(self, data: p.MetricsData) -> None:
+        """While disconnected: keep one sample every ``spool_metrics_interval_s``."""
+        now = time.monotonic()
+        if now - self._last_spooled_sample < self.config.spool_metrics_interval_s:
+            return
+        self._last_spooled_sample = now
+        seq, frame = self._frame(p.Metrics, data)
+        self.spool.append(seq, frame, droppable=True)
+        self._wake.set()
 
     async def heartbeat(self) -> None:
         while True:
@@ -420,9 +499,10 @@ class Agent:
         pos = self._send_count
         self._send_count += 1
         if durable:
-            self._sent_durable.append((pos, seq))
-        if self._sent_durable:  # an ack for this frame may cover durable ones
+            self._in_flight += 1
+        if self._in_flight:  # an ack for this frame may cover durable ones
             self._sent_pos[seq] = pos
+            self._sent.append((pos, seq, durable))
         await ws.send(frame)
 
     async def _sender(self, ws: ClientConnection) -> None:
@@ -462,7 +542,9 @@ class Agent:
 
     async def _session(self, ws: ClientConnection) -> None:
         """Send and receive until either side fails or the server closes."""
-        self._sent_pos, self._sent_durable, self._live = {}, [], []
+        self._sent_pos, self._live = {}, []
+        self._sent.clear()
+        self._in_flight = 0
         self._send_count = 0
         self.connected = True
         tasks = [
@@ -475,6 +557,7 @@ class Agent:
                 task.result()  # re-raise what ended the session
         finally:
             self.connected = False
+            self.down_since = self._last_spooled_sample = time.monotonic()
             for task in tasks:
                 task.cancel()
             for task in tasks:

@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # ``python -m agents.shim`` imports this very code.
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
+# Reasons the agent itself writes in ``stop`` (besides the server's KillReason), and
+# how the exit is then reported: (reason in job.exited, message).
+STOP_TIME_LIMIT = "time_limit"
+STOP_CUT_OFF = "cut_off"
+
 
 @dataclass
 class Outcome:
@@ -56,6 +61,8 @@ class Job:
     dir: Path
     gpu_uuids: list[str]
     env: dict[str, str]
+    time_limit_s: int | None = None
+    grace_s: int = 30
     shim_pid: int | None = None
     shim_start: str | None = None
     outcome: Outcome | None = None
@@ -71,6 +78,23 @@ class Job:
         return (self.dir / "started").exists()
 
     @property
+    def started_at(self) -> float | None:
+        """The start reported in job.started (wall clock), None before it."""
+        text = read_text(self.dir / "started")
+        try:
+            return float(text.split()[0]) if text else None
+        except (ValueError, IndexError):
+            return None
+
+    @property
+    def deadline(self) -> float | None:
+        """Wall-clock time at which the job's time limit is reached, if it has one."""
+        if self.time_limit_s is None:
+            return None
+        started_at = self.started_at
+        return None if started_at is None else started_at + self.time_limit_s
+
+    @property
     def stopping(self) -> bool:
         return (self.dir / "stop").exists()
 
@@ -78,9 +102,17 @@ class Job:
 class Launcher:
     """Creates job directories, starts shims, signals them, reads their results."""
 
-    def __init__(self, state: StateDir, *, allow_root_jobs: bool = False) -> None:
+    def __init__(
+        self,
+        state: StateDir,
+        *,
+        allow_root_jobs: bool = False,
+        default_account: str | None = None,
+    ) -> None:
         self.state = state
         self.allow_root_jobs = allow_root_jobs
+        # Account for jobs that name no run_as when the agent runs as root.
+        self.default_account = default_account
         self._children: list[subprocess.Popen[bytes]] = []
 
     # ------------------------------------------------------------ launching
@@ -94,12 +126,13 @@ class Launcher:
            written to ``launch_error`` and reported like any other ending;
         3. start the shim in its own session and record its pid + start time.
         """
+        if data.run_as is None and self.default_account and os.geteuid() == 0:
+            # Recorded in spec.json: the shim (and a restarted agent) read it there.
+            data = data.model_copy(update={"run_as": self.default_account})
         job_dir = self.state.job_dir(data.attempt_id)
         job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         atomic_write(job_dir / "spec.json", data.model_dump_json())
-        job = Job(
-            data.attempt_id, data.job_id, job_dir, list(data.gpu_uuids), dict(data.env)
-        )
+        job = _job_from_spec(data, job_dir)
         try:
             self._preflight(data)
             env = dict(os.environ)
@@ -137,19 +170,29 @@ class Launcher:
 
     def _preflight(self, data: JobLaunchData) -> None:
         check_workdir(data.workdir)
-        resolve_user(data.run_as)
-        if os.geteuid() == 0 and data.run_as is None and not self.allow_root_jobs:
+        account = resolve_user(data.run_as)
+        if os.geteuid() != 0 or self.allow_root_jobs:
+            return
+        if data.run_as is None:
             raise LaunchError(
                 "refusing to run a job as root: the job names no run_as account"
+                " (start the agent with --default-account USER to run such jobs as"
+                " USER, or --allow-root-jobs to permit root)"
+            )
+        if account is None:  # run_as names an account with uid 0
+            raise LaunchError(
+                f"refusing to run a job as root: run_as {data.run_as!r} has uid 0"
                 " (start the agent with --allow-root-jobs to permit this)"
             )
 
     # ------------------------------------------------------------ stopping
 
-    def kill(self, job: Job, grace_s: int, reason: str) -> None:
-        """Write ``stop`` (grace + reason), then SIGTERM the shim."""
+    def kill(self, job: Job, grace_s: int, reason: str, message: str = "") -> None:
+        """Write ``stop`` (grace, reason, message), then SIGTERM the shim."""
         if not job.stopping:
-            atomic_write(job.dir / "stop", f"{grace_s} {reason}\n")
+            atomic_write(
+                job.dir / "stop", f"{grace_s} {reason} {message}".strip() + "\n"
+            )
         # Before ``pgid`` exists the shim may not have its SIGTERM handler yet (the
         # signal would kill it without an exit code); it polls the stop file instead.
         if (
@@ -174,16 +217,32 @@ class Launcher:
             return Outcome(None, "launch_failed", error.strip()[:4000])
         code = read_int(job.dir / "exit_code")
         if code is not None:
-            return Outcome(code, "killed" if job.stopping else "exited")
+            return self._ended(job, code)
         if job.shim_pid is None or not process_alive(job.shim_pid, job.shim_start):
             # The shim may have written its result just before exiting.
             code = read_int(job.dir / "exit_code")
             if code is not None:
-                return Outcome(code, "killed" if job.stopping else "exited")
+                return self._ended(job, code)
             if (job.dir / "launch_error").exists():
                 return self.poll(job)
             return Outcome(None, "lost", "the job's shim ended without an exit code")
         return None
+
+    @staticmethod
+    def _ended(job: Job, code: int) -> Outcome:
+        """The outcome of a command that exited with ``code``: why it stopped."""
+        stop = read_text(job.dir / "stop")
+        if stop is None:
+            return Outcome(code, "exited")
+        parts = stop.split()
+        reason = parts[1] if len(parts) > 1 else ""
+        if reason == STOP_TIME_LIMIT:
+            return Outcome(
+                code, "timeout", f"time limit of {job.time_limit_s} s reached"
+            )
+        if reason == STOP_CUT_OFF:
+            return Outcome(code, "killed", " ".join(parts[2:]))
+        return Outcome(code, "killed")
 
     def scan(self) -> list[Job]:
         """Rebuild the jobs from their directories (after an agent restart)."""
@@ -200,9 +259,7 @@ class Launcher:
             except (OSError, ValueError) as exc:
                 log.warning("ignoring job directory %s: %s", job_dir, exc)
                 continue
-            job = Job(
-                spec.attempt_id, spec.job_id, job_dir, list(spec.gpu_uuids), spec.env
-            )
+            job = _job_from_spec(spec, job_dir)
             pid_text = read_text(job_dir / "shim.pid")
             if pid_text:
                 parts = pid_text.split()
@@ -216,3 +273,15 @@ class Launcher:
     def read_spec(job: Job) -> dict[str, object]:
         data: dict[str, object] = json.loads((job.dir / "spec.json").read_text())
         return data
+
+
+def _job_from_spec(spec: JobLaunchData, job_dir: Path) -> Job:
+    return Job(
+        spec.attempt_id,
+        spec.job_id,
+        job_dir,
+        list(spec.gpu_uuids),
+        dict(spec.env),
+        time_limit_s=spec.time_limit_s,
+        grace_s=spec.grace_s,
+    )

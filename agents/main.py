@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import pwd
 import signal
 import socket
 import sys
@@ -71,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server", required=True, help="ws://HOST:PORT[/ws/agent/]")
     ap.add_argument("--token-file", help="file holding the node token")
     ap.add_argument(
-        "--simulate", metavar="SPEC", help="simulate GPUs, e.g. 4xA100-80GB[:nvlink]"
+        "--simulate",
+        metavar="SPEC",
+        help="simulate GPUs: a node spec (4xA100-80GB[:nvlink]) or a .json/.yaml"
+        " file with GPUs and faults (see agents/simulate.py)",
     )
     ap.add_argument(
         "--state-dir",
@@ -88,8 +92,50 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="when the agent runs as root, allow jobs without run_as to run as root",
     )
+    ap.add_argument(
+        "--default-account",
+        metavar="USER",
+        help="when the agent runs as root, run jobs that name no run_as as USER",
+    )
+    ap.add_argument(
+        "--spool-metrics-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="while disconnected, spool one metrics sample every S seconds (10)",
+    )
+    ap.add_argument(
+        "--spool-max-mb",
+        type=float,
+        default=64.0,
+        metavar="MB",
+        help="spool size cap; the oldest metric samples are dropped first (64)",
+    )
+    ap.add_argument(
+        "--kill-after-disconnect",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop every job once the portal has been unreachable for S seconds"
+        " (default: never)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap
+
+
+def check_account(name: str | None) -> None:
+    if name is None:
+        return
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        raise ConfigError(
+            f"--default-account: unknown Unix account {name!r} on this node"
+        ) from None
+    if account.pw_uid == 0:
+        raise ConfigError(
+            f"--default-account {name!r} is root; use --allow-root-jobs instead"
+        )
 
 
 def make_reader(
@@ -129,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = read_token(args.token_file)
         url = server_url(args.server)
+        check_account(args.default_account)
+        if args.spool_max_mb <= 0 or args.spool_metrics_interval < 0:
+            raise ConfigError(
+                "--spool-max-mb must be > 0 and --spool-metrics-interval >= 0"
+            )
+        if args.kill_after_disconnect is not None and args.kill_after_disconnect <= 0:
+            raise ConfigError("--kill-after-disconnect must be > 0 seconds")
         reader, sim = make_reader(args.simulate, hostname)
     except ConfigError as exc:
         log.error("%s", exc)
@@ -143,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         backoff_cap_s=args.backoff_cap,
         allow_root_jobs=args.allow_root_jobs,
         hostname=hostname,
+        default_account=args.default_account,
+        spool_metrics_interval_s=args.spool_metrics_interval,
+        spool_max_bytes=int(args.spool_max_mb * 1024 * 1024),
+        kill_after_disconnect_s=args.kill_after_disconnect,
     )
 
     async def run() -> None:

@@ -3,15 +3,20 @@
 Layout (``--state-dir``, default ``$GPULAB_STATE_DIR/agent`` or ``/var/lib/gpulab-agent``)::
 
     agent.json              {"seq_lease": N}: seqs below N may have been used
-    spool.jsonl             unacked durable frames, one JSON envelope a line
+    spool.jsonl             unacked durable frames, one JSON envelope a line (job
+                            lifecycle, logs, and metrics sampled while disconnected)
+    spool.jsonl.acked       seqs acked since spool.jsonl was last compacted
     jobs/<attempt_id>/      one directory per launched attempt (the registry)
         spec.json           the job.launch data, written before the shim starts
+                            (run_as filled in from --default-account; time_limit_s)
         shim.pid            "<pid> <start time from /proc/<pid>/stat>"
         pgid                process group of the user's command
-        started             present once job.started was spooled
+        started             started_at of job.started (wall clock), once spooled;
+                            with time_limit_s it gives the deadline after a restart
         log_offset          bytes of output.log already spooled as job.log
         output.log          the command's stdout and stderr
-        stop                "<grace_s> <reason>", written by the agent to kill
+        stop                "<grace_s> <reason> [message]", written by the agent to
+                            kill (reason time_limit / cut_off: the agent's own)
         exit_code           written last by the shim, atomically
         launch_error        why the shim could not start the command
 """

@@ -20,9 +20,13 @@ if str(ROOT) not in sys.path:
 from agents.protocol import parse_agent_message  # noqa: E402
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
+
+    from agents.agent import Agent
 
 DURABLE = {"job.started", "job.exited", "job.log"}
+# What the portal acks: the durable frames and metrics (spooled while disconnected).
+ACKED = DURABLE | {"metrics"}
 
 
 def wait_until(
@@ -56,8 +60,8 @@ class Portal:
     """A loopback websocket server playing the portal's side of the protocol.
 
     Every frame is validated with ``parse_agent_message`` and recorded with the
-    number of the connection it came on. Durable frames are acked with their own seq
-    while ``acking`` is True.
+    number of the connection it came on. Durable frames and metrics are acked with
+    their own seq while ``acking`` is True, as the real server does.
     """
 
     def __init__(self) -> None:
@@ -98,7 +102,7 @@ class Portal:
                 frame = json.loads(raw)
                 frame["conn"] = number
                 self.frames.append(frame)
-                if self.acking and frame["type"] in DURABLE:
+                if self.acking and frame["type"] in ACKED:
                     await self.send("ack", {"seq": frame["seq"]})
 
     async def send(self, type_: str, data: dict[str, Any]) -> None:
@@ -141,3 +145,37 @@ def launch_data(
     }
     data.update(extra)
     return data
+
+
+def make_agent(url: str, state_dir: Path, **overrides: Any) -> Agent:
+    """An in-process agent over a simulated 2-GPU node, with test-speed timings."""
+    from agents.agent import Agent, Config
+    from agents.nvml import NvmlReader
+    from agents.simulate import SimNvml
+    from agents.spec import parse_node_spec
+
+    sim = SimNvml(parse_node_spec("2xA100-80GB"), hostname="node-t")
+    settings: dict[str, Any] = {
+        "heartbeat_s": 0.2,
+        "sample_interval_s": 0.1,
+        "backoff_base_s": 0.05,
+        "backoff_cap_s": 0.2,
+        "reap_interval_s": 0.05,
+        "allow_root_jobs": True,
+        "hostname": "node-t",
+    }
+    settings.update(overrides)
+    config = Config(
+        server=url + "/ws/agent/", token="tok-123", state_dir=state_dir, **settings
+    )
+    return Agent(config, NvmlReader(sim), sim)
+
+
+@contextlib.asynccontextmanager
+async def running(agent: Agent) -> AsyncIterator[Agent]:
+    task = asyncio.create_task(agent.run())
+    try:
+        yield agent
+    finally:
+        agent.shutdown.set()
+        await asyncio.wait_for(task, 5)
