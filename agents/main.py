@@ -3,7 +3,7 @@
 The token comes from ``--token-file`` or ``GPULAB_AGENT_TOKEN``, never from the
 command line (``ps`` would show it), and is never logged. Exit codes: 0 after a
 SIGTERM/SIGINT shutdown, 2 for a configuration problem (no token, no NVIDIA driver
-without ``--simulate``, bad spec).
+without ``--simulate``, bad spec or simulation file, unknown --default-account).
 """
 
 from __future__ import annotations
@@ -144,14 +144,14 @@ def make_reader(
     from agents.nvml import NvmlReader, NvmlUnavailable
 
     if simulate:
-        from agents.simulate import SimNvml
-        from agents.spec import SpecError, parse_node_spec
+        from agents.simulate import SimNvml, load_simulation
+        from agents.spec import SpecError
 
         try:
-            spec = parse_node_spec(simulate)
+            spec, faults = load_simulation(simulate)
         except SpecError as exc:
             raise ConfigError(f"--simulate: {exc}") from None
-        sim = SimNvml(spec, hostname=hostname)
+        sim = SimNvml(spec, hostname=hostname, faults=faults)
         return NvmlReader(sim), sim
     import pynvml  # type: ignore[import-untyped]
 

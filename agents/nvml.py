@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import pynvml  # type: ignore[import-untyped]
 
-from agents.protocol import GpuInfo, GpuSample, ProcessSample
+from agents.protocol import GpuInfo, GpuSample, ProcessSample, TopologyLink
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,15 @@ class NvmlReader:
         self.cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
         count = nvml.nvmlDeviceGetCount()
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        self.uuids = [
-            self._opt(lambda: _text(nvml.nvmlDeviceGetUUID(h))) or f"GPU-unknown-{i}"
-            for i, h in enumerate(self.handles)
-        ]
+        self.uuids = [self._uuid(i, h) for i, h in enumerate(self.handles)]
+
+    def _uuid(self, index: int, handle: object) -> str:
+        try:
+            uuid = self._opt(lambda: _text(self.nvml.nvmlDeviceGetUUID(handle)))
+        except GpuLost:
+            log.warning("GPU %d is lost (fell off the bus) at startup", index)
+            uuid = None
+        return uuid or f"GPU-unknown-{index}"
 
     def close(self) -> None:
         try:
@@ -118,8 +123,9 @@ class NvmlReader:
                 mem = self._opt(lambda: nvml.nvmlDeviceGetMemoryInfo(h).total)
                 mig = self._opt(lambda: nvml.nvmlDeviceGetMigMode(h))
                 peers = self._nvlink_peers(h, bus_ids)
+                topology = self._topology(i, h)
             except GpuLost:
-                name, mem, mig, peers = None, None, None, set()
+                name, mem, mig, peers, topology = None, None, None, set(), []
             infos.append(
                 GpuInfo(
                     index=i,
@@ -127,10 +133,31 @@ class NvmlReader:
                     name=name or "unknown GPU",
                     memory_total_mib=max(1, int(mem // MIB)) if mem else 1,
                     nvlink_peers=sorted(p for p in peers if p != i),
+                    topology=topology,
                     mig_enabled=bool(mig and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE),
                 )
             )
         return infos
+
+    def _topology(self, index: int, handle: object) -> list[TopologyLink]:
+        """Common-ancestor level to every other GPU; unsupported -> no entries."""
+        links = []
+        for peer, other in enumerate(self.handles):
+            if peer == index:
+                continue
+            try:
+                level = self.nvml.nvmlDeviceGetTopologyCommonAncestor(handle, other)
+            except pynvml.NVMLError_NotSupported:
+                return []
+            except pynvml.NVMLError_GpuIsLost:
+                continue  # the peer is lost (this GPU's own loss shows elsewhere)
+            except pynvml.NVMLError as e:
+                self.errors += 1
+                log.debug("NVML topology read failed: %s", e)
+                continue
+            if 0 <= int(level) <= 100:
+                links.append(TopologyLink(peer=peer, level=int(level)))
+        return links
 
     def _nvlink_peers(self, handle: object, bus_ids: dict[str, int]) -> set[int]:
         nvml = self.nvml

@@ -14,26 +14,56 @@ Model (deterministic; time comes from ``clock``):
 - temperature = 30 C + 0.5 C per util point; power = idle 50 W rising linearly to the
   power limit at 100 %; the energy counter integrates power over clock time.
 
-Tests inject faults with ``lost`` (indexes that raise GpuIsLost) and ``unsupported``
-(names of functions that raise NotSupported).
+- topology (``nvmlDeviceGetTopologyCommonAncestor``), by index: GPUs 2k and 2k+1 share
+  one PCIe switch (level 10, SINGLE), GPUs in the same group of four sit under
+  multiple switches (20, MULTIPLE), the rest of the same half of the node (halves of
+  at least four GPUs) is on the same NUMA node (40, NODE), the other half is across
+  the CPU interconnect (50, SYSTEM); e.g. on 8 GPUs: 0-1 10, 0-2 20, 0-4 50. NVLink (``:nvlink``: every GPU linked to every other) does not change
+  these PCIe levels; it is reported as ``nvlink_peers``.
+
+Faults: tests set ``lost`` (indexes that raise GpuIsLost) and ``unsupported`` (names
+of functions that raise NotSupported); a simulation file schedules them.
+
+Simulation file (``--simulate node.json`` or ``node.yaml``; YAML needs PyYAML)::
+
+    {"gpus": {"count": 4, "model": "A100", "memory_gb": 80},   # or memory_mib;
+     "nvlink": false,                                         # default: from model
+     "faults": {
+       "gpu_lost": [{"index": 1, "at": 30}],
+       "ecc_errors": [{"index": 0, "at": 10, "count": 3}],
+       "unsupported": ["nvmlDeviceGetTotalEnergyConsumption"]}}
+
+``at`` is seconds after the simulator started (the agent's start). From then a lost
+GPU raises NVMLError_GpuIsLost for every call (samples say ``lost``); an ECC fault
+adds ``count`` to the GPU's uncorrected volatile ECC counter; an unsupported function
+raises NVMLError_NotSupported for every GPU (the field is absent, None).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import pynvml  # type: ignore[import-untyped]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agents.spec import (
+    MAX_GPUS_PER_NODE,
+    NodeSpec,
+    SpecError,
+    model_memory_mib,
+    parse_node_spec,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from agents.spec import NodeSpec
 
 MIB = 1024 * 1024
 IDLE_MEM_MIB = 256
@@ -94,6 +124,167 @@ def _env_number(env: dict[str, str], name: str, default: float) -> float:
         return default
 
 
+# ---------------------------------------------------------------- simulation files
+
+
+class _FileModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+
+
+class _GpusSection(_FileModel):
+    count: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
+    model: Annotated[str, Field(min_length=1, max_length=64)]
+    memory_gb: Annotated[int, Field(ge=1)] | None = None
+    memory_mib: Annotated[int, Field(ge=1)] | None = None
+
+
+class _LostFault(_FileModel):
+    index: NonNegInt
+    at: Seconds = 0.0
+
+
+class _EccFault(_FileModel):
+    index: NonNegInt
+    at: Seconds = 0.0
+    count: Annotated[int, Field(ge=1)] = 1
+
+
+class _FaultsSection(_FileModel):
+    gpu_lost: list[_LostFault] = []
+    ecc_errors: list[_EccFault] = []
+    unsupported: list[str] = []
+
+
+class _SimFile(_FileModel):
+    gpus: _GpusSection
+    nvlink: bool = False
+    faults: _FaultsSection = _FaultsSection()
+
+
+@dataclass
+class SimFaults:
+    """Faults scheduled in seconds after the simulator starts."""
+
+    gpu_lost: dict[int, float] = field(default_factory=dict)  # index -> at
+    ecc_errors: list[tuple[int, float, int]] = field(default_factory=list)
+    unsupported: set[str] = field(default_factory=set)
+
+
+SIM_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def is_sim_file(value: str) -> bool:
+    """``--simulate`` names a file (not a node spec)."""
+    return value.lower().endswith(SIM_FILE_SUFFIXES) or Path(value).is_file()
+
+
+def _load_document(path: Path) -> object:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # type: ignore[import-untyped,unused-ignore]
+        except ImportError:
+            raise SpecError(
+                f"{path}: reading YAML needs PyYAML (pip install pyyaml);"
+                " or write the file as JSON"
+            ) from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError(
+                f"{path} is not valid YAML: {' '.join(str(exc).split())}"
+            ) from None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise SpecError(f"{path} is not valid JSON: {exc}") from None
+
+
+def load_sim_file(path: str | Path) -> tuple[NodeSpec, SimFaults]:
+    """Read a simulation file (format in the module docstring). Raises ``SpecError``
+    naming the file and what is wrong."""
+    path = Path(path)
+    doc = _load_document(path)
+    if not isinstance(doc, dict):
+        raise SpecError(f"{path}: expected a mapping with a 'gpus' section at the top")
+    try:
+        sim = _SimFile.model_validate(doc)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err["loc"]) or "(file)"
+            parts.append(f"{loc}: {err['msg']}")
+        raise SpecError(f"{path}: " + "; ".join(parts)) from None
+    g = sim.gpus
+    if g.memory_gb is not None and g.memory_mib is not None:
+        raise SpecError(f"{path}: gpus: give memory_gb or memory_mib, not both")
+    if g.memory_mib is not None:
+        memory = g.memory_mib
+    elif g.memory_gb is not None:
+        memory = g.memory_gb * 1024
+    else:
+        try:
+            memory = model_memory_mib(g.model)
+        except SpecError as exc:
+            raise SpecError(f"{path}: gpus.model: {exc} (or set memory_gb)") from None
+    indexed: list[tuple[str, int]] = [
+        (f"gpu_lost.{n}", f.index) for n, f in enumerate(sim.faults.gpu_lost)
+    ] + [(f"ecc_errors.{n}", f.index) for n, f in enumerate(sim.faults.ecc_errors)]
+    for where, index in indexed:
+        if index >= g.count:
+            raise SpecError(
+                f"{path}: faults.{where}.index: GPU {index} does not exist"
+                f" (the node has {g.count} GPUs, 0-{g.count - 1})"
+            )
+    for name in sim.faults.unsupported:
+        if not (name.startswith("nvml") and callable(getattr(SimNvml, name, None))):
+            raise SpecError(
+                f"{path}: faults.unsupported: {name!r} is not an NVML function the"
+                " simulator provides"
+            )
+    lost: dict[int, float] = {}
+    for f in sim.faults.gpu_lost:
+        lost[f.index] = min(f.at, lost.get(f.index, f.at))
+    faults_out = SimFaults(
+        gpu_lost=lost,
+        ecc_errors=[(f.index, f.at, f.count) for f in sim.faults.ecc_errors],
+        unsupported=set(sim.faults.unsupported),
+    )
+    return NodeSpec(g.count, g.model, memory, sim.nvlink), faults_out
+
+
+def load_simulation(value: str) -> tuple[NodeSpec, SimFaults]:
+    """``--simulate``: a node spec or a simulation file. Raises ``SpecError``."""
+    if is_sim_file(value):
+        return load_sim_file(value)
+    return parse_node_spec(value), SimFaults()
+
+
+def topology_level(a: int, b: int, count: int) -> int:
+    """NVML common-ancestor level between GPUs ``a`` and ``b`` of a ``count``-GPU
+    simulated node (the model in the module docstring)."""
+    half = max(4, (count + 1) // 2)
+    if a == b:
+        return int(pynvml.NVML_TOPOLOGY_INTERNAL)
+    if a // 2 == b // 2:
+        return int(pynvml.NVML_TOPOLOGY_SINGLE)
+    if a // 4 == b // 4:
+        return int(pynvml.NVML_TOPOLOGY_MULTIPLE)
+    if a // half == b // half:
+        return int(pynvml.NVML_TOPOLOGY_NODE)
+    return int(pynvml.NVML_TOPOLOGY_SYSTEM)
+
+
+# ---------------------------------------------------------------- the simulator
+
+
 class SimNvml:
     """Module-like stand-in for ``pynvml`` describing the node ``spec``."""
 
@@ -102,12 +293,15 @@ class SimNvml:
         spec: NodeSpec,
         hostname: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        faults: SimFaults | None = None,
     ) -> None:
         self.spec = spec
         self.hostname = hostname or socket.gethostname()
         self.clock = clock
+        self.started = clock()
+        self.faults = faults or SimFaults()
         self.lost: set[int] = set()
-        self.unsupported: set[str] = set()
+        self.unsupported: set[str] = set(self.faults.unsupported)
         self.initialized = False
         self._lock = threading.RLock()
         now = clock()
@@ -165,9 +359,13 @@ class SimNvml:
             raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
         if fn in self.unsupported:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if handle.index in self.lost:
+        if handle.index in self.lost or self._lost_by_fault(handle.index):
             raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._gpus[handle.index]
+
+    def _lost_by_fault(self, index: int) -> bool:
+        at = self.faults.gpu_lost.get(index)
+        return at is not None and self.clock() - self.started >= at
 
     # ------------------------------------------------------------ pynvml API
 
@@ -244,8 +442,20 @@ class SimNvml:
             return int(self._util(gpu) * 100)
 
     def nvmlDeviceGetTotalEccErrors(self, h: _Handle, kind: int, counter: int) -> int:
-        self._gpu(h, "nvmlDeviceGetTotalEccErrors")
-        return 0
+        gpu = self._gpu(h, "nvmlDeviceGetTotalEccErrors")
+        if not self.faults.ecc_errors:
+            return 0
+        elapsed = self.clock() - self.started
+        return sum(
+            count
+            for index, at, count in self.faults.ecc_errors
+            if index == gpu.index and elapsed >= at
+        )
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, h1: _Handle, h2: _Handle) -> int:
+        a = self._gpu(h1, "nvmlDeviceGetTopologyCommonAncestor")
+        b = self._gpu(h2, "nvmlDeviceGetTopologyCommonAncestor")
+        return topology_level(a.index, b.index, self.spec.gpus)
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h: _Handle) -> int:
         gpu = self._gpu(h, "nvmlDeviceGetTotalEnergyConsumption")
