@@ -36,6 +36,16 @@ def parse_duration(text: str) -> int | None:
     return parts["d"] * 86400 + parts["h"] * 3600 + parts["m"] * 60 + parts["s"]
 
 
+def format_duration(seconds: int) -> str:
+    """The exact inverse of ``parse_duration``: 5400 -> '1h30m', 90061 -> '1d1h1m1s'."""
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        count, seconds = divmod(seconds, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts) or "0s"
+
+
 def parse_memory_mib(text: str) -> int | None:
     """'12G', '12GB', '16GiB', '512M', '2048' (MiB) -> MiB."""
     text = text.strip()
@@ -108,6 +118,18 @@ class JobForm(forms.Form):
         max_length=128,
         help_text="Model family, e.g. resnet50-bs64 (helps predictions).",
     )
+    kill_grace = forms.CharField(
+        label="Stop grace",
+        required=False,
+        help_text="Time between SIGTERM and SIGKILL when the job is stopped, "
+        "e.g. 30s, 2m. Empty: the default.",
+    )
+    on_node_loss = forms.ChoiceField(
+        label="If its node is lost",
+        choices=[("requeue", "requeue the job"), ("fail", "fail the job")],
+        initial="requeue",
+        required=False,  # absent: requeue
+    )
     env = forms.CharField(
         label="Environment",
         required=False,
@@ -134,6 +156,12 @@ class JobForm(forms.Form):
     def clean_time_limit(self) -> int | None:
         return parse_duration(self.cleaned_data["time_limit"])
 
+    def clean_kill_grace(self) -> int | None:
+        text = self.cleaned_data["kill_grace"].strip().lower()
+        if text.isdigit():
+            return int(text)  # plain seconds here, unlike time limits
+        return parse_duration(text)
+
     def clean_env(self) -> dict[str, str]:
         return parse_env(self.cleaned_data["env"])
 
@@ -151,10 +179,13 @@ class JobForm(forms.Form):
             shareable=data["shareable"],
             workload=data["workload"],
             group=data["group"],
+            kill_grace_s=data["kill_grace"],
+            requeue_on_node_loss=data["on_node_loss"] != "fail",
         )
 
     # Service field names -> form field names.
     FIELD_MAP: ClassVar[dict[str, str]] = {
+        "kill_grace_s": "kill_grace",
         "gpu_memory_mib": "gpu_memory",
         "time_limit_s": "time_limit",
     }

@@ -128,6 +128,8 @@ class JobRequest:
     shareable: bool = False
     workload: str = ""
     group: str = ""
+    kill_grace_s: int | None = None  # None: GPULAB_KILL_GRACE
+    requeue_on_node_loss: bool = True
 
 
 def cluster_capacity() -> tuple[int, int, int]:
@@ -149,7 +151,10 @@ def cluster_capacity() -> tuple[int, int, int]:
     return (max(counts, default=0), sum(counts), largest_mem or 0)
 
 
-def validate_job_request(req: JobRequest) -> dict[str, Any]:
+MAX_KILL_GRACE_S = 3600
+
+
+def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
     """Check a request; return the cleaned fields or raise a field-keyed
     ``ValidationError`` naming every problem."""
     errors: dict[str, str] = {}
@@ -174,7 +179,9 @@ def validate_job_request(req: JobRequest) -> dict[str, Any]:
             "Put long scripts in a file and run that file."
         )
 
-    workdir = req.workdir.strip() or settings.GPULAB_DEFAULT_WORKDIR
+    workdir = req.workdir.strip() or settings.GPULAB_DEFAULT_WORKDIR.replace(
+        "{user}", username
+    )
     if problem := _bad_text(workdir, allow_newlines=False):
         errors["workdir"] = f"The working directory {problem}."
     elif not PurePosixPath(workdir).is_absolute():
@@ -243,6 +250,12 @@ def validate_job_request(req: JobRequest) -> dict[str, Any]:
     elif len(workload) > 128:
         errors["workload"] = "The workload label is longer than 128 characters."
 
+    grace = settings.GPULAB_KILL_GRACE if req.kill_grace_s is None else req.kill_grace_s
+    if not 0 <= grace <= MAX_KILL_GRACE_S:
+        errors["kill_grace_s"] = (
+            f"The grace period must be between 0 and {MAX_KILL_GRACE_S} seconds."
+        )
+
     if errors:
         raise ValidationError(errors)
     assert pclass is not None and time_limit is not None
@@ -257,6 +270,8 @@ def validate_job_request(req: JobRequest) -> dict[str, Any]:
         "priority_class": pclass.name,
         "shareable": req.shareable,
         "workload": workload,
+        "kill_grace_s": grace,
+        "requeue_on_node_loss": req.requeue_on_node_loss,
     }
 
 
@@ -285,13 +300,12 @@ def _charge_group(user: User, name: str) -> Group:
 
 def submit_job(owner: User, req: JobRequest) -> Job:
     """Validate and store a new PENDING job, then ask for a scheduling pass."""
-    fields = validate_job_request(req)
+    fields = validate_job_request(req, owner.get_username())
     with transaction.atomic():
         group = _charge_group(owner, req.group)
         job = Job.objects.create(
             owner=owner,
             group=group,
-            kill_grace_s=settings.GPULAB_KILL_GRACE,
             pending_message="waiting for the scheduler",
             **fields,
         )

@@ -12,7 +12,7 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from portal.forms import JobForm
+from portal.forms import JobForm, format_duration
 from scheduler import services
 from scheduler.models import Allocation, Job
 
@@ -61,11 +61,13 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
                 "workdir": src.workdir,
                 "gpus": src.gpus,
                 "gpu_memory": f"{src.gpu_memory_mib}M" if src.gpu_memory_mib else "",
-                "time_limit": f"{src.time_limit_s // 60}m",
+                "time_limit": format_duration(src.time_limit_s),
                 "priority_class": src.priority_class,
                 "shareable": src.shareable,
                 "workload": src.workload,
                 "env": "\n".join(f"{k}={v}" for k, v in src.env.items()),
+                "kill_grace": str(src.kill_grace_s),
+                "on_node_loss": "requeue" if src.requeue_on_node_loss else "fail",
             }
     form = JobForm(request.POST or None, initial=initial, group_names=group_names)
     if request.method == "POST" and form.is_valid():

@@ -71,3 +71,14 @@ def test_it_parses_env_lines_keeping_equals_in_values() -> None:
 def test_it_names_the_bad_env_line() -> None:
     with pytest.raises(forms.ValidationError, match="Line 2: write KEY=VALUE"):
         parse_env("A=1\nnot a pair")
+
+
+@pytest.mark.parametrize(
+    "seconds", [0, 59, 60, 5400, 5401, 86400, 90061, 3 * 86400 + 7]
+)
+def test_format_duration_is_the_exact_inverse_of_parse_duration(seconds: int) -> None:
+    from portal.forms import format_duration
+
+    text = format_duration(seconds)
+
+    assert parse_duration(text) == seconds

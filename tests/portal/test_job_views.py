@@ -301,7 +301,7 @@ def test_it_prefills_a_copy_of_a_job(alice: User, cluster: list[Node]) -> None:
     assert form["command"].value() == "python copy.py"
     assert form["gpus"].value() == 2
     assert form["gpu_memory"].value() == "20480M"
-    assert form["time_limit"].value() == "90m"
+    assert form["time_limit"].value() == "1h30m"
     assert form["env"].value() == "SEED=7"
     assert 'value="copy-me"' in response.content.decode()
 

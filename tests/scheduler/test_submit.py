@@ -228,3 +228,38 @@ def test_it_enqueues_nothing_for_bad_input(
             services.submit_job(alice, request(group="nlp"))
 
     assert callbacks == []
+
+
+@pytest.mark.parametrize("grace", [-1, services.MAX_KILL_GRACE_S + 1])
+def test_it_refuses_a_stop_grace_out_of_range(
+    alice: User, cluster: list[Any], grace: int
+) -> None:
+    with pytest.raises(ValidationError) as caught:
+        services.submit_job(alice, request(kill_grace_s=grace))
+
+    assert "grace period" in caught.value.message_dict["kill_grace_s"][0]
+    assert not Job.objects.exists()
+
+
+def test_it_keeps_the_jobs_own_stop_grace_and_node_loss_choice(
+    alice: User, cluster: list[Any], settings: Any
+) -> None:
+    settings.GPULAB_KILL_GRACE = 30
+
+    mine = services.submit_job(
+        alice, request(kill_grace_s=5, requeue_on_node_loss=False)
+    )
+    default = services.submit_job(alice, request())
+
+    assert (mine.kill_grace_s, mine.requeue_on_node_loss) == (5, False)
+    assert (default.kill_grace_s, default.requeue_on_node_loss) == (30, True)
+
+
+def test_the_default_workdir_names_the_user(
+    alice: User, cluster: list[Any], settings: Any
+) -> None:
+    settings.GPULAB_DEFAULT_WORKDIR = "/home/{user}/runs"
+
+    job = services.submit_job(alice, request(workdir=""))
+
+    assert job.workdir == "/home/alice/runs"
