@@ -325,8 +325,12 @@ class Agent:
         the end.
         """
         path = job.dir / "output.log"
-        offset = read_int(job.dir / "log_offset") or 0
+        offset = job.log_offset
+        if offset is None:
+            offset = job.log_offset = read_int(job.dir / "log_offset") or 0
         try:
+            if path.stat().st_size <= offset:
+                return  # nothing new: spare the open and read
             fh = path.open("rb")
         except FileNotFoundError:
             return
@@ -355,6 +359,7 @@ class Agent:
                 )
                 offset += used
                 atomic_write(job.dir / "log_offset", f"{offset}\n")
+                job.log_offset = offset
                 if not final:
                     return
 

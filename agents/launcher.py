@@ -40,6 +40,9 @@ _PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 # how the exit is then reported: (reason in job.exited, message).
 STOP_TIME_LIMIT = "time_limit"
 STOP_CUT_OFF = "cut_off"
+# How often ``poll`` checks that a running job's shim is still alive (a shim that died
+# without an exit code is reported ``lost``); exit codes are checked every poll.
+ALIVE_CHECK_S = 1.0
 
 
 @dataclass
@@ -68,6 +71,12 @@ class Job:
     outcome: Outcome | None = None
     # Set when job.exited has been spooled: only the ack remains.
     exit_seq: int | None = None
+    # Caches that spare the reaper file reads on every tick (the files stay the
+    # truth after a restart): ``started`` once seen, bytes of output.log spooled,
+    # when the shim was last checked alive (monotonic).
+    seen_started: bool = field(default=False, repr=False)
+    log_offset: int | None = field(default=None, repr=False)
+    alive_checked: float = field(default=0.0, repr=False)
 
     @property
     def pgid(self) -> int | None:
@@ -75,7 +84,9 @@ class Job:
 
     @property
     def started(self) -> bool:
-        return (self.dir / "started").exists()
+        if not self.seen_started:
+            self.seen_started = (self.dir / "started").exists()
+        return self.seen_started
 
     @property
     def started_at(self) -> float | None:
@@ -212,12 +223,17 @@ class Launcher:
         """How the job ended, or None while it runs."""
         if job.outcome is not None:
             return job.outcome
-        error = read_text(job.dir / "launch_error")
+        # launch_error is only ever written before the command starts.
+        error = None if job.seen_started else read_text(job.dir / "launch_error")
         if error is not None:
             return Outcome(None, "launch_failed", error.strip()[:4000])
         code = read_int(job.dir / "exit_code")
         if code is not None:
             return self._ended(job, code)
+        now = time.monotonic()
+        if job.shim_pid is not None and now - job.alive_checked < ALIVE_CHECK_S:
+            return None
+        job.alive_checked = now
         if job.shim_pid is None or not process_alive(job.shim_pid, job.shim_start):
             # The shim may have written its result just before exiting.
             code = read_int(job.dir / "exit_code")

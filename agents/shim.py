@@ -8,6 +8,8 @@ The launcher starts one shim per attempt in its own session, so it outlives the 
    with stdout and stderr appended to ``output.log``, and records ``pgid``;
 3. on SIGTERM (the agent wrote ``stop`` first) sends SIGTERM to the group, waits the
    grace period, then SIGKILLs the group;
+   It sleeps in ``sigtimedwait`` (woken by SIGCHLD or SIGTERM), so a long job costs
+   next to no CPU;
 4. when the command ends, kills what is left of its group (no orphan keeps a GPU),
    reaps it (the shim is a child subreaper) and writes ``exit_code`` atomically
    (the status, ``128 + N`` if killed by signal N).
@@ -35,6 +37,7 @@ from agents.statedir import atomic_write, proc_start_time, read_text
 PR_SET_CHILD_SUBREAPER = 36
 CLEANUP_GRACE_S = 2.0
 POLL_S = 0.05
+WAIT_S = 1.0  # longest sleep between checks of the stop file while the job runs
 
 
 class LaunchError(Exception):
@@ -88,6 +91,13 @@ class _Stop:
 
 def _on_sigterm(_signum: int, _frame: object) -> None:
     _Stop.requested = True
+
+
+def _ignore(_signum: int, _frame: object) -> None:
+    return None
+
+
+_WAKE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM}
 
 
 def _group_alive(pgid: int) -> bool:
@@ -180,6 +190,12 @@ def run(job_dir: Path) -> int:
     pgid = child.pid  # process_group=0: the child leads its own group
     atomic_write(job_dir / "pgid", f"{pgid}\n")
 
+    # Sleep in sigtimedwait rather than polling: a child's exit (SIGCHLD) or the
+    # agent's SIGTERM wakes us at once, the timeout only re-checks the stop file.
+    # Blocked now, after the command started (it must not inherit the mask); a
+    # SIGTERM that came earlier went to the handler, a SIGCHLD is found by waitpid.
+    signal.signal(signal.SIGCHLD, _ignore)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAKE_SIGNALS)
     status: int | None = None
     kill_at: float | None = None
     while status is None:
@@ -196,7 +212,13 @@ def run(job_dir: Path) -> int:
             kill_at = time.monotonic() + grace
         if kill_at is not None and time.monotonic() >= kill_at:
             _killpg(pgid, signal.SIGKILL)
-        time.sleep(POLL_S)
+        if kill_at is None:
+            timeout = WAIT_S
+        else:
+            timeout = max(POLL_S, min(WAIT_S, kill_at - time.monotonic()))
+        info = signal.sigtimedwait(_WAKE_SIGNALS, timeout)
+        if info is not None and info.si_signo == signal.SIGTERM:
+            _Stop.requested = True
     child.returncode = os.waitstatus_to_exitcode(status)  # Popen must not re-wait
 
     # What is left of the group (background processes) must not outlive the job.
