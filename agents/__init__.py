@@ -5,9 +5,17 @@ Run it with ``python -m agents --server ws://HOST:PORT --token-file FILE`` (or t
 without GPUs. The server and the agent share only ``agents/protocol.py``.
 
 Accounts: a job runs as its ``run_as`` account, which needs the agent to run as root.
-An agent running as root refuses jobs without ``run_as`` unless started with
-``--allow-root-jobs``. The demo runs the agent as the current user, so jobs without
-``run_as`` simply run as that user.
+An agent running as root runs jobs without ``run_as`` as ``--default-account USER``;
+without one it refuses them, and it never runs a job as root (no ``run_as``, or a
+``run_as`` with uid 0) unless started with ``--allow-root-jobs``. The demo runs the
+agent as the current user, so jobs without ``run_as`` simply run as that user.
+
+Limits: the agent stops a job at its ``time_limit_s`` (counted from the start it
+reported; reason ``timeout``). With ``--kill-after-disconnect S`` it stops every job
+once the portal has been unreachable for S seconds (reason ``killed``). While
+disconnected it spools one metrics sample every ``--spool-metrics-interval`` (10 s)
+into a spool capped at ``--spool-max-mb`` (64; the oldest samples go first, job
+lifecycle and log frames never).
 
 Timeouts, side by side: the agent reconnects forever with exponential backoff and full
 jitter (``--backoff-base`` 1 s, ``--backoff-cap`` 60 s, reset after 30 s of link); the

@@ -13,6 +13,7 @@ as the real server does. After ``--warmup`` seconds it measures for ``--seconds`
   CPU of their shims is measured too (per shim, same way).
 
 Prints a table and writes ``<out-dir>/agent_cost.json``. Needs no database.
+``--profile FILE`` runs the agent under cProfile (slower; for finding hot spots).
 """
 
 from __future__ import annotations
@@ -94,8 +95,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         port = server.sockets[0].getsockname()[1]
         with tempfile.TemporaryDirectory(prefix="agent-cost-") as tmp:
             state = Path(tmp) / "state"
+            profile = (
+                ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
+            )
             cmd = [
                 sys.executable,
+                *profile,
                 "-m",
                 "agents",
                 "--server",
@@ -196,6 +201,9 @@ def main() -> int:
     ap.add_argument("--simulate", default="8xA100-80GB")
     ap.add_argument("--sample-interval", type=float, default=1.0)
     ap.add_argument("--jobs", type=int, default=0, help="jobs to run meanwhile (0)")
+    ap.add_argument(
+        "--profile", type=Path, help="run the agent under cProfile, stats to this file"
+    )
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     try:
