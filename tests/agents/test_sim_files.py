@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from agent_helpers import ROOT
+from agent_helpers import ROOT, Portal, await_until
 
 from agents.nvml import NvmlReader
 from agents.simulate import SimNvml, load_sim_file, load_simulation
@@ -98,6 +99,13 @@ def test_json_file_with_scheduled_faults(tmp_path: Path) -> None:
     assert s[1].memory_used_mib is None
 
 
+# PyYAML is optional (not a dependency of the agent): JSON always works.
+needs_yaml = pytest.mark.skipif(
+    importlib.util.find_spec("yaml") is None, reason="PyYAML is not installed"
+)
+
+
+@needs_yaml
 def test_yaml_file(tmp_path: Path) -> None:
     path = tmp_path / "node.yaml"
     path.write_text(
@@ -146,6 +154,17 @@ def test_bad_file_names_the_problem(
     assert str(path) in str(info.value)
 
 
+def test_yaml_without_pyyaml_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text("gpus: {count: 1, model: A100}\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml -> ImportError
+    with pytest.raises(SpecError, match="reading YAML needs PyYAML"):
+        load_sim_file(path)
+
+
+@needs_yaml
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
     bad = tmp_path / "n.yml"
     bad.write_text("gpus: [unclosed\n")
@@ -181,3 +200,61 @@ def test_cli_bad_file_exits_2_with_the_reason(tmp_path: Path) -> None:
     assert "--simulate" in res.stderr
     assert "gpus.count: Input should be greater than or equal to 1" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.anyio
+async def test_agent_started_with_a_file_reports_topology_and_the_lost_gpu(
+    portal: Portal, tmp_path: Path
+) -> None:
+    path = tmp_path / "node.json"
+    path.write_text(
+        json.dumps(
+            {
+                "gpus": {"count": 4, "model": "A100-80GB"},
+                "faults": {
+                    "gpu_lost": [{"index": 1, "at": 1}],
+                    "ecc_errors": [{"index": 0, "at": 0, "count": 2}],
+                },
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agents",
+            "--server",
+            portal.url,
+            "--simulate",
+            str(path),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--sample-interval",
+            "0.2",
+        ],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "GPULAB_AGENT_TOKEN": "t"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        hello = (await await_until(lambda: portal.of("hello"), 15))[0]["data"]
+        gpu0 = hello["gpus"][0]
+        assert gpu0["topology"] == [
+            {"peer": 1, "level": 10},
+            {"peer": 2, "level": 20},
+            {"peer": 3, "level": 20},
+        ]
+
+        def lost_sample() -> Any:
+            for m in portal.of("metrics"):
+                if m["data"]["gpus"][1]["lost"]:
+                    return m["data"]["gpus"]
+            return None
+
+        gpus = await await_until(lost_sample, 15)
+        assert [g["lost"] for g in gpus] == [False, True, False, False]
+        assert gpus[0]["ecc_uncorrected"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(10)
