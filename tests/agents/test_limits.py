@@ -208,3 +208,49 @@ async def test_cut_off_agent_stops_its_jobs_and_spools_the_exits(
     assert exited["data"]["reason"] == "killed"
     assert exited["data"]["exit_code"] == 143
     assert exited["data"]["message"] == "agent cut off from the portal for 0.5 s"
+
+
+async def test_tiny_spool_cap_keeps_the_exit_and_the_newest_samples(
+    portal: Portal, tmp_path: Path
+) -> None:
+    agent = make_agent(
+        portal.url,
+        tmp_path / "state",
+        spool_metrics_interval_s=0.1,
+        spool_max_bytes=8 * 1024,
+    )
+    gate = tmp_path / "gate"
+    async with running(agent):
+        await await_until(lambda: portal.of("hello"))
+        await portal.send(
+            "job.launch",
+            launch_data(
+                14, f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 5", tmp_path
+            ),
+        )
+        await await_until(lambda: portal.of("job.started", attempt_id=14))
+        await asyncio.sleep(0.3)  # job.started acked
+        await portal.stop()
+        first = (await await_until(lambda: list(agent.spool.droppable)))[0]
+        await await_until(lambda: agent.spool.dropped >= 10, 15)
+        gate.touch()
+        await await_until(lambda: agent.jobs[14].exit_seq is not None)
+        await await_until(lambda: agent.spool.dropped >= 15, 15)
+        assert agent.spool.bytes <= 8 * 1024
+        kept = list(agent.spool.droppable)
+        assert first not in kept
+        await portal.start()
+        exited = (await await_until(lambda: portal.of("job.exited", attempt_id=14)))[0]
+        assert exited["data"]["exit_code"] == 5
+        hello = portal.of("hello")[-1]
+        replayed = [
+            f["seq"]
+            for f in portal.of("metrics")
+            if f["conn"] == 2 and f["seq"] < hello["seq"]
+        ]
+        # Only the newest samples survived (the oldest were dropped first), in order;
+        # the exit was never dropped.
+        assert replayed == sorted(replayed)
+        assert 1 <= len(replayed) < agent.spool.dropped
+        assert min(replayed) >= kept[0] > first
+        assert exited["conn"] == 2
