@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 # ``python -m agents.shim`` imports this very code.
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
-# Reasons the agent itself writes in ``stop`` (besides the server's KillReason), and
-# how the exit is then reported: (reason in job.exited, message).
+# Reasons the agent itself writes in ``stop`` (besides the server's KillReason): the
+# exit is then reported as "timeout" (time limit) or "killed" with the stop message.
 STOP_TIME_LIMIT = "time_limit"
 STOP_CUT_OFF = "cut_off"
 # How often ``poll`` checks that a running job's shim is still alive (a shim that died
