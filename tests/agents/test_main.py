@@ -60,6 +60,19 @@ def test_missing_token_exits_2(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+def _driver_present() -> bool:
+    import pynvml
+
+    from agents.nvml import NvmlReader, NvmlUnavailable
+
+    try:
+        NvmlReader(pynvml).close()
+    except NvmlUnavailable:
+        return False
+    return True  # pragma: no cover - a machine with a driver
+
+
+@pytest.mark.skipif(_driver_present(), reason="this machine has an NVIDIA driver")
 def test_no_driver_without_simulate_exits_2(tmp_path: Path) -> None:
     res = run_cli(
         "--server",
@@ -68,8 +81,7 @@ def test_no_driver_without_simulate_exits_2(tmp_path: Path) -> None:
         str(tmp_path),
         env={"GPULAB_AGENT_TOKEN": "s3cret"},
     )
-    if res.returncode != 2:  # pragma: no cover - a machine with a driver
-        pytest.skip("this machine has an NVIDIA driver")
+    assert res.returncode == 2
     assert "no NVIDIA driver found on this machine" in res.stderr
     assert "--simulate SPEC" in res.stderr
     assert "s3cret" not in res.stderr
