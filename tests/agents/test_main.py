@@ -101,3 +101,20 @@ def test_bad_simulate_spec_exits_2(tmp_path: Path) -> None:
         ]
     )
     assert code == 2
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--spool-max-mb", "0"],
+        ["--spool-metrics-interval", "-1"],
+        ["--kill-after-disconnect", "0"],
+    ],
+)
+def test_bad_limits_exit_2(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, flags: list[str]
+) -> None:
+    args = ["--server", "ws://h:1", "--token-file", __file__, "--simulate", "1xA100"]
+    code = main([*args, "--state-dir", str(tmp_path), *flags])
+    assert code == 2
+    assert flags[0] in caplog.text
