@@ -145,7 +145,23 @@ class Stack:
         self.procs[name] = proc
         return proc
 
-    def start_agent(self, node: str, token: str, spec: str = "2xA100-80GB") -> Proc:
+    def start_web(self, name: str = "web", **extra_env: str) -> Proc:
+        return self.start(
+            name,
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "portal.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            extra_env=extra_env,
+        )
+
+    def start_agent(
+        self, node: str, token: str, spec: str = "2xA100-80GB", *extra: str
+    ) -> Proc:
         state = self.tmp / f"agent-{node}"
         state.mkdir(exist_ok=True)
         token_file = state / "token"
@@ -171,6 +187,7 @@ class Stack:
             "--backoff-cap",
             "1",
             *(["--allow-root-jobs"] if os.geteuid() == 0 else []),
+            *extra,
         )
 
 
@@ -189,17 +206,7 @@ def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
     env.pop("DJANGO_DEBUG", None)
     s = Stack(f"http://127.0.0.1:{port}", port, env, {}, tmp_path)
     try:
-        web = s.start(
-            "web",
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "portal.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        )
+        web = s.start_web()
         worker = s.start(
             "worker",
             sys.executable,

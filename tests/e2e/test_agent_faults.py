@@ -115,3 +115,81 @@ def test_a_job_ignoring_sigterm_is_killed_after_its_grace(
     # SIGTERM was ignored: it took the 2 s grace, then SIGKILL (exit 128 + 9).
     assert took >= 2.0
     assert Job.objects.get(pk=job_id).exit_code == 137
+
+
+def test_nothing_is_lost_or_doubled_when_the_web_server_dies_mid_job(
+    stack: Stack, alice: User
+) -> None:
+    import json
+
+    from scheduler import services
+    from scheduler.models import GpuSample, Job, JobEvent, Node
+
+    node, token = services.create_node("outage")
+    agent = stack.start_agent(
+        "outage", token, "2xA100-80GB", "--spool-metrics-interval", "1"
+    )
+    stack.procs["web"].wait_for(r"agent of node outage connected")
+    wait_until(lambda: Node.objects.filter(pk=node.pk, status="up").exists())
+    client = login(stack.base_url, "alice", "pw-alice")
+    marker = stack.tmp / "finish"
+    job_id = submit(
+        client,
+        "through-outage",
+        f"echo line-1; while [ ! -e {marker} ]; do sleep 0.1; done; echo line-2",
+    )
+    assert wait_for_job(job_id, {"running"}) == "running"
+
+    # The portal's web server dies; the job finishes while it is down.
+    web = stack.procs.pop("web")
+    web.popen.send_signal(signal.SIGKILL)
+    web.popen.wait(10)
+    agent.wait_for(r"link to .* down")
+    marker.touch()
+    spool = stack.tmp / "agent-outage" / "spool.jsonl"
+
+    def spooled() -> list[dict[str, object]]:
+        frames = []
+        for line in spool.read_text().splitlines() if spool.exists() else []:
+            frames.append(json.loads(line))
+        return frames
+
+    # Wait until the exit and at least three downsampled metric frames are spooled.
+    wait_until(
+        lambda: (
+            any(f["type"] == "job.exited" for f in spooled())
+            and sum(f["type"] == "metrics" for f in spooled()) >= 3
+        ),
+        timeout=60,
+        what="the exit and metric samples in the agent's spool",
+    )
+    # PostgreSQL keeps microseconds: compare at millisecond precision.
+    outage_samples = {
+        round(f["data"]["sampled_at"], 3) for f in spooled() if f["type"] == "metrics"
+    }
+
+    # Back up, persisting every sample it is given (1 s interval).
+    stack.start_web("web", GPULAB_METRICS_PERSIST_INTERVAL="1")
+    stack.procs["web"].wait_for(r"agent of node outage connected")
+
+    assert wait_for_job(job_id, set(Job.TERMINAL)) == "completed"
+    job = Job.objects.get(pk=job_id)
+    assert job.exit_code == 0
+    gpu_ids = list(node.gpus.values_list("pk", flat=True))
+
+    def stored_outage_samples() -> set[float]:
+        rows = GpuSample.objects.filter(gpu_id__in=gpu_ids).values_list("at", flat=True)
+        return {round(at.timestamp(), 3) for at in rows} & outage_samples
+
+    wait_until(
+        lambda: stored_outage_samples() == outage_samples,
+        timeout=30,
+        what="every sample taken during the outage in the history",
+    )
+    # Each sample once per GPU (the primary key), each exit once, the log whole.
+    per_gpu = GpuSample.objects.filter(gpu_id__in=gpu_ids).values("gpu_id", "at")
+    assert len(per_gpu) == len({(r["gpu_id"], r["at"]) for r in per_gpu})
+    assert JobEvent.objects.filter(job_id=job_id, to_status="completed").count() == 1
+    wait_until(lambda: "line-2" in services.log_tail(job), what="the whole log")
+    log = services.log_tail(job)
+    assert (log.count("line-1"), log.count("line-2")) == (1, 1)
