@@ -18,7 +18,9 @@ into a spool capped at ``--spool-max-mb`` (64; the oldest samples go first, job
 lifecycle and log frames never).
 
 Timeouts, side by side: the agent reconnects forever with exponential backoff and full
-jitter (``--backoff-base`` 1 s, ``--backoff-cap`` 60 s, reset after 30 s of link); the
-server's ``node_lost_after`` decides when a silent node's jobs count as lost, so it
-should exceed the backoff cap plus a few heartbeats (``--heartbeat`` 5 s).
+jitter (``--backoff-base`` 1 s, ``--backoff-cap`` 20 s, reset after 30 s of link); the
+server's ``GPULAB_NODE_LOST_AFTER`` (60 s) decides when a silent node's jobs count as
+lost. Keep lost-after > backoff cap + 2 heartbeats (``--heartbeat`` 5 s): then a portal
+restart shorter than ~30 s never gets healthy nodes declared lost and their jobs
+requeued. ``--kill-after-disconnect``, if used, should exceed lost-after too.
 """

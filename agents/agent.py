@@ -74,7 +74,7 @@ class Config:
     heartbeat_s: float = 5.0
     sample_interval_s: float = 1.0
     backoff_base_s: float = 1.0
-    backoff_cap_s: float = 60.0
+    backoff_cap_s: float = 20.0
     reap_interval_s: float = 0.25
     allow_root_jobs: bool = False
     hostname: str = ""

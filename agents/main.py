@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heartbeat", type=float, default=5.0, metavar="S")
     ap.add_argument("--sample-interval", type=float, default=1.0, metavar="S")
     ap.add_argument("--backoff-base", type=float, default=1.0, metavar="S")
-    ap.add_argument("--backoff-cap", type=float, default=60.0, metavar="S")
+    ap.add_argument("--backoff-cap", type=float, default=20.0, metavar="S")
     ap.add_argument("--hostname", default="", help="default: this machine's name")
     ap.add_argument(
         "--allow-root-jobs",
