@@ -221,6 +221,19 @@ GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
     },
 }
 GPULAB_DEFAULT_CLASS = "normal"
+# The scheduling policy (scheduler.policy.PolicyConfig): name and weights.
+GPULAB_POLICY: dict[str, Any] = {
+    "name": envstr("GPULAB_POLICY", "gpulab"),
+    "weight_class": envfloat("GPULAB_WEIGHT_CLASS", 1000.0, minimum=0),
+    "weight_age": envfloat("GPULAB_WEIGHT_AGE", 500.0, minimum=0),
+    "weight_fairshare": envfloat("GPULAB_WEIGHT_FAIRSHARE", 1000.0, minimum=0),
+    "weight_size": envfloat("GPULAB_WEIGHT_SIZE", 100.0, minimum=0),
+    "max_age_s": envfloat("GPULAB_MAX_AGE", 7 * 86400.0, minimum=60),
+    "backfill": envbool("GPULAB_BACKFILL", default=True),
+    "preempt_max_per_hour": envint("GPULAB_PREEMPT_MAX_PER_HOUR", 2, minimum=0),
+}
+# Half-life of past usage in fair share, seconds (Slurm's PriorityDecayHalfLife).
+GPULAB_FAIRSHARE_HALF_LIFE = envint("GPULAB_FAIRSHARE_HALF_LIFE", 7 * 86400, minimum=60)
 # Jobs that may share one GPU at most (its number of allocation slots).
 GPULAB_GPU_JOB_LIMIT = envint("GPULAB_GPU_JOB_LIMIT", 2, minimum=1)
 # Group that users without any group are put in when they first submit.

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Func, IntegerField, Sum
 from django.utils import timezone
 
@@ -402,16 +402,87 @@ def _send_kill_on_commit(
 # ------------------------------------------------------------------ scheduling
 
 
+def policy_config() -> policy.PolicyConfig:
+    return policy.PolicyConfig(**settings.GPULAB_POLICY)
+
+
+def class_specs() -> dict[str, policy.ClassSpec]:
+    return {
+        name: policy.ClassSpec(
+            name=name,
+            weight=c.weight,
+            preemptible=c.preemptible,
+            slowdown_cap=c.slowdown_cap,
+        )
+        for name, c in classes.all_classes().items()
+    }
+
+
+def decayed_usage(now: datetime) -> policy.Usage:
+    """Each group's and user's GPU-seconds decayed with the fair-share half-life
+    (``GPULAB_FAIRSHARE_HALF_LIFE``), running attempts counted up to ``now``, and
+    their shares. Three queries, whatever the history's size."""
+    half_life = float(settings.GPULAB_FAIRSHARE_HALF_LIFE)
+    horizon = now - timedelta(seconds=half_life * 10)
+    decay = "power(2.0, -extract(epoch from (%s - {end})) / %s)"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            SELECT g.name, u.username, sum(r.gpu_seconds * {decay.format(end="r.ended_at")})
+            FROM scheduler_usagerecord r
+            JOIN scheduler_group g ON g.id = r.group_id
+            JOIN auth_user u ON u.id = r.user_id
+            WHERE r.ended_at >= %s
+            GROUP BY g.name, u.username
+            UNION ALL
+            SELECT g.name, u.username,
+                   sum(extract(epoch from (%s - t.started_at)) / gpu.slots)
+            FROM scheduler_allocation a
+            JOIN scheduler_attempt t ON t.id = a.attempt_id
+            JOIN scheduler_job j ON j.id = t.job_id
+            JOIN scheduler_group g ON g.id = j.group_id
+            JOIN auth_user u ON u.id = j.owner_id
+            JOIN scheduler_gpu gpu ON gpu.id = a.gpu_id
+            WHERE a.released_at IS NULL AND t.started_at IS NOT NULL
+            GROUP BY g.name, u.username
+            """,
+            [now, half_life, horizon, now],
+        )
+        rows = cursor.fetchall()
+    group_usage: dict[str, float] = {}
+    user_usage: dict[tuple[str, str], float] = {}
+    for group, user, used in rows:
+        group_usage[group] = group_usage.get(group, 0.0) + float(used or 0.0)
+        key = (group, user)
+        user_usage[key] = user_usage.get(key, 0.0) + float(used or 0.0)
+    group_shares = {g.name: float(g.shares) for g in Group.objects.all()}
+    user_shares = {
+        (group, user): float(shares)
+        for group, user, shares in Membership.objects.values_list(
+            "group__name", "user__username", "shares"
+        )
+    }
+    return policy.Usage(group_usage, user_usage, group_shares, user_shares)
+
+
 def cluster_state(now: datetime | None = None) -> policy.ClusterState:
-    """Load what ``policy.decide`` needs in a handful of queries."""
+    """Load what ``policy.decide`` needs in a fixed number of queries (never one
+    per job): nodes, GPUs, live allocations, pending jobs, running attempts, usage."""
     now = now or timezone.now()
+    specs = class_specs()
     nodes = list(Node.objects.all().only("id", "name", "status", "draining"))
-    used = dict(
-        Allocation.objects.filter(released_at__isnull=True)
-        .values("gpu_id")
-        .annotate(n=Count("id"))
-        .values_list("gpu_id", "n")
+    live = list(
+        Allocation.objects.filter(released_at__isnull=True).values_list(
+            "gpu_id", "attempt_id"
+        )
     )
+    used: dict[int, int] = {}
+    gpus_of_attempt: dict[int, set[int]] = {}
+    for gpu_id, attempt_id in live:
+        used[gpu_id] = used.get(gpu_id, 0) + 1
+        gpus_of_attempt.setdefault(attempt_id, set()).add(gpu_id)
+    gpu_rows = list(Gpu.objects.all())
+    index_of = {g.pk: g.index for g in gpu_rows}
     gpus = [
         policy.GpuView(
             id=g.pk,
@@ -421,22 +492,54 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
             slots=g.slots,
             free_slots=max(0, g.slots - used.get(g.pk, 0)),
             schedulable=g.schedulable,
+            model=g.name,
+            nvlink_peers=tuple(int(p) for p in g.nvlink_peers),
+            topology=tuple(
+                (int(link["peer"]), int(link["level"])) for link in g.topology
+            ),
         )
-        for g in Gpu.objects.all()
+        for g in gpu_rows
     ]
-    weights = {name: c.weight for name, c in classes.all_classes().items()}
     pending = [
         policy.PendingJob(
             id=j.pk,
             gpus=j.gpus,
             gpu_memory_mib=j.gpu_memory_mib,
-            priority_weight=weights.get(j.priority_class, 0.0),
+            priority_weight=specs[j.priority_class].weight
+            if j.priority_class in specs
+            else 0.0,
             submitted_at=j.submitted_at.timestamp(),
+            user=j.owner.username,
+            group=j.group.name,
+            priority_class=j.priority_class,
+            time_limit_s=float(j.time_limit_s),
+            planned_s=float(j.time_limit_s),
+            shareable=j.shareable,
         )
-        for j in Job.objects.pending().only(
-            "id", "gpus", "gpu_memory_mib", "priority_class", "submitted_at"
-        )
+        for j in Job.objects.pending().select_related("owner", "group")
     ]
+    running = []
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True, pk__in=list(gpus_of_attempt)
+    ).select_related("job", "job__owner", "job__group"):
+        job = attempt.job
+        spec = specs.get(job.priority_class)
+        started = attempt.started_at or attempt.created_at
+        running.append(
+            policy.RunningJob(
+                id=job.pk,
+                gpu_ids=tuple(
+                    sorted(gpus_of_attempt[attempt.pk], key=lambda g: index_of[g])
+                ),
+                started_at=started.timestamp(),
+                planned_s=float(job.time_limit_s),
+                time_limit_s=float(job.time_limit_s),
+                user=job.owner.username,
+                group=job.group.name,
+                priority_class=job.priority_class,
+                preemptible=bool(spec and spec.preemptible),
+            )
+        )
     return policy.ClusterState(
         now=now.timestamp(),
         nodes=tuple(
@@ -449,6 +552,10 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
         ),
         gpus=tuple(gpus),
         pending=tuple(pending),
+        running=tuple(running),
+        usage=decayed_usage(now),
+        classes=specs,
+        config=policy_config(),
     )
 
 
@@ -486,6 +593,11 @@ def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
 
 
 def _start(decision: policy.Start) -> bool:
+    if len(decision.placements) != 1:
+        # Multi-node starts come with the rest of issue #4 (rank variables per node).
+        log.error("job %s: multi-node starts are not supported yet", decision.job_id)
+        return False
+    placement = decision.placements[0]
     try:
         with transaction.atomic():
             job = (
@@ -497,10 +609,10 @@ def _start(decision: policy.Start) -> bool:
                 return False
             gpus = list(
                 Gpu.objects.select_for_update()
-                .filter(pk__in=decision.gpu_ids, node_id=decision.node_id)
+                .filter(pk__in=placement.gpu_ids, node_id=placement.node_id)
                 .order_by("pk")
             )
-            if len(gpus) != len(decision.gpu_ids) or not all(
+            if len(gpus) != len(placement.gpu_ids) or not all(
                 g.schedulable for g in gpus
             ):
                 return False
@@ -508,7 +620,7 @@ def _start(decision: policy.Start) -> bool:
                 gpu__in=gpus, released_at__isnull=True
             ).exists():
                 return False
-            node = Node.objects.get(pk=decision.node_id)
+            node = Node.objects.get(pk=placement.node_id)
             if node.status != Node.Status.UP or node.draining:
                 return False
             now = timezone.now()

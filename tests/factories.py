@@ -43,7 +43,7 @@ def start_job(job: Job, node: Node, gpus: list[Gpu] | None = None) -> Attempt:
     """Apply a policy ``Start`` for the job; return its new live attempt."""
     gpus = gpus if gpus is not None else free_gpus(node, job.gpus)
     result = services.apply_decisions(
-        [policy.Start(job.pk, node.pk, tuple(g.pk for g in gpus))]
+        [policy.Start.on(job.pk, node.pk, tuple(g.pk for g in gpus))]
     )
     assert result.started == 1, result
     return Attempt.objects.get(job=job, ended_at__isnull=True)

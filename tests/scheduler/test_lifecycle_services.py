@@ -83,7 +83,7 @@ def test_it_starts_a_job_with_one_allocation_per_gpu_slot(
 
     with django_capture_on_commit_callbacks(execute=True):
         result = services.apply_decisions(
-            [policy.Start(job.pk, node.pk, tuple(g.pk for g in gpus))]
+            [policy.Start.on(job.pk, node.pk, tuple(g.pk for g in gpus))]
         )
         send.assert_not_called()
 
@@ -110,7 +110,7 @@ def test_it_sends_one_launch_to_the_node_after_commit(
 
     with django_capture_on_commit_callbacks(execute=True):
         services.apply_decisions(
-            [policy.Start(job.pk, node.pk, tuple(g.pk for g in gpus))]
+            [policy.Start.on(job.pk, node.pk, tuple(g.pk for g in gpus))]
         )
 
     attempt = Attempt.objects.get(job=job)
@@ -136,7 +136,7 @@ def test_it_skips_a_start_for_a_job_no_longer_pending(
     services.cancel_job(job.pk, by=alice)
 
     result = services.apply_decisions(
-        [policy.Start(job.pk, node.pk, (free_gpus(node, 1)[0].pk,))]
+        [policy.Start.on(job.pk, node.pk, (free_gpus(node, 1)[0].pk,))]
     )
 
     job.refresh_from_db()
@@ -154,7 +154,7 @@ def test_it_skips_a_start_whose_gpu_is_taken(
     second = JobFactory(owner=alice)
     start_job(first, node, [gpu])
 
-    result = services.apply_decisions([policy.Start(second.pk, node.pk, (gpu.pk,))])
+    result = services.apply_decisions([policy.Start.on(second.pk, node.pk, (gpu.pk,))])
 
     second.refresh_from_db()
     assert (result.started, result.skipped) == (0, 1)

@@ -9,11 +9,15 @@ from scheduler.policy import (
     GpuView,
     NodeView,
     PendingJob,
+    Placement,
+    PolicyConfig,
     Reason,
     Start,
     Wait,
     decide,
 )
+
+FIFO = PolicyConfig(name="fifo")
 
 
 def gpus(node_id: int, count: int, *, mem: int = 16384, busy: tuple[int, ...] = ()):
@@ -43,19 +47,23 @@ def job(
 
 def state(nodes, gpu_views, pending) -> ClusterState:
     return ClusterState(
-        now=1000.0, nodes=tuple(nodes), gpus=tuple(gpu_views), pending=tuple(pending)
+        now=1000.0,
+        nodes=tuple(nodes),
+        gpus=tuple(gpu_views),
+        pending=tuple(pending),
+        config=FIFO,
     )
 
 
 def test_it_starts_a_job_on_free_gpus_lowest_index_first():
     s = state([NodeView(1, "a")], gpus(1, 4, busy=(0,)), [job(1, 2)])
-    assert decide(s) == [Start(1, 1, (101, 102))]
+    assert decide(s) == [Start(1, (Placement(1, (101, 102)),))]
 
 
 def test_it_prefers_the_best_fitting_node():
     # node 1 has 4 free GPUs, node 2 has 1: a 1-GPU job goes to node 2.
     s = state([NodeView(1, "a"), NodeView(2, "b")], gpus(1, 4) + gpus(2, 1), [job(1)])
-    assert decide(s) == [Start(1, 2, (200,))]
+    assert decide(s) == [Start(1, (Placement(2, (200,)),))]
 
 
 def test_it_never_takes_a_partly_used_gpu():
@@ -106,7 +114,7 @@ def test_jobs_do_not_span_nodes_and_later_small_jobs_still_start():
         [job(1, 3), job(2, 1)],
     )
     decisions = decide(s)
-    assert Start(2, 1, (100,)) in decisions
+    assert Start(2, (Placement(1, (100,)),)) in decisions
     assert (
         next(d for d in decisions if isinstance(d, Wait)).reason is Reason.NO_SUCH_SHAPE
     )

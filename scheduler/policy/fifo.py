@@ -1,81 +1,19 @@
-"""The scheduling policy: a pure function from cluster state to decisions.
-
-No Django, no I/O, no wall clock: ``decide(state)`` sees only the frozen dataclasses
-below, so the Celery pass (``scheduler.tasks.schedule_pass``) and the simulator run the
-very same code. This is the foundation's policy: priority class, then submit order;
-first fit on one node; exclusive GPUs. The policy issue replaces the body of
-``decide`` and keeps its interface.
-"""
+"""The ``fifo`` policy: class weight, then submit order; exclusive first fit
+(best fit) on one node; no reservations, no backfill, no preemption. The
+foundation's policy, kept as a baseline for the simulator."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import StrEnum
-
-
-class Reason(StrEnum):
-    """Why a job is still pending: exactly one code per job per pass."""
-
-    RESOURCES = "resources"  # it fits the cluster, but not the free GPUs now
-    NO_SUCH_SHAPE = "no_such_shape"  # no node could ever hold it
-    HELD = "held"
-
-
-@dataclass(frozen=True)
-class PendingJob:
-    id: int
-    gpus: int
-    gpu_memory_mib: int | None
-    priority_weight: float
-    submitted_at: float  # seconds since the epoch
-
-
-@dataclass(frozen=True)
-class GpuView:
-    id: int
-    node_id: int
-    index: int
-    memory_total_mib: int
-    slots: int
-    free_slots: int
-    schedulable: bool = True
-
-
-@dataclass(frozen=True)
-class NodeView:
-    id: int
-    name: str
-    schedulable: bool = True
-
-
-@dataclass(frozen=True)
-class ClusterState:
-    now: float
-    nodes: tuple[NodeView, ...]
-    gpus: tuple[GpuView, ...]
-    pending: tuple[PendingJob, ...]
-
-
-@dataclass(frozen=True)
-class Start:
-    """Start ``job_id`` on ``node_id``, taking every slot of ``gpu_ids``."""
-
-    job_id: int
-    node_id: int
-    gpu_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Wait:
-    """``job_id`` stays pending for ``reason``; ``message`` explains it to a person."""
-
-    job_id: int
-    reason: Reason
-    message: str
-    position: int = field(default=0)  # 1-based place in the scheduling order
-
-
-Decision = Start | Wait
+from scheduler.policy.state import (
+    ClusterState,
+    Decision,
+    GpuView,
+    PendingJob,
+    Placement,
+    Reason,
+    Start,
+    Wait,
+)
 
 
 def order_key(job: PendingJob) -> tuple[float, float, int]:
@@ -89,7 +27,7 @@ def _fits(gpu: GpuView, job: PendingJob) -> bool:
     )
 
 
-def decide(state: ClusterState) -> list[Decision]:
+def decide_fifo(state: ClusterState) -> list[Decision]:
     """Decide which pending jobs start now, where, and why the others wait.
 
     1. Order the pending jobs (``order_key``).
@@ -121,7 +59,9 @@ def decide(state: ClusterState) -> list[Decision]:
             chosen = [g for g in free[node_id] if _fits(g, job)][: job.gpus]
             taken = {g.id for g in chosen}
             free[node_id] = [g for g in free[node_id] if g.id not in taken]
-            decisions.append(Start(job.id, node_id, tuple(g.id for g in chosen)))
+            decisions.append(
+                Start(job.id, (Placement(node_id, tuple(g.id for g in chosen)),))
+            )
             continue
         position += 1
         could_ever = any(

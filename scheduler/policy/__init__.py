@@ -1,0 +1,68 @@
+"""The scheduling policy: pure functions from ``ClusterState`` to decisions.
+
+``decide(state)`` dispatches on ``state.config.name``:
+
+- ``fifo``: class weight, then submit order; exclusive first fit on one node (the
+  foundation's policy, kept as the simulator's baseline);
+- ``slurm``: Slurm-like multifactor priority + EASY backfill;
+- ``gpulab``: the production policy (multifactor, fair share, backfill, preemption,
+  topology-aware multi-node placement).
+
+No Django, no I/O, no wall clock: the Celery pass and the simulator run this code.
+"""
+
+from __future__ import annotations
+
+from scheduler.policy.fifo import decide_fifo, order_key
+from scheduler.policy.state import (
+    ClassSpec,
+    ClusterState,
+    Decision,
+    GpuView,
+    NodeView,
+    PassStats,
+    PendingJob,
+    Placement,
+    PolicyConfig,
+    Preempt,
+    Reason,
+    RunningJob,
+    Start,
+    Usage,
+    Wait,
+)
+
+POLICIES = ("fifo", "slurm", "gpulab")
+
+
+def decide(state: ClusterState) -> list[Decision]:
+    """The decisions of one scheduling pass over ``state``."""
+    name = state.config.name
+    if name == "fifo":
+        return decide_fifo(state)
+    if name in POLICIES:
+        # The multifactor policies land with issue #4; until then, fifo.
+        return decide_fifo(state)
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+__all__ = [
+    "POLICIES",
+    "ClassSpec",
+    "ClusterState",
+    "Decision",
+    "GpuView",
+    "NodeView",
+    "PassStats",
+    "PendingJob",
+    "Placement",
+    "PolicyConfig",
+    "Preempt",
+    "Reason",
+    "RunningJob",
+    "Start",
+    "Usage",
+    "Wait",
+    "decide",
+    "order_key",
+]

@@ -1,0 +1,214 @@
+"""The policy's inputs and outputs: frozen plain data, no Django, no I/O, no clock.
+
+The Celery pass (``scheduler.services.cluster_state``) and the simulator
+(``scheduler.sim``) both build a ``ClusterState`` and call ``decide``; only
+``scheduler.services.apply_decisions`` (or the simulator's physics) acts on the
+decisions. Everything the policy may know is here: requests, labels, limits,
+predictions from history, decayed usage. Never true durations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+# ------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A priority class (``GPULAB_PRIORITY_CLASSES``)."""
+
+    name: str
+    weight: float  # the class factor, 0..1
+    preemptible: bool = False
+    slowdown_cap: float | None = 1.5  # co-location (issue #5)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which policy and its knobs (settings ``GPULAB_POLICY*``)."""
+
+    name: str = "gpulab"  # "fifo" | "slurm" | "gpulab"
+    # Multifactor weights (Slurm's PriorityWeight*): each factor is in [0, 1].
+    weight_class: float = 1000.0
+    weight_age: float = 500.0
+    weight_fairshare: float = 1000.0
+    weight_size: float = 100.0
+    max_age_s: float = 7 * 86400.0  # the age factor saturates here
+    backfill: bool = True
+    backfill_max_tested: int = 500
+    # Preemption: a job is preempted at most this many times per hour.
+    preempt_max_per_hour: int = 2
+    # Placement: "pack" (best fit) or "spread".
+    placement: str = "pack"
+
+
+# ------------------------------------------------------------------ cluster
+
+
+@dataclass(frozen=True)
+class NodeView:
+    id: int
+    name: str
+    schedulable: bool = True  # up and not draining
+
+
+@dataclass(frozen=True)
+class GpuView:
+    id: int
+    node_id: int
+    index: int
+    memory_total_mib: int
+    slots: int
+    free_slots: int
+    schedulable: bool = True
+    model: str = ""  # e.g. "NVIDIA A100-80GB"
+    nvlink_peers: tuple[int, ...] = ()  # indexes on the same node
+    # (peer index, NVML common-ancestor level): lower is closer.
+    topology: tuple[tuple[int, int], ...] = ()
+
+
+# ------------------------------------------------------------------ jobs
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    id: int
+    gpus: int
+    gpu_memory_mib: int | None
+    priority_weight: float  # the class factor, 0..1 (kept for the fifo policy)
+    submitted_at: float  # seconds since the epoch (age is kept across requeues)
+    user: str = ""
+    group: str = ""
+    priority_class: str = "normal"
+    gpu_model: str = ""  # a required GPU model (substring, case-insensitive)
+    time_limit_s: float = 86400.0
+    # Planned run time: min(limit, prediction from similar past jobs).
+    planned_s: float = 86400.0
+    shareable: bool = False
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    id: int
+    gpu_ids: tuple[int, ...]
+    started_at: float
+    planned_s: float  # min(limit, predicted); backfill plans with it
+    time_limit_s: float
+    user: str = ""
+    group: str = ""
+    priority_class: str = "normal"
+    preemptible: bool = False
+    preemptions_last_hour: int = 0
+
+    @property
+    def planned_end(self) -> float:
+        return self.started_at + self.planned_s
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Decayed GPU-seconds (half-life decay done by the loader) and shares."""
+
+    group_usage: Mapping[str, float] = field(default_factory=dict)
+    user_usage: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    group_shares: Mapping[str, float] = field(default_factory=dict)
+    user_shares: Mapping[tuple[str, str], float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    now: float
+    nodes: tuple[NodeView, ...]
+    gpus: tuple[GpuView, ...]
+    pending: tuple[PendingJob, ...]
+    running: tuple[RunningJob, ...] = ()
+    usage: Usage = field(default_factory=Usage)
+    classes: Mapping[str, ClassSpec] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+# ------------------------------------------------------------------ decisions
+
+
+class Reason(StrEnum):
+    """Why a job is still pending: exactly one code per job per pass (Slurm's
+    ``job_state_reason``)."""
+
+    PRIORITY = "priority"  # higher-priority jobs come first
+    RESOURCES = "resources"  # it fits the cluster, not the free GPUs now
+    RESERVED_FOR_HIGHER = "reserved"  # free GPUs are held for a higher job
+    NO_SUCH_SHAPE = "no_such_shape"  # no set of nodes could ever hold it
+    ACCOUNT_LIMIT = "account_limit"  # quota (issue #6)
+    HELD = "held"
+    DEPENDENCY = "dependency"  # issue #8
+    INTERFERENCE = "interference"  # co-location refused (issue #5)
+    WAITING_FOR_PREEMPTION = "preempting"  # victims are being stopped for it
+    NOT_TESTED = "not_tested"  # a pass cap stopped before this job
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The GPUs a job takes on one node (a multi-node job has several)."""
+
+    node_id: int
+    gpu_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start ``job_id`` on ``placements`` (rank order), taking every slot of each GPU."""
+
+    job_id: int
+    placements: tuple[Placement, ...]
+    backfilled: bool = False
+
+    @property
+    def gpu_ids(self) -> tuple[int, ...]:
+        return tuple(g for p in self.placements for g in p.gpu_ids)
+
+    @classmethod
+    def on(cls, job_id: int, node_id: int, gpu_ids: tuple[int, ...]) -> Start:
+        """A single-node start."""
+        return cls(job_id, (Placement(node_id, tuple(gpu_ids)),))
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Stop ``victim_id`` (preemptible) so that ``for_job_id`` can start; the victim
+    goes back to the queue with its age kept."""
+
+    victim_id: int
+    for_job_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """``job_id`` stays pending for ``reason``; ``message`` explains it to a person."""
+
+    job_id: int
+    reason: Reason
+    message: str
+    position: int = 0  # 1-based place in the scheduling order
+    # Weighted priority factors (what `sprio` shows), their sum is the priority.
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+    est_start: float | None = None  # the reservation's planned start, if any
+
+
+@dataclass(frozen=True)
+class PassStats:
+    tested: int = 0
+    exit_reason: str = "done"
+    backfilled: int = 0
+
+
+Decision = Start | Preempt | Wait
