@@ -95,6 +95,11 @@ class JobForm(forms.Form):
         label="Working directory", max_length=1024, required=False
     )
     gpus = forms.IntegerField(label="GPUs", initial=1, min_value=1, max_value=64)
+    gpu_model = forms.ChoiceField(
+        label="GPU model",
+        required=False,
+        help_text="Only GPUs of this model. Optional.",
+    )
     gpu_memory = forms.CharField(
         label="GPU memory", required=False, help_text="Per GPU, e.g. 12G. Optional."
     )
@@ -137,8 +142,18 @@ class JobForm(forms.Form):
         help_text="One KEY=VALUE per line.",
     )
 
-    def __init__(self, *args: Any, group_names: list[str], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        group_names: list[str],
+        gpu_models: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        cast("forms.ChoiceField", self.fields["gpu_model"]).choices = [
+            ("", "any"),
+            *((m, m) for m in gpu_models or []),
+        ]
         cast(
             "forms.ChoiceField", self.fields["priority_class"]
         ).choices = classes.class_choices()
@@ -180,6 +195,7 @@ class JobForm(forms.Form):
             workload=data["workload"],
             group=data["group"],
             kill_grace_s=data["kill_grace"],
+            gpu_model=data["gpu_model"],
             requeue_on_node_loss=data["on_node_loss"] != "fail",
         )
 

@@ -246,7 +246,12 @@ class Job(models.Model):
     env = models.JSONField(default=dict, blank=True)
     gpus = models.PositiveSmallIntegerField(default=1)
     gpu_memory_mib = models.PositiveIntegerField(null=True, blank=True)
+    # A required GPU model (case-insensitive part of the GPU's name), e.g. "A100".
+    gpu_model = models.CharField(max_length=64, blank=True)
     time_limit_s = models.PositiveIntegerField()
+    # Run time predicted at submit from similar past jobs (backfill plans with
+    # min(limit, prediction)); shown to the owner.
+    predicted_runtime_s = models.PositiveIntegerField(null=True, blank=True)
     priority_class = models.CharField(max_length=32, default="normal")
     shareable = models.BooleanField(default=False)
     workload = models.CharField(max_length=128, blank=True)
@@ -259,6 +264,13 @@ class Job(models.Model):
     # Why a pending job waits (a scheduler.policy.Reason code) and the details.
     pending_reason = models.CharField(max_length=32, blank=True)
     pending_message = models.CharField(max_length=500, blank=True)
+    # The last pass's view of a pending job: its place in the scheduling order, its
+    # weighted priority factors, and when its reservation plans to start it.
+    queue_position = models.PositiveIntegerField(null=True, blank=True)
+    priority_breakdown = models.JSONField(default=dict, blank=True)
+    est_start = models.DateTimeField(null=True, blank=True)
+    preemptions = models.PositiveIntegerField(default=0)
+    last_preempted_at = models.DateTimeField(null=True, blank=True)
     # Set when a cancel was asked for a job on a node; the job ends when the agent
     # confirms the process group is gone.
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
@@ -301,6 +313,17 @@ class Job(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in self.TERMINAL
+
+    @property
+    def priority(self) -> float:
+        return float(sum(self.priority_breakdown.values()))
+
+    @property
+    def planned_runtime_s(self) -> int:
+        """What backfill plans with: min(limit, prediction)."""
+        if self.predicted_runtime_s is None:
+            return self.time_limit_s
+        return min(self.time_limit_s, self.predicted_runtime_s)
 
     @property
     def is_cancelling(self) -> bool:

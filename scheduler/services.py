@@ -130,25 +130,32 @@ class JobRequest:
     group: str = ""
     kill_grace_s: int | None = None  # None: GPULAB_KILL_GRACE
     requeue_on_node_loss: bool = True
+    gpu_model: str = ""  # a required GPU model, part of the GPU's name
 
 
-def cluster_capacity() -> tuple[int, int, int]:
+def cluster_capacity(model: str = "") -> tuple[int, int, int]:
     """(GPUs on the largest node, GPUs in the cluster, largest GPU memory in MiB),
-    counting every registered GPU that is present (nodes down now may come back)."""
-    per_node = (
-        Gpu.objects.filter(present=True, mig_enabled=False)
-        .values("node_id")
-        .annotate(n=Count("id"))
-        .values_list("n", flat=True)
+    counting every registered GPU that is present (nodes down now may come back),
+    of the given model only when one is named."""
+    usable = Gpu.objects.filter(present=True, mig_enabled=False)
+    if model:
+        usable = usable.filter(name__icontains=model)
+    counts = list(
+        usable.values("node_id").annotate(n=Count("id")).values_list("n", flat=True)
     )
-    counts = list(per_node)
     largest_mem = (
-        Gpu.objects.filter(present=True, mig_enabled=False)
-        .order_by("-memory_total_mib")
+        usable.order_by("-memory_total_mib")
         .values_list("memory_total_mib", flat=True)
         .first()
     )
     return (max(counts, default=0), sum(counts), largest_mem or 0)
+
+
+def gpu_models() -> list[str]:
+    """The GPU models present in the cluster (for the form's choices and errors)."""
+    return sorted(
+        set(Gpu.objects.filter(present=True).values_list("name", flat=True).distinct())
+    )
 
 
 MAX_KILL_GRACE_S = 3600
@@ -223,11 +230,19 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
                 f"{pclass.max_time_limit // 3600} h."
             )
 
-    largest_node, total, largest_mem = cluster_capacity()
+    model = req.gpu_model.strip()
+    largest_node, total, largest_mem = cluster_capacity(model)
+    if model and total == 0:
+        known = ", ".join(gpu_models()) or "none yet"
+        errors["gpu_model"] = f"No GPU matches {model!r}; the cluster has: {known}."
+    elif len(model) > 64:
+        errors["gpu_model"] = "The GPU model is longer than 64 characters."
     if req.gpus < 1:
         errors["gpus"] = "Ask for at least one GPU."
-    elif total == 0:
+    elif total == 0 and not model:
         errors["gpus"] = "No GPU node has registered yet; ask an admin to add one."
+    elif total == 0:
+        pass  # reported on gpu_model
     elif req.gpus > total:
         errors["gpus"] = f"The cluster has {total} GPU(s) in all."
     elif req.gpus > largest_node:
@@ -272,7 +287,37 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
         "workload": workload,
         "kill_grace_s": grace,
         "requeue_on_node_loss": req.requeue_on_node_loss,
+        "gpu_model": model,
     }
+
+
+PREDICTION_HISTORY = 10
+
+
+def predict_runtime(user_id: int, workload: str) -> int | None:
+    """Run time predicted from the user's last completed jobs: the median of the
+    last ``PREDICTION_HISTORY`` with the same workload label, else of any label;
+    None without history (the class default then plans as the limit). One query."""
+    rows = list(
+        Attempt.objects.filter(
+            job__owner_id=user_id,
+            job__status=Job.Status.COMPLETED,
+            started_at__isnull=False,
+            ended_at__isnull=False,
+            outcome=Attempt.Outcome.EXITED,
+        )
+        .order_by("-ended_at")
+        .values_list("job__workload", "started_at", "ended_at")[:200]
+    )
+    runs = [(w, (e - s).total_seconds()) for w, s, e in rows if s and e]
+    same = [d for w, d in runs if workload and w == workload]
+    pool = same[:PREDICTION_HISTORY] or [d for _, d in runs[:PREDICTION_HISTORY]]
+    if not pool:
+        return None
+    pool.sort()
+    middle = len(pool) // 2
+    median = pool[middle] if len(pool) % 2 else (pool[middle - 1] + pool[middle]) / 2
+    return max(1, round(median))
 
 
 def groups_of(user: User) -> list[Group]:
@@ -301,11 +346,13 @@ def _charge_group(user: User, name: str) -> Group:
 def submit_job(owner: User, req: JobRequest) -> Job:
     """Validate and store a new PENDING job, then ask for a scheduling pass."""
     fields = validate_job_request(req, owner.get_username())
+    predicted = predict_runtime(owner.pk, fields["workload"])
     with transaction.atomic():
         group = _charge_group(owner, req.group)
         job = Job.objects.create(
             owner=owner,
             group=group,
+            predicted_runtime_s=predicted,
             pending_message="waiting for the scheduler",
             **fields,
         )
@@ -513,12 +560,14 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
             group=j.group.name,
             priority_class=j.priority_class,
             time_limit_s=float(j.time_limit_s),
-            planned_s=float(j.time_limit_s),
+            planned_s=float(j.planned_runtime_s),
             shareable=j.shareable,
+            gpu_model=j.gpu_model,
         )
         for j in Job.objects.pending().select_related("owner", "group")
     ]
     running = []
+    hour_ago = now - timedelta(hours=1)
     for attempt in Attempt.objects.filter(
         ended_at__isnull=True, pk__in=list(gpus_of_attempt)
     ).select_related("job", "job__owner", "job__group"):
@@ -532,12 +581,16 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
                     sorted(gpus_of_attempt[attempt.pk], key=lambda g: index_of[g])
                 ),
                 started_at=started.timestamp(),
-                planned_s=float(job.time_limit_s),
+                planned_s=float(job.planned_runtime_s),
                 time_limit_s=float(job.time_limit_s),
                 user=job.owner.username,
                 group=job.group.name,
                 priority_class=job.priority_class,
-                preemptible=bool(spec and spec.preemptible),
+                # A job already being stopped is no candidate for preemption.
+                preemptible=bool(spec and spec.preemptible) and not attempt.kill_reason,
+                preemptions_last_hour=job.preemptions
+                if job.last_preempted_at and job.last_preempted_at > hour_ago
+                else 0,
             )
         )
     return policy.ClusterState(
@@ -564,6 +617,7 @@ class ApplyResult:
     started: int = 0
     skipped: int = 0
     updated_reasons: int = 0
+    preempted: int = 0
 
 
 def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
@@ -586,10 +640,42 @@ def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
                     result.started += 1
                 else:
                     result.skipped += 1
+            elif isinstance(decision, policy.Preempt) and _preempt(decision):
+                result.preempted += 1
         waits = [d for d in decisions if isinstance(d, policy.Wait)]
         if waits:
             result.updated_reasons = _update_reasons(waits)
     return result
+
+
+def _preempt(decision: policy.Preempt) -> bool:
+    """Ask the victim's node to stop it (SIGTERM, its grace, SIGKILL); the job goes
+    PREEMPTED -> PENDING when the agent reports the exit (``finish_attempt``), with
+    its submit time, hence its age, kept. A victim already being stopped is left."""
+    with transaction.atomic():
+        job = (
+            Job.objects.select_for_update()
+            .filter(pk=decision.victim_id, status__in=Job.ON_NODE)
+            .first()
+        )
+        if job is None or job.cancel_requested_at is not None:
+            return False
+        attempt = (
+            Attempt.objects.select_for_update()
+            .filter(job=job, ended_at__isnull=True)
+            .first()
+        )
+        if attempt is None or attempt.kill_reason:
+            return False
+        attempt.kill_reason = "preempted"
+        attempt.save(update_fields=["kill_reason"])
+        _event(
+            job,
+            f"preempted for job #{decision.for_job_id}: {decision.reason}"[:500],
+            source=JobEvent.Source.SCHEDULER,
+        )
+        _send_kill_on_commit(attempt, "preempted", job.kill_grace_s)
+    return True
 
 
 def _start(decision: policy.Start) -> bool:
@@ -729,24 +815,41 @@ def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
     )
 
 
+WAIT_FIELDS = (
+    "pending_reason",
+    "pending_message",
+    "queue_position",
+    "priority_breakdown",
+    "est_start",
+)
+
+
 def _update_reasons(waits: list[policy.Wait]) -> int:
+    """Store each waiting job's reason, place, factors and planned start, writing
+    only the rows that changed (one query to read, one bulk update)."""
     current = {
         j.pk: j
         for j in Job.objects.filter(
             pk__in=[w.job_id for w in waits], status=Job.Status.PENDING
-        ).only("id", "pending_reason", "pending_message")
+        ).only("id", *WAIT_FIELDS)
     }
     changed = []
     for wait in waits:
         job = current.get(wait.job_id)
-        message = wait.message[:500]
         if job is None:
             continue
-        if job.pending_reason != wait.reason.value or job.pending_message != message:
-            job.pending_reason = wait.reason.value
-            job.pending_message = message
+        new = {
+            "pending_reason": wait.reason.value,
+            "pending_message": wait.message[:500],
+            "queue_position": wait.position or None,
+            "priority_breakdown": {k: round(v, 3) for k, v in wait.breakdown.items()},
+            "est_start": _ts(wait.est_start) if wait.est_start is not None else None,
+        }
+        if any(getattr(job, name) != value for name, value in new.items()):
+            for name, value in new.items():
+                setattr(job, name, value)
             changed.append(job)
-    Job.objects.bulk_update(changed, ["pending_reason", "pending_message"])
+    Job.objects.bulk_update(changed, list(WAIT_FIELDS))
     return len(changed)
 
 
@@ -1034,6 +1137,21 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
         if job.cancel_requested_at is not None:
             job.status = Job.Status.CANCELLED
             message = "cancelled; process stopped"
+        elif server_kill == "preempted":
+            _event(
+                job,
+                f"preempted; process stopped (exit code {code})",
+                source=JobEvent.Source.AGENT,
+                from_status=old,
+                to_status=Job.Status.PREEMPTED,
+                at=ended,
+            )
+            old = Job.Status.PREEMPTED
+            job.status = Job.Status.PENDING
+            job.preemptions += 1
+            job.last_preempted_at = ended
+            job.save(update_fields=["preemptions", "last_preempted_at"])
+            message = "requeued after preemption (its age is kept)"
         elif data.reason == "timeout" or server_kill == "timeout":
             job.status = Job.Status.TIMEOUT
             limit = timedelta(seconds=job.time_limit_s)
@@ -1179,6 +1297,44 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
             lost.append(node.pk)
             log.warning("node %s marked lost (last seen %s)", node.name, ended)
     return lost
+
+
+# Grace the portal gives an agent to enforce a time limit itself before it asks.
+TIME_LIMIT_MARGIN = timedelta(minutes=2)
+
+
+def enforce_time_limits(now: datetime | None = None) -> list[int]:
+    """The portal's backstop for time limits (agents enforce them themselves, even
+    cut off): ask the node to stop any attempt still running past its limit plus its
+    grace and a margin. The exit then ends the job as TIMEOUT. Returns job ids."""
+    now = now or timezone.now()
+    overdue = []
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True, started_at__isnull=False, kill_reason=""
+    ).select_related("job"):
+        job = attempt.job
+        assert attempt.started_at is not None
+        deadline = (
+            attempt.started_at
+            + timedelta(seconds=job.time_limit_s + job.kill_grace_s)
+            + TIME_LIMIT_MARGIN
+        )
+        if now < deadline:
+            continue
+        with transaction.atomic():
+            updated = Attempt.objects.filter(pk=attempt.pk, kill_reason="").update(
+                kill_reason="timeout"
+            )
+            if not updated:
+                continue  # someone else asked first (compare-and-swap)
+            _event(
+                job,
+                "past its time limit; the portal asks its node to stop it",
+                source=JobEvent.Source.SYSTEM,
+            )
+            _send_kill_on_commit(attempt, "timeout", job.kill_grace_s)
+        overdue.append(job.pk)
+    return overdue
 
 
 # ------------------------------------------------------------------ admin verbs

@@ -50,7 +50,7 @@ def queue(request: AuthenticatedHttpRequest) -> HttpResponse:
     pending = list(
         Job.objects.pending()
         .select_related("owner", "group")
-        .order_by("submitted_at", "id")
+        .order_by("queue_position", "submitted_at", "id")
     )
     running = Job.objects.filter(status__in=Job.ON_NODE).select_related(
         "owner", "group"

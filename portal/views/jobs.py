@@ -67,9 +67,15 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
                 "workload": src.workload,
                 "env": "\n".join(f"{k}={v}" for k, v in src.env.items()),
                 "kill_grace": str(src.kill_grace_s),
+                "gpu_model": src.gpu_model,
                 "on_node_loss": "requeue" if src.requeue_on_node_loss else "fail",
             }
-    form = JobForm(request.POST or None, initial=initial, group_names=group_names)
+    form = JobForm(
+        request.POST or None,
+        initial=initial,
+        group_names=group_names,
+        gpu_models=services.gpu_models(),
+    )
     if request.method == "POST" and form.is_valid():
         try:
             job = services.submit_job(request.user, form.to_request())
@@ -95,10 +101,14 @@ def _job_context(job: Job) -> dict[str, object]:
             }.values(),
             key=lambda a: a.gpu.index,
         )
-    position = None
-    if job.status == Job.Status.PENDING:
-        position = (
-            Job.objects.pending().filter(submitted_at__lt=job.submitted_at).count() + 1
+    ahead: list[Job] = []
+    if job.status == Job.Status.PENDING and job.queue_position:
+        # "Behind whom": the jobs just ahead of it in the last pass's order.
+        ahead = list(
+            Job.objects.pending()
+            .filter(queue_position__lt=job.queue_position)
+            .select_related("owner")
+            .order_by("-queue_position")[:5]
         )
     return {
         "job": job,
@@ -106,7 +116,8 @@ def _job_context(job: Job) -> dict[str, object]:
         "allocations": allocations,
         "events": job.events.select_related("actor").order_by("at", "id"),
         "log_tail": services.log_tail(job),
-        "queue_position": position,
+        "queue_position": job.queue_position,
+        "ahead": ahead,
     }
 
 
