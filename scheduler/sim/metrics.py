@@ -1,0 +1,133 @@
+"""Metrics of a finished replay: plain arithmetic over the jobs, no I/O."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from scheduler.sim.engine import SimResult
+    from scheduler.sim.trace import SimJob
+
+SLOWDOWN_FLOOR_S = 10.0
+SIZE_BUCKETS = (("1", 1, 1), ("2-4", 2, 4), ("5-8", 5, 8), ("9+", 9, 10**9))
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear interpolation between closest ranks."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def jain(values: Sequence[float]) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all equal."""
+    if not values:
+        return None
+    squares = sum(v * v for v in values)
+    return (sum(values) ** 2) / (len(values) * squares) if squares else 1.0
+
+
+def jct(job: SimJob) -> float:
+    return job.end - job.submit
+
+
+def queue_time(job: SimJob) -> float:
+    """Time not running between submission and the end (all pending intervals and
+    the preempted attempts' runs are not queue; queue = JCT - time run)."""
+    return job.end - job.submit - job.run_total
+
+
+def bounded_slowdown(job: SimJob) -> float:
+    return jct(job) / max(job.ref_duration, SLOWDOWN_FLOOR_S)
+
+
+def summarize(result: SimResult) -> dict[str, Any]:
+    """The output keys computed from the jobs that finished."""
+    done = [j for j in result.jobs if j.state == "done"]
+    jcts = [jct(j) for j in done]
+    queues = [queue_time(j) for j in done]
+    slow = [bounded_slowdown(j) for j in done]
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for j, s in zip(done, slow, strict=True):
+        by_group[j.group].append(s)
+    group_means = {g: statistics.fmean(v) for g, v in sorted(by_group.items())}
+    by_size: dict[str, float | None] = {}
+    for name, lo, hi in SIZE_BUCKETS:
+        by_size[name] = mean([jct(j) for j in done if lo <= j.gpus <= hi])
+    start = min((j.submit for j in result.jobs), default=0.0)
+    end = max((j.end for j in done), default=start)
+    makespan = end - start
+    capacity = result.total_gpus * makespan
+    # Prediction: what the policy planned at the job's final start vs what it ran.
+    predicted = [
+        (j.planned_s, j.run_duration)
+        for j in done
+        if j.outcome == "completed" and j.pred_source != "default"
+    ]
+    ape = [abs(p - a) / a for p, a in predicted if a > 0]
+    ratio = [p / a for p, a in predicted if a > 0]
+    sources: dict[str, int] = defaultdict(int)
+    for j in done:
+        sources[j.pred_source] += 1
+    unfinished: dict[str, int] = defaultdict(int)
+    for j in result.jobs:
+        if j.state != "done":
+            unfinished[j.last_reason or j.state] += 1
+    decide = result.decide_ms
+    return {
+        "jobs": len(done),
+        "avg_jct_s": mean(jcts),
+        "p50_jct_s": percentile(jcts, 50),
+        "p99_jct_s": percentile(jcts, 99),
+        "avg_queue_s": mean(queues),
+        "p99_queue_s": percentile(queues, 99),
+        "makespan_s": makespan,
+        "gpu_utilization": result.busy_gpu_s / capacity if capacity > 0 else 0.0,
+        "avg_slowdown": mean(slow),
+        "jain_fairness": jain(list(group_means.values())),
+        "jct_by_size": by_size,
+        "preemptions": result.preemptions,
+        "passes": result.passes,
+        "avg_decide_ms": mean(decide),
+        "p99_decide_ms": percentile(decide, 99),
+        # --- beside the required keys
+        "completed": sum(1 for j in done if j.outcome == "completed"),
+        "timeouts": sum(1 for j in done if j.outcome == "timeout"),
+        "unfinished": dict(sorted(unfinished.items())),
+        "passes_by_trigger": dict(sorted(result.passes_by_trigger.items())),
+        "periodic_passes_skipped": result.periodic_skipped,
+        "preempted_gpu_s_lost": result.lost_gpu_s,
+        "slowdown_by_group": group_means,
+        "prediction": {
+            "jobs_by_source": dict(sorted(sources.items())),
+            "predicted_jobs": len(predicted),
+            "mdape": percentile(ape, 50),
+            "mean_predicted_over_actual": mean(ratio),
+        },
+        "reservations": {
+            "jobs_with_est_start": result.with_est_start,
+            "slipped": result.slipped,
+        },
+        "throughput_fallbacks": result.throughput_fallbacks,
+        "jct_cdf_s": [percentile(jcts, q) for q in range(101)],
+        "timeseries": {
+            "t_s": [s[0] for s in result.samples],
+            "pending": [s[1] for s in result.samples],
+            "running": [s[2] for s in result.samples],
+            "utilization": [round(s[3], 4) for s in result.samples],
+        },
+        "replay_wall_s": result.wall_s,
+    }
