@@ -318,6 +318,21 @@ class Job(models.Model):
     def priority(self) -> float:
         return float(sum(self.priority_breakdown.values()))
 
+    FACTOR_ORDER: ClassVar = ("class", "age", "fairshare", "size")
+
+    @property
+    def breakdown_items(self) -> list[tuple[str, float]]:
+        """The priority factors in a fixed order (PostgreSQL's jsonb reorders keys)."""
+        known = [
+            (k, self.priority_breakdown[k])
+            for k in self.FACTOR_ORDER
+            if k in self.priority_breakdown
+        ]
+        rest = sorted(
+            (k, v) for k, v in self.priority_breakdown.items() if k not in known
+        )
+        return known + [(k, v) for k, v in rest if k not in self.FACTOR_ORDER]
+
     @property
     def planned_runtime_s(self) -> int:
         """What backfill plans with: min(limit, prediction)."""

@@ -244,7 +244,8 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
     elif total == 0:
         pass  # reported on gpu_model
     elif req.gpus > total:
-        errors["gpus"] = f"The cluster has {total} GPU(s) in all."
+        which = f" matching {model!r}" if model else ""
+        errors["gpus"] = f"The cluster has {total} GPU(s){which} in all."
     elif req.gpus > largest_node:
         # Multi-node jobs come with the policy issue (#4).
         errors["gpus"] = (

@@ -1,0 +1,291 @@
+"""Production side of the policy: preemption, reasons, predictions, time limits,
+GPU model constraints, and the state the pass loads."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import pytest
+import time_machine
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+
+from agents import protocol
+from scheduler import policy, services
+from scheduler.models import Attempt, Job, JobEvent, UsageRecord
+from tests.conftest import hello_data, make_node
+from tests.factories import FAST_HASHERS, JobFactory, start_job, started_data
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+    from scheduler.models import Node
+
+
+@pytest.fixture(autouse=True)
+def _fast_passwords(settings: Any) -> None:
+    settings.PASSWORD_HASHERS = FAST_HASHERS
+
+
+@pytest.fixture
+def send() -> Any:
+    with mock.patch("scheduler.events.send_to_agent", autospec=True) as send:
+        yield send
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with (
+        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
+        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
+    ):
+        yield
+
+
+def running(job: Job, node: Node, at: float) -> Attempt:
+    attempt = start_job(job, node)
+    assert services.mark_started(node.pk, started_data(attempt, at))
+    return attempt
+
+
+def exited(attempt: Attempt, at: float, code: int, reason: str = "killed") -> Any:
+    return protocol.JobExitedData(
+        attempt_id=attempt.pk,
+        job_id=attempt.job_id,
+        exit_code=code,
+        ended_at=at,
+        reason=reason,  # type: ignore[arg-type]
+    )
+
+
+# ------------------------------------------------------------------ preemption
+
+
+def test_it_preempts_a_victim_and_requeues_it_with_its_age_kept(
+    alice: User,
+    cluster: list[Node],
+    send: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    node = cluster[0]
+    victim = JobFactory(owner=alice, priority_class="best-effort")
+    submitted = victim.submitted_at
+    attempt = running(victim, node, at=1_800_000_000.0)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        result = services.apply_decisions(
+            [policy.Preempt(victim.pk, for_job_id=999, reason="high class waits")]
+        )
+
+    assert result.preempted == 1
+    [call] = send.call_args_list
+    frame = protocol.parse_server_message(json.dumps(call.args[1]))
+    assert frame.type == "job.kill"
+    assert frame.data.reason == "preempted"
+    attempt.refresh_from_db()
+    assert attempt.kill_reason == "preempted"
+
+    services.finish_attempt(node.pk, exited(attempt, 1_800_000_100.0, 143))
+
+    victim.refresh_from_db()
+    assert victim.status == Job.Status.PENDING
+    assert victim.submitted_at == submitted  # age kept
+    assert victim.preemptions == 1
+    assert victim.finished_at is None
+    transitions = list(
+        JobEvent.objects.filter(job=victim)
+        .exclude(to_status="")
+        .values_list("from_status", "to_status")
+    )
+    assert transitions[-2:] == [("running", "preempted"), ("preempted", "pending")]
+    # Its GPU time until the stop is charged; its GPUs are free again.
+    assert UsageRecord.objects.get(attempt=attempt).gpu_seconds == pytest.approx(100)
+
+
+def test_it_does_not_preempt_a_job_already_being_stopped(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    victim = JobFactory(owner=alice, priority_class="best-effort")
+    running(victim, cluster[0], at=1_800_000_000.0)
+    services.apply_decisions([policy.Preempt(victim.pk, 1, "first")])
+
+    result = services.apply_decisions([policy.Preempt(victim.pk, 2, "again")])
+
+    assert result.preempted == 0
+
+
+def test_a_victim_being_stopped_is_no_preemption_candidate(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    victim = JobFactory(owner=alice, priority_class="best-effort")
+    running(victim, cluster[0], at=1_800_000_000.0)
+    [before] = services.cluster_state().running
+    services.apply_decisions([policy.Preempt(victim.pk, 1, "r")])
+
+    [after] = services.cluster_state().running
+
+    assert (before.preemptible, after.preemptible) == (True, False)
+
+
+# ------------------------------------------------------------------ waiting jobs
+
+
+def test_it_stores_reason_position_breakdown_and_planned_start(
+    alice: User, cluster: list[Node]
+) -> None:
+    job = JobFactory(owner=alice)
+    wait = policy.Wait(
+        job.pk,
+        policy.Reason.RESOURCES,
+        "waiting for 4 GPUs",
+        position=3,
+        breakdown={"class": 500.0, "age": 12.3456, "fairshare": 800.0, "size": 1.0},
+        est_start=1_800_000_000.0,
+    )
+
+    services.apply_decisions([wait])
+
+    job.refresh_from_db()
+    assert job.pending_reason == "resources"
+    assert job.queue_position == 3
+    assert job.priority_breakdown["age"] == 12.346
+    assert job.priority == pytest.approx(1313.346)
+    assert job.est_start == datetime.fromtimestamp(1_800_000_000.0, tz=UTC)
+
+
+def test_the_job_page_says_why_and_behind_whom(
+    alice: User, cluster: list[Node], client: Any
+) -> None:
+    first = JobFactory(owner=alice, name="first-in-line")
+    mine = JobFactory(owner=alice, name="mine")
+    services.apply_decisions(
+        [
+            policy.Wait(first.pk, policy.Reason.RESOURCES, "needs 4 GPUs", 1),
+            policy.Wait(
+                mine.pk,
+                policy.Reason.PRIORITY,
+                "behind higher-priority jobs",
+                2,
+                {"class": 500.0, "age": 20.0},
+            ),
+        ]
+    )
+    client.force_login(alice)
+
+    page = client.get(f"/jobs/{mine.pk}/").content.decode()
+
+    assert "behind higher-priority jobs" in page
+    assert f"#{first.pk}</a>" in page
+    assert "520 = class 500 + age 20" in page
+
+
+# ------------------------------------------------------------------ predictions
+
+
+def _completed(user: User, node: Node, workload: str, seconds: float) -> Job:
+    job = JobFactory(owner=user, workload=workload)
+    attempt = running(job, node, at=1_800_000_000.0)
+    services.finish_attempt(
+        node.pk, exited(attempt, 1_800_000_000.0 + seconds, 0, reason="exited")
+    )
+    return job
+
+
+def test_it_predicts_run_time_from_the_same_workload_then_any(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    node = cluster[0]
+    for seconds in (100, 200, 300):
+        _completed(alice, node, "resnet", seconds)
+    _completed(alice, node, "bert", 5000)
+
+    assert services.predict_runtime(alice.pk, "resnet") == 200
+    assert services.predict_runtime(alice.pk, "unknown-label") == 250  # all 4
+    assert services.predict_runtime(alice.pk + 1000, "resnet") is None
+
+
+def test_backfill_plans_with_the_smaller_of_limit_and_prediction(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    _completed(alice, cluster[0], "resnet", 600)
+
+    job = services.submit_job(
+        alice,
+        services.JobRequest(name="j", command="true", workload="resnet"),
+    )
+    [pending] = [p for p in services.cluster_state().pending if p.id == job.pk]
+
+    assert job.predicted_runtime_s == 600
+    assert pending.planned_s == 600
+    assert pending.time_limit_s == job.time_limit_s
+
+
+# ------------------------------------------------------------------ constraints
+
+
+def test_a_gpu_model_constraint_must_exist_and_counts_only_that_model(
+    alice: User, db: None
+) -> None:
+    make_node("a100s", 2)
+    k80s, _ = services.create_node("k80s")
+    services.record_hello(k80s.pk, hello_data(8, 12288, "Tesla K80", host="k80s"))
+
+    with pytest.raises(ValidationError) as caught:
+        services.submit_job(
+            alice, services.JobRequest(name="j", command="x", gpu_model="H100")
+        )
+    assert "No GPU matches 'H100'" in caught.value.message_dict["gpu_model"][0]
+
+    with pytest.raises(ValidationError) as caught:
+        services.submit_job(
+            alice,
+            services.JobRequest(name="j", command="x", gpu_model="A100", gpus=4),
+        )
+    assert caught.value.message_dict["gpus"] == [
+        "The cluster has 2 GPU(s) matching 'A100' in all."
+    ]
+
+
+def test_the_state_carries_models_topology_and_usage(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    _completed(alice, cluster[0], "w", 3600)
+
+    state = services.cluster_state()
+
+    assert {g.model for g in state.gpus} == {"NVIDIA A100-80GB"}
+    assert state.usage.group_usage["vision"] > 3000  # decayed a little
+    assert state.usage.group_shares == {"vision": 1.0, "nlp": 1.0}
+    assert ("vision", "alice") in state.usage.user_usage
+
+
+# ------------------------------------------------------------------ time limits
+
+
+def test_the_portal_stops_a_job_its_agent_let_run_past_its_limit(
+    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    node = cluster[0]
+    job = JobFactory(owner=alice, time_limit_s=60, kill_grace_s=5)
+    start = timezone.now()
+    attempt = running(job, node, at=start.timestamp())
+
+    with time_machine.travel(start + timedelta(seconds=60 + 5 + 60)):
+        assert services.enforce_time_limits() == []
+    with (
+        time_machine.travel(start + timedelta(seconds=60 + 5 + 121)),
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        assert services.enforce_time_limits() == [job.pk]
+        assert services.enforce_time_limits() == []  # asked once only
+
+    [call] = send.call_args_list
+    assert call.args[1]["data"]["reason"] == "timeout"
+    services.finish_attempt(
+        node.pk, exited(attempt, start.timestamp() + 190, 143, reason="killed")
+    )
+    job.refresh_from_db()
+    assert job.status == Job.Status.TIMEOUT
