@@ -14,6 +14,7 @@ No Django, no I/O, no wall clock: the Celery pass and the simulator run this cod
 from __future__ import annotations
 
 from scheduler.policy.fifo import decide_fifo, order_key
+from scheduler.policy.multifactor import decide_multifactor
 from scheduler.policy.state import (
     ClassSpec,
     ClusterState,
@@ -40,9 +41,10 @@ def decide(state: ClusterState) -> list[Decision]:
     name = state.config.name
     if name == "fifo":
         return decide_fifo(state)
-    if name in POLICIES:
-        # The multifactor policies land with issue #4; until then, fifo.
-        return decide_fifo(state)
+    if name == "slurm":
+        return decide_multifactor(state, preemption=False, topology=False)
+    if name == "gpulab":
+        return decide_multifactor(state, preemption=True, topology=True)
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

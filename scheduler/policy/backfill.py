@@ -1,0 +1,111 @@
+"""Stage 7: the EASY reservation (shadow time) for the top blocked job.
+
+Walk the running jobs in planned-end order (``RunningJob.planned_end``: started_at +
+min(limit, prediction)), releasing each GPU when the last job on it is planned to end,
+into a scratch ledger, until the blocked job fits: that time (never before ``now``) is
+its shadow time, and the GPUs it would take then are reserved. A later job may start
+now only if it fits now and either ends (by its plan) by the shadow time or takes none
+of the reserved GPUs (``multifactor`` applies the rule). One reservation per pass, as
+in EASY. A job that never fits (it needs nodes that are down) gets no reservation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler.policy.place import _fitting, is_gang, place
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from scheduler.policy.index import Constraint, PassIndex
+    from scheduler.policy.ledger import Ledger
+    from scheduler.policy.state import GpuView, Placement, RunningJob
+
+
+@dataclass(frozen=True)
+class Reservation:
+    job_id: int
+    shadow: float | None  # None: the job cannot be planned (no reservation)
+    placements: tuple[Placement, ...] = ()
+    gpu_ids: frozenset[int] = frozenset()
+    behind: int | None = None  # the running job whose end it waits for last
+    victims: tuple[int, ...] = ()  # set when the reservation is a preemption plan
+
+
+def releases(
+    idx: PassIndex, running: Iterable[RunningJob]
+) -> list[tuple[float, int, GpuView]]:
+    """(time, job id, GPU): when each busy schedulable GPU frees, by planned ends."""
+    last: dict[int, tuple[float, int]] = {}
+    for r in running:
+        for gid in r.gpu_ids:
+            key = (r.planned_end, r.id)
+            if gid not in last or key > last[gid]:
+                last[gid] = key
+    out = []
+    for gid, (end, job_id) in last.items():
+        gpu = idx.gpu_by_id.get(gid)
+        if gpu is None or gpu.node_id not in idx.schedulable_nodes:
+            continue
+        if not gpu.schedulable or gpu.slots <= 0:
+            continue
+        out.append((end, job_id, gpu))
+    out.sort(key=lambda e: (e[0], e[1], e[2].id))
+    return out
+
+
+def reserve(
+    job_id: int,
+    c: Constraint,
+    k: int,
+    ledger: Ledger,
+    idx: PassIndex,
+    running: Iterable[RunningJob],
+    *,
+    spread: bool,
+    topology: bool,
+) -> Reservation:
+    scratch = ledger.copy()
+    view = idx.view(c)
+    gang = is_gang(idx, c, k)
+    total = 0
+    if gang:
+        total = sum(
+            len(_fitting(scratch, idx, c, n, frozenset())) for n in scratch.free
+        )
+    events = releases(idx, running)
+    i = 0
+    while i < len(events):
+        t = events[i][0]
+        touched: dict[int, list[GpuView]] = {}
+        behind = events[i][1]
+        while i < len(events) and events[i][0] == t:
+            _, behind, gpu = events[i]
+            have = {g.id for g in scratch.free.get(gpu.node_id, [])}
+            if gpu.id not in have:
+                touched.setdefault(gpu.node_id, []).append(gpu)
+            i += 1
+        for node_id, gpus in touched.items():
+            scratch.give(node_id, gpus)
+            if gang:
+                total += sum(1 for g in gpus if g.id in view.matching)
+        if gang:
+            fits = total >= k
+        else:
+            fits = any(
+                len(_fitting(scratch, idx, c, n, frozenset())) >= k for n in touched
+            )
+        if fits:
+            placements = place(scratch, idx, c, k, spread=spread, topology=topology)
+            if placements is None:  # pragma: no cover - fits said it would
+                continue
+            return Reservation(
+                job_id,
+                max(t, idx.state.now),
+                placements,
+                frozenset(g for p in placements for g in p.gpu_ids),
+                behind,
+            )
+    return Reservation(job_id, None)

@@ -1,0 +1,126 @@
+"""Stage 1: the pass index, every static lookup of one pass built once (Kubernetes'
+CycleState, Kueue's snapshot) and read-only afterwards.
+
+What changes during the pass (free GPUs) lives in ``ledger.Ledger``; this module holds
+what does not: nodes, their names and sort keys, every GPU by node, which GPUs match a
+job's constraints (cached per constraint, since a pass sees few distinct ones), the
+capacity each constraint can ever get, and the running jobs by planned end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.policy.state import ClusterState, GpuView, PendingJob, RunningJob
+
+UNKNOWN_LEVEL = 99  # a pair of GPUs with no topology entry: farthest apart
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a job asks of each GPU: a minimum memory and a model substring."""
+
+    mem: int | None
+    model: str  # lower case; "" = any
+
+    @classmethod
+    def of(cls, job: PendingJob) -> Constraint:
+        return cls(job.gpu_memory_mib, job.gpu_model.strip().lower())
+
+    @property
+    def any(self) -> bool:
+        return self.mem is None and not self.model
+
+    def matches(self, gpu: GpuView) -> bool:
+        if self.mem is not None and gpu.memory_total_mib < self.mem:
+            return False
+        return not self.model or self.model in gpu.model.lower()
+
+
+@dataclass
+class ConstraintView:
+    """One constraint against the cluster, computed once per pass."""
+
+    matching: frozenset[int]  # GPU ids (schedulable or not) that match
+    uniform: frozenset[int]  # nodes whose every GPU matches
+    mixed: frozenset[int]  # nodes where some GPUs match and some do not
+    node_capacity: dict[int, int]  # node -> matching GPUs (all nodes, up or not)
+    max_node_capacity: int
+    total_capacity: int
+
+
+@dataclass
+class PassIndex:
+    state: ClusterState
+    schedulable_nodes: frozenset[int]
+    node_key: dict[int, tuple[str, int]]  # deterministic tie break: (name, id)
+    gpus_by_node: dict[int, tuple[GpuView, ...]]  # every GPU, by index
+    gpu_by_id: dict[int, GpuView]
+    free_now: dict[int, list[GpuView]]  # schedulable node -> free schedulable GPUs
+    total_gpus: int
+    running_by_end: tuple[RunningJob, ...]
+    _constraints: dict[Constraint, ConstraintView] = field(default_factory=dict)
+
+    def view(self, c: Constraint) -> ConstraintView:
+        """The constraint's view, computed on first use (a handful per pass)."""
+        got = self._constraints.get(c)
+        if got is not None:
+            return got
+        matching: set[int] = set()
+        uniform: set[int] = set()
+        mixed: set[int] = set()
+        capacity: dict[int, int] = {}
+        for node_id, gpus in self.gpus_by_node.items():
+            n = 0
+            for g in gpus:
+                if c.matches(g):
+                    matching.add(g.id)
+                    n += 1
+            capacity[node_id] = n
+            if n == len(gpus):
+                uniform.add(node_id)
+            elif n:
+                mixed.add(node_id)
+        got = ConstraintView(
+            frozenset(matching),
+            frozenset(uniform),
+            frozenset(mixed),
+            capacity,
+            max(capacity.values(), default=0),
+            sum(capacity.values()),
+        )
+        self._constraints[c] = got
+        return got
+
+
+def is_free(gpu: GpuView) -> bool:
+    """Exclusive GPUs only: free means every slot is free (co-location: issue #5)."""
+    return gpu.schedulable and gpu.slots > 0 and gpu.free_slots == gpu.slots
+
+
+def build(state: ClusterState) -> PassIndex:
+    schedulable = frozenset(n.id for n in state.nodes if n.schedulable)
+    node_key = {n.id: (n.name, n.id) for n in state.nodes}
+    by_node: dict[int, list[GpuView]] = {}
+    for g in sorted(state.gpus, key=lambda g: (g.node_id, g.index, g.id)):
+        by_node.setdefault(g.node_id, []).append(g)
+        node_key.setdefault(g.node_id, ("", g.node_id))
+    free_now = {
+        node_id: [g for g in gpus if is_free(g)]
+        for node_id, gpus in by_node.items()
+        if node_id in schedulable
+    }
+    return PassIndex(
+        state=state,
+        schedulable_nodes=schedulable,
+        node_key=node_key,
+        gpus_by_node={k: tuple(v) for k, v in by_node.items()},
+        gpu_by_id={g.id: g for g in state.gpus},
+        free_now=free_now,
+        total_gpus=len(state.gpus),
+        running_by_end=tuple(
+            sorted(state.running, key=lambda r: (r.planned_end, r.id))
+        ),
+    )

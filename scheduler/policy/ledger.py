@@ -1,0 +1,58 @@
+"""The pass's mutable view of free GPUs: per node, and nodes bucketed by their free
+count so best fit never scans the whole cluster (Volcano's session, Kubernetes'
+Reserve/Unreserve). ``copy`` gives the backfill timeline and the preemption planner
+a scratch ledger to play "what if" on without touching the real one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from scheduler.policy.state import GpuView
+
+
+class Ledger:
+    def __init__(self, free: dict[int, list[GpuView]]) -> None:
+        self.free: dict[int, list[GpuView]] = {
+            n: sorted(gs, key=lambda g: g.index) for n, gs in free.items()
+        }
+        self.by_count: dict[int, set[int]] = {}
+        for node_id, gpus in self.free.items():
+            self.by_count.setdefault(len(gpus), set()).add(node_id)
+        self.total = sum(len(gs) for gs in self.free.values())
+
+    def copy(self) -> Ledger:
+        return Ledger({n: list(gs) for n, gs in self.free.items()})
+
+    @property
+    def max_count(self) -> int:
+        return max((c for c, nodes in self.by_count.items() if nodes), default=0)
+
+    def _move(self, node_id: int, old: int, new: int) -> None:
+        bucket = self.by_count.get(old)
+        if bucket is not None:
+            bucket.discard(node_id)
+        self.by_count.setdefault(new, set()).add(node_id)
+
+    def take(self, node_id: int, gpu_ids: Iterable[int]) -> None:
+        gone = set(gpu_ids)
+        before = self.free.get(node_id, [])
+        after = [g for g in before if g.id not in gone]
+        if len(before) - len(after) != len(gone):
+            raise ValueError(f"GPUs {sorted(gone)} are not all free on node {node_id}")
+        self.free[node_id] = after
+        self.total -= len(gone)
+        self._move(node_id, len(before), len(after))
+
+    def give(self, node_id: int, gpus: Iterable[GpuView]) -> None:
+        before = self.free.setdefault(node_id, [])
+        have = {g.id for g in before}
+        new = [g for g in gpus if g.id not in have]
+        if not new:
+            return
+        after = sorted([*before, *new], key=lambda g: g.index)
+        self.free[node_id] = after
+        self.total += len(new)
+        self._move(node_id, len(before), len(after))

@@ -1,0 +1,264 @@
+"""The ``slurm`` and ``gpulab`` policies: one pass as numbered stages (STYLE.md 13).
+
+1. ``index.build``: every static lookup, once; ``Ledger``: the free GPUs.
+2. gate: node-independent refusals (pending jobs arrive PENDING; what is left is a
+   shape no set of nodes can ever hold: ``NO_SUCH_SHAPE``).
+3. ``priority.breakdown``: weighted factors; their sum is the priority.
+4. order: priority desc, submitted asc, id asc (reproducible in the simulator).
+5. place, in order, until the first job that does not fit (the top blocked job).
+6. (co-location: issue #5.)
+7/8. reserve for the top blocked job: in ``gpulab``, for a job of a non-preemptible
+   class, a preemption plan if one exists (``Preempt`` decisions, the job waits
+   ``WAITING_FOR_PREEMPTION`` and the GPUs it will take are reserved from now);
+   else the EASY shadow-time reservation (``backfill.reserve``). Then backfill (when
+   ``config.backfill``): each later job, at most ``backfill_max_tested`` of them,
+   starts if it fits now and either ends by the shadow time or avoids the reserved
+   GPUs; the others wait ``RESOURCES`` / ``RESERVED_FOR_HIGHER``, and past the cap
+   ``NOT_TESTED``. Without backfill, later jobs wait ``PRIORITY``.
+9. reasons: exactly one ``Wait`` per job not started, with its breakdown.
+
+Shape cache: within a pass capacity only shrinks, so when k GPUs of a constraint
+fail (single node or gang, with or without the reservation excluded), every later
+job of that constraint asking for k or more is refused in O(1).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler.policy import backfill, index, place, preempt, priority
+from scheduler.policy.fairshare import FairShare
+from scheduler.policy.index import Constraint
+from scheduler.policy.ledger import Ledger
+from scheduler.policy.reasons import Messages, duration, gpus_word, when
+from scheduler.policy.state import (
+    Placement,
+    Preempt,
+    Reason,
+    RunningJob,
+    Start,
+    Wait,
+)
+
+if TYPE_CHECKING:
+    from scheduler.policy.backfill import Reservation
+    from scheduler.policy.state import ClusterState, Decision, PendingJob
+
+INF = 1 << 62
+
+
+def decide_multifactor(
+    state: ClusterState, *, preemption: bool, topology: bool
+) -> list[Decision]:
+    cfg = state.config
+    spread = cfg.placement == "spread"
+    now = state.now
+
+    # 1. index and ledger
+    idx = index.build(state)
+    ledger = Ledger(idx.free_now)
+    fairshare = FairShare(
+        state.usage,
+        {j.group for j in state.pending} | {r.group for r in state.running},
+        {(j.group, j.user) for j in state.pending}
+        | {(r.group, r.user) for r in state.running},
+    )
+    messages = Messages(idx)
+
+    # 3. priority breakdown
+    breakdowns = {
+        j.id: priority.breakdown(
+            j,
+            now=now,
+            config=cfg,
+            classes=state.classes,
+            fairshare=fairshare,
+            total_gpus=idx.total_gpus,
+        )
+        for j in state.pending
+    }
+    prio = {jid: sum(b.values()) for jid, b in breakdowns.items()}
+
+    # 4. stable order
+    order = sorted(state.pending, key=lambda j: (-prio[j.id], j.submitted_at, j.id))
+
+    decisions: list[Decision] = []
+    started: list[RunningJob] = []
+    failed: dict[tuple[bool, bool, Constraint], int] = {}
+    reservation: Reservation | None = None
+    top: PendingJob | None = None
+    tested = 0
+    position = 0
+
+    def try_place(
+        job: PendingJob, c: Constraint, *, avoid_reserved: bool
+    ) -> tuple[Placement, ...] | None:
+        gang = place.is_gang(idx, c, job.gpus)
+        key = (gang, avoid_reserved, c)
+        if failed.get(key, INF) <= job.gpus:
+            return None
+        exclude = (
+            reservation.gpu_ids
+            if avoid_reserved and reservation is not None
+            else place.NO_EXCLUSION
+        )
+        got = place.place(
+            ledger, idx, c, job.gpus, exclude=exclude, spread=spread, topology=topology
+        )
+        if got is None:
+            failed[key] = min(failed.get(key, INF), job.gpus)
+        return got
+
+    def start(job: PendingJob, placements: tuple[Placement, ...], *, bf: bool) -> None:
+        place.take(ledger, placements)
+        gpu_ids = tuple(g for p in placements for g in p.gpu_ids)
+        started.append(
+            RunningJob(job.id, gpu_ids, now, job.planned_s, job.time_limit_s)
+        )
+        decisions.append(Start(job.id, placements, backfilled=bf))
+
+    def wait(
+        job: PendingJob, reason: Reason, message: str, est: float | None = None
+    ) -> None:
+        nonlocal position
+        position += 1
+        decisions.append(
+            Wait(job.id, reason, message, position, breakdowns[job.id], est)
+        )
+
+    for job in order:
+        c = Constraint.of(job)
+        # 2. gate
+        if not place.could_ever(idx, c, job.gpus):
+            wait(job, Reason.NO_SUCH_SHAPE, messages.no_such_shape(c, job.gpus))
+            continue
+
+        # 5. place in order until the first job that does not fit
+        if top is None:
+            got = try_place(job, c, avoid_reserved=False)
+            if got is not None:
+                start(job, got, bf=False)
+                continue
+            # 7/8. the top blocked job: preemption plan or shadow-time reservation
+            top = job
+            plan = None
+            spec = state.classes.get(job.priority_class)
+            if preemption and not (spec is not None and spec.preemptible):
+                plan = preempt.plan(
+                    c,
+                    job.gpus,
+                    ledger,
+                    idx,
+                    fairshare,
+                    spread=spread,
+                    topology=topology,
+                )
+            if plan is not None:
+                victims, placements = plan
+                reservation = backfill.Reservation(
+                    job.id,
+                    now,
+                    placements,
+                    frozenset(g for p in placements for g in p.gpu_ids),
+                    None,
+                    tuple(v.id for v in victims),
+                )
+                names = ", ".join(str(v.id) for v in victims)
+                for v in victims:
+                    decisions.append(
+                        Preempt(
+                            v.id,
+                            job.id,
+                            f"preempted (class {v.priority_class!r}) so that job"
+                            f" {job.id} (class {job.priority_class!r}) can start",
+                        )
+                    )
+                nodes = ", ".join(
+                    idx.node_key.get(p.node_id, ("", p.node_id))[0] or str(p.node_id)
+                    for p in placements
+                )
+                wait(
+                    job,
+                    Reason.WAITING_FOR_PREEMPTION,
+                    f"stopping preemptible job(s) {names} to free"
+                    f" {gpus_word(job.gpus)} on {nodes}; it starts when they exit",
+                )
+                continue
+            reservation = backfill.reserve(
+                job.id,
+                c,
+                job.gpus,
+                ledger,
+                idx,
+                [*idx.running_by_end, *started],
+                spread=spread,
+                topology=topology,
+            )
+            base = messages.resources(c, job.gpus, ledger)
+            if reservation.shadow is None:
+                msg = (
+                    f"{base}; no start can be planned from the running jobs"
+                    " (it needs GPUs that are down, draining or not tracked)"
+                )
+            else:
+                msg = f"{base}; reserved to start at {when(reservation.shadow, now)}"
+                if reservation.behind is not None:
+                    msg += f", when job {reservation.behind} is planned to end"
+            wait(job, Reason.RESOURCES, msg, reservation.shadow)
+            continue
+
+        # after the top blocked job
+        assert reservation is not None
+        if not cfg.backfill:
+            wait(
+                job,
+                Reason.PRIORITY,
+                f"behind job {top.id} (priority {prio[top.id]:.0f}, this job"
+                f" {prio[job.id]:.0f}), which waits for GPUs; backfill is off",
+            )
+            continue
+        if tested >= cfg.backfill_max_tested:
+            wait(
+                job,
+                Reason.NOT_TESTED,
+                f"not tested this pass: backfill stopped after"
+                f" {cfg.backfill_max_tested} jobs (backfill_max_tested)",
+            )
+            continue
+        tested += 1
+        got = try_place(job, c, avoid_reserved=False)
+        if got is None:
+            wait(
+                job,
+                Reason.RESOURCES,
+                f"{messages.resources(c, job.gpus, ledger)}; job {top.id}"
+                " (higher priority) holds the reservation",
+            )
+            continue
+        shadow = reservation.shadow
+        if shadow is None and not reservation.victims:
+            start(job, got, bf=True)  # nothing can be protected: no planned start
+            continue
+        if shadow is not None and now + job.planned_s <= shadow:
+            start(job, got, bf=True)
+            continue
+        got = try_place(job, c, avoid_reserved=True)
+        if got is not None:
+            start(job, got, bf=True)
+            continue
+        if reservation.victims:
+            msg = (
+                f"{gpus_word(job.gpus)} are free now, but they are held for job"
+                f" {top.id}, which is preempting job(s)"
+                f" {', '.join(map(str, reservation.victims))}"
+            )
+        else:
+            assert shadow is not None
+            msg = (
+                f"{gpus_word(job.gpus)} are free now, but it would delay job {top.id},"
+                f" reserved to start at {when(shadow, now)}: it is planned to run"
+                f" {duration(job.planned_s)}, past that, and the only GPUs that fit"
+                f" it are reserved"
+            )
+        wait(job, Reason.RESERVED_FOR_HIGHER, msg)
+    return decisions

@@ -1,0 +1,70 @@
+"""Stage 3: multifactor priority (Slurm's priority/multifactor): each factor is
+normalised to [0, 1] and multiplied by its weight from ``PolicyConfig``; the weighted
+parts are kept as the breakdown ``sprio`` would show, and their sum is the priority.
+
+- class: ``ClassSpec.weight`` of the job's class, else ``PendingJob.priority_weight``;
+- age: ``min(1, (now - submitted_at) / max_age_s)``; it saturates at ``max_age_s``.
+  An aged job gains at most ``weight_age``: with the defaults (class 1000, age 500)
+  a ``normal`` job (class 0.5) reaches a brand-new ``high`` job (class 1.0) after
+  ``max_age_s`` (7 days) and then goes first (older wins ties); ``best-effort``
+  reaches a new ``normal`` job the same way. Within a class, later jobs never pass an
+  older one on age. ``best-effort`` never passes ``high`` on age alone: it is the
+  scavenger class, started by backfill and preempted when a higher class waits;
+- fairshare: ``fairshare.FairShare.of(group, user)``;
+- size: ``gpus / all GPUs of the cluster`` (capped at 1). Like Slurm's default
+  (PriorityFavorSmall=NO) it favours larger jobs: small jobs already win through
+  backfill and best fit, large ones need the push so they are not starved by a
+  stream of small ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from scheduler.policy.fairshare import FairShare
+    from scheduler.policy.state import ClassSpec, PendingJob, PolicyConfig
+
+FACTORS = ("class", "age", "fairshare", "size")
+
+
+def clamp(x: float) -> float:
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+def class_factor(
+    job_class: str, fallback: float, classes: Mapping[str, ClassSpec]
+) -> float:
+    spec = classes.get(job_class)
+    return clamp(spec.weight if spec is not None else fallback)
+
+
+def age_factor(now: float, submitted_at: float, max_age_s: float) -> float:
+    if max_age_s <= 0:
+        return 1.0
+    return clamp((now - submitted_at) / max_age_s)
+
+
+def size_factor(gpus: int, total_gpus: int) -> float:
+    return clamp(gpus / total_gpus) if total_gpus > 0 else 0.0
+
+
+def breakdown(
+    job: PendingJob,
+    *,
+    now: float,
+    config: PolicyConfig,
+    classes: Mapping[str, ClassSpec],
+    fairshare: FairShare,
+    total_gpus: int,
+) -> dict[str, float]:
+    """The weighted factors of one pending job; ``sum(...)`` is its priority."""
+    return {
+        "class": config.weight_class
+        * class_factor(job.priority_class, job.priority_weight, classes),
+        "age": config.weight_age * age_factor(now, job.submitted_at, config.max_age_s),
+        "fairshare": config.weight_fairshare * fairshare.of(job.group, job.user),
+        "size": config.weight_size * size_factor(job.gpus, total_gpus),
+    }

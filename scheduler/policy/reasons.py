@@ -1,0 +1,130 @@
+"""Stage 9: messages for the one ``Reason`` each still-pending job gets.
+
+Messages name the numbers a person needs: how many GPUs, how many are free, why each
+node was refused (a Volcano-style histogram, "0/3 nodes fit: 2 too few free GPUs, 1
+model mismatch"), when a reservation is planned and behind which job. Times are
+formatted from ``state.now`` (UTC), never the wall clock. Histograms are cached per
+job shape for the pass, so 10,000 waiting jobs of a few shapes cost a few scans.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from scheduler.policy.place import _fitting, is_gang
+
+if TYPE_CHECKING:
+    from scheduler.policy.index import Constraint, PassIndex
+    from scheduler.policy.ledger import Ledger
+
+# Node refusal categories, most severe first (Kueue's reasonSeverity).
+DOWN = "down or draining"
+MODEL = "model mismatch"
+MEMORY = "too little GPU memory"
+TOO_SMALL = "too few GPUs"
+BUSY = "too few free GPUs"
+ORDER = (DOWN, MODEL, MEMORY, TOO_SMALL, BUSY)
+
+
+def duration(seconds: float) -> str:
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    m, _ = divmod(s, 60)
+    if m < 60:
+        return f"{m}m"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h {m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d {h}h"
+
+
+def when(ts: float, now: float) -> str:
+    at = datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"{at} (in {duration(ts - now)})"
+
+
+def gpus_word(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def shape(c: Constraint, k: int, idx: PassIndex) -> str:
+    where = "across nodes" if is_gang(idx, c, k) else "on one node"
+    extra = []
+    if c.model:
+        extra.append(f"model ~{c.model!r}")
+    if c.mem is not None:
+        extra.append(f">= {c.mem} MiB")
+    more = f" ({', '.join(extra)})" if extra else ""
+    return f"{gpus_word(k)}{more} {where}"
+
+
+class Messages:
+    def __init__(self, idx: PassIndex) -> None:
+        self.idx = idx
+        self._cache: dict[tuple[Constraint, int, bool], str] = {}
+
+    def _refusal(
+        self, c: Constraint, k: int, node_id: int, ledger: Ledger
+    ) -> str | None:
+        idx = self.idx
+        gpus = idx.gpus_by_node[node_id]
+        if node_id not in idx.schedulable_nodes:
+            return DOWN
+        if c.model and not any(c.model in g.model.lower() for g in gpus):
+            return MODEL
+        view = idx.view(c)
+        if view.node_capacity.get(node_id, 0) == 0:
+            return MEMORY
+        if view.node_capacity[node_id] < k:
+            return TOO_SMALL
+        if len(_fitting(ledger, idx, c, node_id, frozenset())) < k:
+            return BUSY
+        return None
+
+    def resources(self, c: Constraint, k: int, ledger: Ledger) -> str:
+        """'waiting for 4 GPUs on one node; at most 2 free on one node now (0/3
+        nodes fit: 2 too few free GPUs, 1 model mismatch)'."""
+        gang = is_gang(self.idx, c, k)
+        key = (c, k, gang)
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        idx = self.idx
+        counts: dict[str, int] = {}
+        best = 0
+        total = 0
+        for node_id in idx.gpus_by_node:
+            n = len(_fitting(ledger, idx, c, node_id, frozenset()))
+            best = max(best, n)
+            total += n
+            if gang:
+                continue
+            why = self._refusal(c, k, node_id, ledger)
+            if why is not None:
+                counts[why] = counts.get(why, 0) + 1
+        if gang:
+            got = (
+                f"waiting for {shape(c, k, idx)}; {total} fitting GPUs free now"
+                f" (at most {best} on one node)"
+            )
+        else:
+            nodes = len(idx.gpus_by_node)
+            fit = nodes - sum(counts.values())
+            hist = ", ".join(f"{counts[w]} {w}" for w in ORDER if w in counts)
+            got = (
+                f"waiting for {shape(c, k, idx)}; at most {best} free on one node now"
+                f" ({fit}/{nodes} nodes fit: {hist})"
+            )
+        self._cache[key] = got
+        return got
+
+    def no_such_shape(self, c: Constraint, k: int) -> str:
+        view = self.idx.view(c)
+        return (
+            f"no set of nodes can ever hold {shape(c, k, self.idx)}: the largest"
+            f" node has {view.max_node_capacity} such GPUs, the cluster"
+            f" {view.total_capacity}"
+        )
