@@ -1,0 +1,263 @@
+"""Policy comparison on real traces with the trace-driven simulator.
+
+Measures, per scenario and policy (``fifo``, ``slurm``, ``gpulab``), the output of
+``python -m scheduler.sim`` (JCT, queueing, bounded slowdown, fairness, utilisation,
+decide() cost, replay wall time). Scenarios:
+
+- ``a``: Philly VC 6c71a0 (9,953 jobs, 90 days) on ``16x4:p100`` (64 GPUs);
+- ``b``: Gavel-Philly VC 11cb48 (steps timed with Gavel's isolated throughputs),
+  ``--time-scale 0.63``, on ``8x4:p100`` (32 GPUs; offered load about 0.96);
+- ``c``: the full 82k-job Philly trace on ``250x8:p100`` (2,000 GPUs), a scale test
+  (run without per-pass invariant checks);
+- ``d``: Philly VC 6214e9 on ``16x4:p100``, held out (never used to tune).
+
+Writes ``OUT/sim_<scenario>_<policy>.json``, ``OUT/sim_report.json`` (all summaries),
+``OUT/sim_report.md`` (tables) and ``OUT/sim_report.html`` (Plotly, self-contained:
+JCT CDF per policy, queue length and utilisation over time), when ``plotly`` is
+installed. Exits non-zero only when it could not run at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "datasets"
+PHILLY = DATA / "philly_pollux" / "philly.csv"
+GAVEL = DATA / "gavel_philly_vc_traces" / "gavel_msr_seed0.csv"
+THROUGHPUTS = DATA / "gavel_colocation_throughputs" / "isolated_throughputs.csv"
+COLOCATION = DATA / "gavel_colocation_throughputs" / "colocation_pairs.csv"
+POLICIES = ("fifo", "slurm", "gpulab")
+
+SCENARIOS: dict[str, tuple[str, list[str]]] = {
+    "a": (
+        "Philly VC 6c71a0 on 16x4:p100",
+        ["--trace", str(PHILLY), "--vc", "6c71a0", "--cluster", "16x4:p100"],
+    ),
+    "b": (
+        "Gavel-Philly VC 11cb48, time-scale 0.63, on 8x4:p100",
+        [
+            "--trace",
+            str(GAVEL),
+            "--vc",
+            "11cb48",
+            "--time-scale",
+            "0.63",
+            "--cluster",
+            "8x4:p100",
+            "--throughputs",
+            str(THROUGHPUTS),
+            "--colocation",
+            str(COLOCATION),
+        ],
+    ),
+    "c": (
+        "full Philly (82k jobs) on 250x8:p100 (scale test)",
+        ["--trace", str(PHILLY), "--cluster", "250x8:p100", "--no-check"],
+    ),
+    "d": (
+        "Philly VC 6214e9 on 16x4:p100 (held out)",
+        ["--trace", str(PHILLY), "--vc", "6214e9", "--cluster", "16x4:p100"],
+    ),
+}
+
+TABLE_KEYS = (
+    ("jobs", "jobs", "{:.0f}"),
+    ("avg_jct_s", "avg JCT (h)", "h"),
+    ("p50_jct_s", "p50 JCT (h)", "h"),
+    ("p99_jct_s", "p99 JCT (h)", "h"),
+    ("avg_queue_s", "avg queue (h)", "h"),
+    ("p99_queue_s", "p99 queue (h)", "h"),
+    ("makespan_s", "makespan (d)", "d"),
+    ("gpu_utilization", "util", "{:.3f}"),
+    ("avg_slowdown", "avg bounded slowdown", "{:.1f}"),
+    ("jain_fairness", "Jain (groups)", "{:.3f}"),
+    ("timeouts", "timeouts", "{:.0f}"),
+    ("preemptions", "preemptions", "{:.0f}"),
+    ("passes", "passes", "{:.0f}"),
+    ("avg_decide_ms", "avg decide (ms)", "{:.2f}"),
+    ("p99_decide_ms", "p99 decide (ms)", "{:.2f}"),
+    ("replay_wall_s", "replay (s)", "{:.1f}"),
+)
+
+
+def fmt(value: Any, how: str) -> str:
+    if value is None:
+        return "-"
+    if how == "h":
+        return f"{value / 3600:.2f}"
+    if how == "d":
+        return f"{value / 86400:.1f}"
+    return how.format(value)
+
+
+def run_one(
+    scenario: str, policy: str, out_dir: Path, args: argparse.Namespace
+) -> dict[str, Any] | None:
+    out = out_dir / f"sim_{scenario}_{policy}.json"
+    cmd = [
+        sys.executable, "-m", "scheduler.sim", *SCENARIOS[scenario][1],
+        "--policy", policy, "--seed", str(args.seed), "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    if args.max_jobs:
+        cmd += ["--max-jobs", str(args.max_jobs)]
+    sys.stdout.write(f"-- {scenario}/{policy}: {' '.join(cmd[3:])}\n")
+    sys.stdout.flush()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+            check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        sys.stdout.write(f"   timed out after {args.timeout:.0f} s\n")
+        return None
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stdout.write(f"   failed ({proc.returncode}): {proc.stderr.strip()}\n")
+        return None
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["process_wall_s"] = wall
+    sys.stdout.write(
+        f"   {result['jobs']} jobs, avg JCT {result['avg_jct_s'] or 0:.0f} s, "
+        f"util {result['gpu_utilization']:.3f}, load {result['offered_load']:.3f}, "
+        f"skipped {result['skipped']}, read {result['read_s']:.2f} s, "
+        f"replay {result['replay_wall_s']:.1f} s (wall {wall:.1f} s)\n"
+    )
+    return result
+
+
+def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = ["# Simulator: policy comparison", ""]
+    for scenario, by_policy in results.items():
+        if not by_policy:
+            continue
+        first = next(iter(by_policy.values()))
+        lines += [
+            f"## ({scenario}) {SCENARIOS[scenario][0]}",
+            "",
+            f"{first['jobs_submitted']} jobs submitted, skipped {first['skipped']}, "
+            f"offered load {first['offered_load']:.3f}, "
+            f"trace span {first['trace_span_s'] / 86400:.1f} d, "
+            f"cluster {first['cluster']} ({first['cluster_gpus']} GPUs), "
+            f"seed {first['seed']}, trace read in {first['read_s']:.2f} s.",
+            "",
+            "| metric | " + " | ".join(by_policy) + " |",
+            "| --- | " + " | ".join("---:" for _ in by_policy) + " |",
+        ]
+        for key, label, how in TABLE_KEYS:
+            cells = [fmt(r.get(key), how) for r in by_policy.values()]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        for bucket in ("1", "2-4", "5-8", "9+"):
+            cells = [fmt(r["jct_by_size"].get(bucket), "h") for r in by_policy.values()]
+            lines.append(f"| avg JCT {bucket} GPU (h) | " + " | ".join(cells) + " |")
+        cells = [str(r.get("unfinished") or "-") for r in by_policy.values()]
+        lines.append("| never started (last reason) | " + " | ".join(cells) + " |")
+        lines += ["", "Assumptions: " + "; ".join(first["assumptions"]), ""]
+    return "\n".join(lines) + "\n"
+
+
+def html(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> bool:
+    try:
+        import plotly.graph_objects as go
+        from plotly.offline import plot
+    except ImportError:
+        sys.stdout.write("plotly not installed: no HTML report\n")
+        return False
+    parts = ["<html><head><meta charset='utf-8'><title>gpulab simulator</title>"]
+    parts.append("</head><body><h1>gpulab simulator: policy comparison</h1>")
+    include = True
+    for scenario, by_policy in results.items():
+        if not by_policy:
+            continue
+        parts.append(f"<h2>({scenario}) {SCENARIOS[scenario][0]}</h2>")
+        cdf = go.Figure()
+        queue = go.Figure()
+        util = go.Figure()
+        for policy, r in by_policy.items():
+            xs = [v / 3600 for v in r["jct_cdf_s"] if v is not None]
+            cdf.add_trace(
+                go.Scatter(x=xs, y=[i / 100 for i in range(len(xs))], name=policy)
+            )
+            ts = [t / 86400 for t in r["timeseries"]["t_s"]]
+            queue.add_trace(go.Scatter(x=ts, y=r["timeseries"]["pending"], name=policy))
+            util.add_trace(
+                go.Scatter(x=ts, y=r["timeseries"]["utilization"], name=policy)
+            )
+        cdf.update_layout(
+            title="JCT CDF", xaxis_title="JCT (h, log)", xaxis_type="log",
+            yaxis_title="fraction of jobs",
+        )  # fmt: skip
+        queue.update_layout(
+            title="pending jobs", xaxis_title="days", yaxis_title="jobs"
+        )
+        util.update_layout(
+            title="GPU utilisation", xaxis_title="days", yaxis_title="busy / all"
+        )
+        for fig in (cdf, queue, util):
+            parts.append(
+                plot(
+                    fig,
+                    output_type="div",
+                    include_plotlyjs=include,
+                    auto_open=False,
+                )
+            )
+            include = False
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--only", default="a,b,c,d", help="scenarios, e.g. a,b")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--max-jobs", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="per run, s")
+    args = p.parse_args(argv)
+    scenarios = [s for s in args.only.split(",") if s]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    policies = [s for s in args.policies.split(",") if s]
+    if unknown or any(pol not in POLICIES for pol in policies):
+        sys.stderr.write(f"sim_report: unknown scenario or policy in {args}\n")
+        return 2
+    if not PHILLY.is_file() or not GAVEL.is_file():
+        sys.stderr.write(f"sim_report: datasets not found under {DATA}\n")
+        return 1
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for scenario in scenarios:
+        results[scenario] = {}
+        for policy in policies:
+            r = run_one(scenario, policy, out_dir, args)
+            if r is not None:
+                results[scenario][policy] = r
+    slim = {
+        s: {
+            pol: {k: v for k, v in r.items() if k not in ("jct_cdf_s", "timeseries")}
+            for pol, r in by.items()
+        }
+        for s, by in results.items()
+    }
+    (out_dir / "sim_report.json").write_text(json.dumps(slim, indent=1) + "\n")
+    report = markdown(results)
+    (out_dir / "sim_report.md").write_text(report)
+    sys.stdout.write("\n" + report)
+    if html(results, out_dir / "sim_report.html"):
+        sys.stdout.write(f"wrote {out_dir / 'sim_report.html'}\n")
+    sys.stdout.write(f"wrote {out_dir / 'sim_report.md'}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
