@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scheduler.policy.ledger import Ledger
 from scheduler.policy.place import _fitting, is_gang, place
 from scheduler.policy.priority import class_factor
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
-    from scheduler.policy.ledger import Ledger
     from scheduler.policy.state import GpuView, Placement, RunningJob
 
 
@@ -55,19 +57,24 @@ def plan(
     spread: bool,
     topology: bool,
 ) -> tuple[list[RunningJob], tuple[Placement, ...]] | None:
-    """(victims in removal order, where the job then goes), or None."""
+    """(victims in removal order, where the job then goes), or None.
+
+    A single-node job gets one remove-then-add-back plan per node holding
+    candidates, and the plan with the fewest victims wins (then the one whose victims
+    come earliest in the candidate order, then the node's name): the order alone
+    could free four GPUs on one node when two on another suffice. A gang gets one
+    plan over the whole cluster.
+    """
     cands = candidates(idx, fairshare)
     if not cands:
         return None
-    view = idx.view(c)
-    gang = is_gang(idx, c, k)
     on_gpu: dict[int, set[int]] = {}
     for r in idx.state.running:
         for gid in r.gpu_ids:
             on_gpu.setdefault(gid, set()).add(r.id)
-    scratch = ledger.copy()
 
     def freed_by(victims: set[int], r: RunningJob) -> list[GpuView]:
+        """The GPUs that free when ``r`` stops, given the other victims."""
         out = []
         for gid in r.gpu_ids:
             gpu = idx.gpu_by_id.get(gid)
@@ -79,51 +86,93 @@ def plan(
                 out.append(gpu)
         return out
 
-    def fits_now() -> bool:
-        return place(scratch, idx, c, k, spread=spread) is not None
+    if is_gang(idx, c, k):
+        return _gang_plan(c, k, ledger, idx, cands, freed_by, spread, topology)
+    view = idx.view(c)
+    rank = {r.id: i for i, r in enumerate(cands)}
+    by_node: dict[int, list[RunningJob]] = {}
+    for r in cands:
+        for node_id in {
+            idx.gpu_by_id[g].node_id for g in r.gpu_ids if g in idx.gpu_by_id
+        }:
+            by_node.setdefault(node_id, []).append(r)
+    best: (
+        tuple[tuple[int, int, tuple[str, int]], int, list[RunningJob], list[GpuView]]
+        | None
+    ) = None
+    for node_id, subset in by_node.items():
+        if node_id not in idx.schedulable_nodes or view.node_capacity[node_id] < k:
+            continue
+        count = len(_fitting(ledger, idx, c, node_id, frozenset()))
+        removed: list[RunningJob] = []
+        victims: set[int] = set()
+        freed: dict[int, list[GpuView]] = {}
+        for r in subset:
+            removed.append(r)
+            victims.add(r.id)
+            freed[r.id] = [
+                g
+                for g in freed_by(victims, r)
+                if g.node_id == node_id and g.id in view.matching
+            ]
+            count += len(freed[r.id])
+            if count >= k:
+                break
+        if count < k:
+            continue
+        for r in reversed(removed[:-1]):
+            if count - len(freed[r.id]) >= k:
+                victims.discard(r.id)
+                count -= len(freed[r.id])
+        chosen = [r for r in removed if r.id in victims]
+        key = (len(chosen), max(rank[r.id] for r in chosen), idx.node_key[node_id])
+        if best is None or key < best[0]:
+            gpus = [g for r in chosen for g in freed[r.id]]
+            best = (key, node_id, chosen, gpus)
+    if best is None:
+        return None
+    _, node_id, chosen, gpus = best
+    mini = Ledger({node_id: [*ledger.free.get(node_id, []), *gpus]})
+    placements = place(mini, idx, c, k, spread=spread, topology=topology)
+    if placements is None:  # pragma: no cover - it fitted above
+        return None
+    return chosen, placements
 
-    total = 0
-    if gang:
-        total = sum(
-            len(_fitting(scratch, idx, c, n, frozenset())) for n in scratch.free
-        )
+
+def _gang_plan(
+    c: Constraint,
+    k: int,
+    ledger: Ledger,
+    idx: PassIndex,
+    cands: list[RunningJob],
+    freed_by: Callable[[set[int], RunningJob], list[GpuView]],
+    spread: bool,  # noqa: FBT001
+    topology: bool,  # noqa: FBT001
+) -> tuple[list[RunningJob], tuple[Placement, ...]] | None:
+    view = idx.view(c)
+    scratch = ledger.copy()
+    total = sum(len(_fitting(scratch, idx, c, n, frozenset())) for n in scratch.free)
     removed: list[RunningJob] = []
     victims: set[int] = set()
     freed: dict[int, list[GpuView]] = {}
-    fits = False
     for r in cands:
         removed.append(r)
         victims.add(r.id)
-        gpus = freed_by(victims, r)
-        freed[r.id] = gpus
-        by_node: dict[int, list[GpuView]] = {}
+        freed[r.id] = gpus = freed_by(victims, r)
         for g in gpus:
-            by_node.setdefault(g.node_id, []).append(g)
-        for node_id, gs in by_node.items():
-            scratch.give(node_id, gs)
-        if gang:
-            total += sum(1 for g in gpus if g.id in view.matching)
-            fits = total >= k
-        else:
-            fits = any(
-                len(_fitting(scratch, idx, c, n, frozenset())) >= k for n in by_node
-            )
-        if fits:
+            scratch.give(g.node_id, (g,))
+        total += sum(1 for g in gpus if g.id in view.matching)
+        if total >= k:
             break
-    if not fits:
+    if total < k:
         return None
     for r in reversed(removed[:-1]):
-        gpus = freed[r.id]
-        for g in gpus:
-            scratch.take(g.node_id, (g.id,))
-        if fits_now():
+        still = total - sum(1 for g in freed[r.id] if g.id in view.matching)
+        if still >= k:
             victims.discard(r.id)
-        else:
-            by_node = {}
-            for g in gpus:
-                by_node.setdefault(g.node_id, []).append(g)
-            for node_id, gs in by_node.items():
-                scratch.give(node_id, gs)
+            total = still
+            for g in freed[r.id]:
+                scratch.take(g.node_id, (g.id,))
     placements = place(scratch, idx, c, k, spread=spread, topology=topology)
     if placements is None:  # pragma: no cover - it fitted above
         return None
