@@ -10,7 +10,7 @@ capacity each constraint can ever get, and the running jobs by planned end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from scheduler.policy.state import ClusterState, GpuView, PendingJob, RunningJob
@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 UNKNOWN_LEVEL = 99  # a pair of GPUs with no topology entry: farthest apart
 
 
-@dataclass(frozen=True)
-class Constraint:
-    """What a job asks of each GPU: a minimum memory and a model substring."""
+class Constraint(NamedTuple):
+    """What a job asks of each GPU: a minimum memory and a model substring. A
+    NamedTuple: it keys several per-pass dicts, and tuples hash in C."""
 
     mem: int | None
     model: str  # lower case; "" = any
@@ -28,10 +28,6 @@ class Constraint:
     @classmethod
     def of(cls, job: PendingJob) -> Constraint:
         return cls(job.gpu_memory_mib, job.gpu_model.strip().lower())
-
-    @property
-    def any(self) -> bool:
-        return self.mem is None and not self.model
 
     def matches(self, gpu: GpuView) -> bool:
         if self.mem is not None and gpu.memory_total_mib < self.mem:
@@ -62,6 +58,33 @@ class PassIndex:
     total_gpus: int
     running_by_end: tuple[RunningJob, ...]
     _constraints: dict[Constraint, ConstraintView] = field(default_factory=dict)
+    _of_job: dict[tuple[int | None, str], Constraint] = field(default_factory=dict)
+    _signature: dict[int, int] = field(default_factory=dict)
+    _signatures: dict[tuple[object, ...], int] = field(default_factory=dict)
+    # per-pass memo of topology choices: (signature, free indexes, k) -> indexes
+    choices: dict[tuple[int, tuple[int, ...], int], tuple[int, ...]] = field(
+        default_factory=dict
+    )
+
+    def constraint(self, job: PendingJob) -> Constraint:
+        key = (job.gpu_memory_mib, job.gpu_model)
+        got = self._of_job.get(key)
+        if got is None:
+            got = self._of_job[key] = Constraint.of(job)
+        return got
+
+    def signature(self, node_id: int) -> int:
+        """Nodes wired alike (same indexes, NVLink peers, topology levels) share a
+        number, so a topology choice made on one is reused on the others."""
+        got = self._signature.get(node_id)
+        if got is None:
+            sig = tuple(
+                (g.index, g.nvlink_peers, g.topology)
+                for g in self.gpus_by_node.get(node_id, ())
+            )
+            got = self._signatures.setdefault(sig, len(self._signatures))
+            self._signature[node_id] = got
+        return got
 
     def view(self, c: Constraint) -> ConstraintView:
         """The constraint's view, computed on first use (a handful per pass)."""

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 from scheduler.policy import backfill, index, place, preempt, priority
 from scheduler.policy.fairshare import FairShare
-from scheduler.policy.index import Constraint
 from scheduler.policy.ledger import Ledger
 from scheduler.policy.reasons import Messages, duration, gpus_word, when
 from scheduler.policy.state import (
@@ -42,6 +41,7 @@ from scheduler.policy.state import (
 
 if TYPE_CHECKING:
     from scheduler.policy.backfill import Reservation
+    from scheduler.policy.index import Constraint
     from scheduler.policy.state import ClusterState, Decision, PendingJob
 
 INF = 1 << 62
@@ -88,7 +88,6 @@ def decide_multifactor(
     reservation: Reservation | None = None
     top: PendingJob | None = None
     tested = 0
-    position = 0
 
     def try_place(
         job: PendingJob, c: Constraint, *, avoid_reserved: bool
@@ -117,17 +116,24 @@ def decide_multifactor(
         )
         decisions.append(Start(job.id, placements, backfilled=bf))
 
+    # 9. reasons are rendered after the last start, against the final ledger
+    later: list[
+        tuple[PendingJob, Reason, str, float | None, tuple[Constraint, int] | None]
+    ] = []
+
     def wait(
-        job: PendingJob, reason: Reason, message: str, est: float | None = None
+        job: PendingJob,
+        reason: Reason,
+        message: str,
+        est: float | None = None,
+        *,
+        resources: tuple[Constraint, int] | None = None,
     ) -> None:
-        nonlocal position
-        position += 1
-        decisions.append(
-            Wait(job.id, reason, message, position, breakdowns[job.id], est)
-        )
+        """``resources``: prefix the message with the shape's free-GPU histogram."""
+        later.append((job, reason, message, est, resources))
 
     for job in order:
-        c = Constraint.of(job)
+        c = idx.constraint(job)
         # 2. gate
         if not place.could_ever(idx, c, job.gpus):
             wait(job, Reason.NO_SUCH_SHAPE, messages.no_such_shape(c, job.gpus))
@@ -194,17 +200,22 @@ def decide_multifactor(
                 spread=spread,
                 topology=topology,
             )
-            base = messages.resources(c, job.gpus, ledger)
             if reservation.shadow is None:
                 msg = (
-                    f"{base}; no start can be planned from the running jobs"
+                    "; no start can be planned from the running jobs"
                     " (it needs GPUs that are down, draining or not tracked)"
                 )
             else:
-                msg = f"{base}; reserved to start at {when(reservation.shadow, now)}"
+                msg = f"; reserved to start at {when(reservation.shadow, now)}"
                 if reservation.behind is not None:
                     msg += f", when job {reservation.behind} is planned to end"
-            wait(job, Reason.RESOURCES, msg, reservation.shadow)
+            wait(
+                job,
+                Reason.RESOURCES,
+                msg,
+                reservation.shadow,
+                resources=(c, job.gpus),
+            )
             continue
 
         # after the top blocked job
@@ -231,8 +242,8 @@ def decide_multifactor(
             wait(
                 job,
                 Reason.RESOURCES,
-                f"{messages.resources(c, job.gpus, ledger)}; job {top.id}"
-                " (higher priority) holds the reservation",
+                f"; job {top.id} (higher priority) holds the reservation",
+                resources=(c, job.gpus),
             )
             continue
         shadow = reservation.shadow
@@ -261,4 +272,12 @@ def decide_multifactor(
                 f" it are reserved"
             )
         wait(job, Reason.RESERVED_FOR_HIGHER, msg)
+
+    # 9. exactly one Wait per job not started, in scheduling order
+    for position, (job, reason, message, est, res) in enumerate(later, 1):
+        if res is not None:
+            message = f"{messages.resources(*res, ledger)}{message}"
+        decisions.append(
+            Wait(job.id, reason, message, position, breakdowns[job.id], est)
+        )
     return decisions

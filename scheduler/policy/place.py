@@ -32,6 +32,8 @@ NO_EXCLUSION: frozenset[int] = frozenset()
 
 
 def is_gang(idx: PassIndex, c: Constraint, gpus: int) -> bool:
+    """Does this shape need several nodes? (a job larger than every node that
+    could hold its GPUs, counting nodes that are down: stable across passes)"""
     return gpus > idx.view(c).max_node_capacity
 
 
@@ -92,6 +94,25 @@ def choose_gpus(fitting: list[GpuView], k: int, *, topology: bool) -> list[GpuVi
             best = (score, group)
     assert best is not None
     return best[1]
+
+
+def _choose_ids(
+    idx: PassIndex,
+    node_id: int,
+    fit: list[GpuView],
+    k: int,
+    topology: bool,  # noqa: FBT001
+) -> tuple[int, ...]:
+    """``choose_gpus``, memoised per node wiring (``PassIndex.signature``)."""
+    if not topology or k <= 1 or k >= len(fit):
+        return tuple(g.id for g in fit[:k])
+    key = (idx.signature(node_id), tuple(g.index for g in fit), k)
+    indexes = idx.choices.get(key)
+    if indexes is None:
+        chosen = choose_gpus(fit, k, topology=True)
+        indexes = idx.choices[key] = tuple(g.index for g in chosen)
+    by_index = {g.index: g.id for g in fit}
+    return tuple(by_index[i] for i in indexes)
 
 
 def _fitting(
@@ -202,8 +223,7 @@ def place(
         if found is None:
             return None
         node_id, fit = found
-        chosen = choose_gpus(fit, k, topology=topology)
-        return (Placement(node_id, tuple(g.id for g in chosen)),)
+        return (Placement(node_id, _choose_ids(idx, node_id, fit, k, topology)),)
     gang = find_gang(ledger, idx, c, k, exclude=exclude)
     if gang is None:
         return None
@@ -211,8 +231,9 @@ def place(
     need = k
     for node_id, fit in gang:
         n = min(need, len(fit))
-        chosen = choose_gpus(fit, n, topology=topology)
-        placements.append(Placement(node_id, tuple(g.id for g in chosen)))
+        placements.append(
+            Placement(node_id, _choose_ids(idx, node_id, fit, n, topology))
+        )
         need -= n
     return tuple(placements)
 

@@ -62,61 +62,87 @@ def shape(c: Constraint, k: int, idx: PassIndex) -> str:
 
 
 class Messages:
+    """Renders messages against the pass's final ledger (stage 9): every number is
+    what is free after this pass's starts. Per constraint the node categories that
+    do not change (down, model, memory, too small) are counted once; the free part
+    comes from the ledger's free-count buckets with set operations, so a histogram
+    costs O(buckets + mixed nodes), not O(nodes), and is cached per shape."""
+
     def __init__(self, idx: PassIndex) -> None:
         self.idx = idx
-        self._cache: dict[tuple[Constraint, int, bool], str] = {}
+        self._cache: dict[tuple[Constraint, int], str] = {}
+        self._static: dict[Constraint, tuple[dict[str, int], frozenset[int]]] = {}
 
-    def _refusal(
-        self, c: Constraint, k: int, node_id: int, ledger: Ledger
-    ) -> str | None:
+    def _categories(self, c: Constraint) -> tuple[dict[str, int], frozenset[int]]:
+        """(counts of nodes refused whatever k, the schedulable nodes left)."""
+        got = self._static.get(c)
+        if got is not None:
+            return got
         idx = self.idx
-        gpus = idx.gpus_by_node[node_id]
-        if node_id not in idx.schedulable_nodes:
-            return DOWN
-        if c.model and not any(c.model in g.model.lower() for g in gpus):
-            return MODEL
         view = idx.view(c)
-        if view.node_capacity.get(node_id, 0) == 0:
-            return MEMORY
-        if view.node_capacity[node_id] < k:
-            return TOO_SMALL
-        if len(_fitting(ledger, idx, c, node_id, frozenset())) < k:
-            return BUSY
-        return None
+        counts: dict[str, int] = {}
+        eligible = set()
+        for node_id, gpus in idx.gpus_by_node.items():
+            if node_id not in idx.schedulable_nodes:
+                why = DOWN
+            elif c.model and not any(c.model in g.model.lower() for g in gpus):
+                why = MODEL
+            elif view.node_capacity.get(node_id, 0) == 0:
+                why = MEMORY
+            else:
+                eligible.add(node_id)
+                continue
+            counts[why] = counts.get(why, 0) + 1
+        got = self._static[c] = (counts, frozenset(eligible))
+        return got
 
     def resources(self, c: Constraint, k: int, ledger: Ledger) -> str:
         """'waiting for 4 GPUs on one node; at most 2 free on one node now (0/3
         nodes fit: 2 too few free GPUs, 1 model mismatch)'."""
-        gang = is_gang(self.idx, c, k)
-        key = (c, k, gang)
+        key = (c, k)
         got = self._cache.get(key)
         if got is not None:
             return got
         idx = self.idx
-        counts: dict[str, int] = {}
+        view = idx.view(c)
+        static, eligible = self._categories(c)
+        counts = dict(static)
+        uniform = eligible - view.mixed
         best = 0
         total = 0
-        for node_id in idx.gpus_by_node:
+        fit = 0
+        for count, nodes in ledger.by_count.items():
+            if not count or not nodes:
+                continue
+            n = len(nodes & uniform)
+            if n:
+                best = max(best, count)
+                total += count * n
+                if count >= k:
+                    fit += n
+        for node_id in eligible & view.mixed:
             n = len(_fitting(ledger, idx, c, node_id, frozenset()))
             best = max(best, n)
             total += n
-            if gang:
-                continue
-            why = self._refusal(c, k, node_id, ledger)
-            if why is not None:
-                counts[why] = counts.get(why, 0) + 1
-        if gang:
+            if n >= k:
+                fit += 1
+        small = sum(1 for n in eligible if view.node_capacity[n] < k)
+        if small:
+            counts[TOO_SMALL] = small
+        busy = len(eligible) - small - fit
+        if busy:
+            counts[BUSY] = busy
+        if is_gang(idx, c, k):
             got = (
                 f"waiting for {shape(c, k, idx)}; {total} fitting GPUs free now"
                 f" (at most {best} on one node)"
             )
         else:
-            nodes = len(idx.gpus_by_node)
-            fit = nodes - sum(counts.values())
+            n_nodes = len(idx.gpus_by_node)
             hist = ", ".join(f"{counts[w]} {w}" for w in ORDER if w in counts)
             got = (
                 f"waiting for {shape(c, k, idx)}; at most {best} free on one node now"
-                f" ({fit}/{nodes} nodes fit: {hist})"
+                f" ({fit}/{n_nodes} nodes fit: {hist})"
             )
         self._cache[key] = got
         return got
