@@ -8,7 +8,10 @@ engine replays. Bad input raises ``TraceError`` naming the file and line.
 
 from __future__ import annotations
 
+import bisect
 import csv
+import hashlib
+import itertools
 import math
 import random
 from collections import Counter
@@ -400,6 +403,15 @@ def user_limit_for(duration: float, factor: float) -> float:
     return math.ceil(target / 86400.0) * 86400.0
 
 
+def _draws(seed: int, name: str) -> tuple[float, float, float, float]:
+    """Four uniform [0, 1) draws seeded by (seed, job name): the same for every
+    policy and independent of which other jobs are kept."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=32).digest()
+    return tuple(  # type: ignore[return-value]
+        int.from_bytes(digest[i : i + 8], "big") / 2.0**64 for i in range(0, 32, 8)
+    )
+
+
 @dataclass(frozen=True)
 class PrepareOptions:
     seed: int = 0
@@ -433,6 +445,7 @@ def prepare(
     skipped: Counter[str] = Counter()
     assumptions: list[str] = []
     groups_users: dict[str, int] = {}
+    groups_cum: dict[str, list[float]] = {}
     jobs: list[SimJob] = []
     needs_table = any(r.duration is None for r in rows)
     if needs_table and table is None:
@@ -458,28 +471,24 @@ def prepare(
         if duration <= 0:
             skipped["zero_duration"] += 1
             continue
-        rng = random.Random(f"{opts.seed}/{r.name}")
-        factor = rng.uniform(1.1, 2.0)
-        no_limit = rng.random() < opts.no_limit_fraction
-        user_draw = rng.random()
-        best_effort = rng.random() < opts.best_effort_fraction
+        factor_u, no_limit_u, user_draw, best_effort_u = _draws(opts.seed, r.name)
+        factor = 1.1 + 0.9 * factor_u
+        no_limit = no_limit_u < opts.no_limit_fraction
+        best_effort = best_effort_u < opts.best_effort_fraction
         group = r.group or DEFAULT_GROUP
         user = r.user
         if not user:
-            if group not in groups_users:
+            cumulative = groups_cum.get(group)
+            if cumulative is None:
                 grng = random.Random(f"{opts.seed}/users/{group}")
-                groups_users[group] = grng.randint(opts.users_min, opts.users_max)
-            count = groups_users[group]
-            # Zipf-like (weight 1/rank), from the job's own draw.
-            weights = [1.0 / (i + 1) for i in range(count)]
-            pick, acc, total = 0, 0.0, sum(weights)
-            for i, w in enumerate(weights):
-                acc += w / total
-                if user_draw < acc:
-                    pick = i
-                    break
-            else:
-                pick = count - 1
+                count = grng.randint(opts.users_min, opts.users_max)
+                groups_users[group] = count
+                # Zipf-like: user k is picked with weight 1/k.
+                weights = [1.0 / (i + 1) for i in range(count)]
+                total = sum(weights)
+                cumulative = list(itertools.accumulate(w / total for w in weights))
+                groups_cum[group] = cumulative
+            pick = min(bisect.bisect_right(cumulative, user_draw), len(cumulative) - 1)
             user = f"{group}-u{pick + 1}"
         if r.time_limit is not None:
             limit, user_limit = r.time_limit, True
