@@ -9,6 +9,18 @@
   topology-aware multi-node placement).
 
 No Django, no I/O, no wall clock: the Celery pass and the simulator run this code.
+
+Modules (STYLE.md 13): ``state`` (the contract), ``multifactor`` (the staged pass of
+``slurm`` and ``gpulab``), ``index`` (per-pass lookups), ``ledger`` (free GPUs,
+bucketed by free count), ``priority`` and ``fairshare`` (the factors), ``place``
+(best fit / spread, topology, gangs), ``backfill`` (the EASY reservation),
+``preempt`` (the preemption plan), ``reasons`` (messages), ``fifo`` (the baseline).
+
+What the caller must do with the decisions: apply every ``Start`` (in order; each
+``Placement`` is one node, rank 0 first, all of them or none), stop every ``Preempt``
+victim (SIGTERM, grace, requeue with its age kept, count it in
+``preemptions_last_hour``) and leave ``for_job_id`` pending (the next pass starts it
+on the freed GPUs), and store each ``Wait``.
 """
 
 from __future__ import annotations
