@@ -15,6 +15,7 @@ Prints a table and writes ``<out-dir>/decide_scaling.json``. Needs no database.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -144,9 +145,20 @@ def build(n_gpus: int, n_pending: int, fill: str, policy: str) -> ClusterState:
     )
 
 
+def calibrate() -> float:
+    """ms for a 1,000,000-iteration empty loop: how fast this interpreter and CPU
+    are right now, to compare figures across machines (about 20 ms on a recent
+    desktop with CPython 3.11)."""
+    t0 = time.perf_counter()
+    for _ in range(1_000_000):
+        pass
+    return (time.perf_counter() - t0) * 1000.0
+
+
 def measure(state: ClusterState, repeat: int) -> dict[str, Any]:
     times = []
     decisions: list[Any] = []
+    gc.collect()  # no debris from building earlier states in this pass's timing
     for _ in range(repeat):
         t0 = time.perf_counter()
         decisions = decide(state)
@@ -167,8 +179,10 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     rows = []
-    print(
-        f"{'policy':8} {'fill':6} {'GPUs':>6} {'pending':>8} {'ms(med)':>9} {'ms(max)':>9} {'starts':>7}"
+    out_ = sys.stdout.write
+    out_(
+        f"{'policy':8} {'fill':6} {'GPUs':>6} {'pending':>8} {'ms(med)':>9}"
+        f" {'ms(max)':>9} {'starts':>7}\n"
     )
     for policy in args.policies.split(","):
         for fill in args.fills.split(","):
@@ -186,17 +200,23 @@ def main() -> int:
                         **got,
                     }
                     rows.append(row)
-                    print(
+                    out_(
                         f"{policy:8} {fill:6} {n_gpus:>6} {n_pending:>8} "
-                        f"{got['ms_median']:>9.1f} {got['ms_max']:>9.1f} {got['starts']:>7}",
-                        flush=True,
+                        f"{got['ms_median']:>9.1f} {got['ms_max']:>9.1f}"
+                        f" {got['starts']:>7}\n"
                     )
+                    sys.stdout.flush()
+    loop_ms = round(statistics.median(calibrate() for _ in range(5)), 1)
+    out_(f"calibration: 1M-iteration empty loop = {loop_ms} ms\n")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "decide_scaling.json"
     out.write_text(
-        json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=2)
+        json.dumps(
+            {"python": sys.version.split()[0], "loop_1m_ms": loop_ms, "rows": rows},
+            indent=2,
+        )
     )
-    print(f"wrote {out}")
+    out_(f"wrote {out}\n")
     return 0
 
 
