@@ -52,11 +52,15 @@ class PassIndex:
     state: ClusterState
     schedulable_nodes: frozenset[int]
     node_key: dict[int, tuple[str, int]]  # deterministic tie break: (name, id)
+    node_rank: dict[int, int]  # position in node_key order (cheaper to compare)
     gpus_by_node: dict[int, tuple[GpuView, ...]]  # every GPU, by index
     gpu_by_id: dict[int, GpuView]
     free_now: dict[int, list[GpuView]]  # schedulable node -> free schedulable GPUs
     total_gpus: int
     running_by_end: tuple[RunningJob, ...]
+    # GPU kinds (memory, model): one example each, and per node the ids of each kind
+    kind_example: dict[tuple[int, str], GpuView]
+    kinds_by_node: dict[int, dict[tuple[int, str], list[int]]]
     _constraints: dict[Constraint, ConstraintView] = field(default_factory=dict)
     _of_job: dict[tuple[int | None, str], Constraint] = field(default_factory=dict)
     _signature: dict[int, int] = field(default_factory=dict)
@@ -91,18 +95,21 @@ class PassIndex:
         got = self._constraints.get(c)
         if got is not None:
             return got
+        # match GPU kinds (memory, model), not GPUs: a cluster has a handful
+        kinds = self.kinds_by_node
+        ok = {kind: c.matches(gpu) for kind, gpu in self.kind_example.items()}
         matching: set[int] = set()
         uniform: set[int] = set()
         mixed: set[int] = set()
         capacity: dict[int, int] = {}
-        for node_id, gpus in self.gpus_by_node.items():
+        for node_id, by_kind in kinds.items():
             n = 0
-            for g in gpus:
-                if c.matches(g):
-                    matching.add(g.id)
-                    n += 1
+            for kind, ids in by_kind.items():
+                if ok[kind]:
+                    matching.update(ids)
+                    n += len(ids)
             capacity[node_id] = n
-            if n == len(gpus):
+            if n == len(self.gpus_by_node[node_id]):
                 uniform.add(node_id)
             elif n:
                 mixed.add(node_id)
@@ -130,6 +137,16 @@ def build(state: ClusterState) -> PassIndex:
     for g in sorted(state.gpus, key=lambda g: (g.node_id, g.index, g.id)):
         by_node.setdefault(g.node_id, []).append(g)
         node_key.setdefault(g.node_id, ("", g.node_id))
+    kind_example: dict[tuple[int, str], GpuView] = {}
+    kinds_by_node: dict[int, dict[tuple[int, str], list[int]]] = {}
+    for node_id, gpus in by_node.items():
+        by_kind: dict[tuple[int, str], list[int]] = {}
+        for g in gpus:
+            kind = (g.memory_total_mib, g.model)
+            if kind not in kind_example:
+                kind_example[kind] = g
+            by_kind.setdefault(kind, []).append(g.id)
+        kinds_by_node[node_id] = by_kind
     free_now = {
         node_id: [g for g in gpus if is_free(g)]
         for node_id, gpus in by_node.items()
@@ -139,6 +156,9 @@ def build(state: ClusterState) -> PassIndex:
         state=state,
         schedulable_nodes=schedulable,
         node_key=node_key,
+        node_rank={
+            n: i for i, n in enumerate(sorted(node_key, key=node_key.__getitem__))
+        },
         gpus_by_node={k: tuple(v) for k, v in by_node.items()},
         gpu_by_id={g.id: g for g in state.gpus},
         free_now=free_now,
@@ -146,4 +166,6 @@ def build(state: ClusterState) -> PassIndex:
         running_by_end=tuple(
             sorted(state.running, key=lambda r: (r.planned_end, r.id))
         ),
+        kind_example=kind_example,
+        kinds_by_node=kinds_by_node,
     )

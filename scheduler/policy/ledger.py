@@ -15,16 +15,15 @@ if TYPE_CHECKING:
 
 class Ledger:
     def __init__(self, free: dict[int, list[GpuView]]) -> None:
-        self.free: dict[int, list[GpuView]] = {
-            n: sorted(gs, key=lambda g: g.index) for n, gs in free.items()
-        }
+        """``free``: node -> its free GPUs, each list sorted by index (taken over)."""
+        self.free: dict[int, list[GpuView]] = free
         self.by_count: dict[int, set[int]] = {}
         for node_id, gpus in self.free.items():
             self.by_count.setdefault(len(gpus), set()).add(node_id)
         self.total = sum(len(gs) for gs in self.free.values())
 
     def copy(self) -> Ledger:
-        return Ledger({n: list(gs) for n, gs in self.free.items()})
+        return Ledger({n: gs.copy() for n, gs in self.free.items()})
 
     @property
     def max_count(self) -> int:

@@ -56,7 +56,7 @@ def decide_multifactor(
 
     # 1. index and ledger
     idx = index.build(state)
-    ledger = Ledger(idx.free_now)
+    ledger = Ledger({n: gs.copy() for n, gs in idx.free_now.items()})
     fairshare = FairShare(
         state.usage,
         {j.group for j in state.pending} | {r.group for r in state.running},
@@ -66,7 +66,7 @@ def decide_multifactor(
     messages = Messages(idx)
 
     # 3. priority breakdown
-    breakdowns = priority.breakdowns(
+    breakdowns, prio = priority.breakdowns(
         state.pending,
         now=now,
         config=cfg,
@@ -74,7 +74,6 @@ def decide_multifactor(
         fairshare=fairshare,
         total_gpus=idx.total_gpus,
     )
-    prio = {jid: sum(b.values()) for jid, b in breakdowns.items()}
 
     # 4. stable order (tuples compare in C; the position breaks nothing: ids are unique)
     pending = state.pending
@@ -282,12 +281,11 @@ def decide_multifactor(
         wait(job, Reason.RESERVED_FOR_HIGHER, msg)
 
     # 9. exactly one Wait per job not started, in scheduling order
+    append = decisions.append
     for position, (job, reason, message, est, res) in enumerate(later, 1):
         if res is not None:
             message = f"{messages.resources(*res, ledger)}{message}"
-        decisions.append(
-            _wait(job.id, reason, message, position, breakdowns[job.id], est)
-        )
+        append(_wait(job.id, reason, message, position, breakdowns[job.id], est))
     return decisions
 
 
@@ -303,12 +301,16 @@ def _wait(
     (a third of the cost when 10,000 jobs wait); the object is the same, equal and
     hashable as one built by ``Wait(...)`` (a test checks it)."""
     w = object.__new__(Wait)
-    w.__dict__.update(
-        job_id=job_id,
-        reason=reason,
-        message=message,
-        position=position,
-        breakdown=breakdown,
-        est_start=est_start,
+    object.__setattr__(
+        w,
+        "__dict__",
+        {
+            "job_id": job_id,
+            "reason": reason,
+            "message": message,
+            "position": position,
+            "breakdown": breakdown,
+            "est_start": est_start,
+        },
     )
     return w

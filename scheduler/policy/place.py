@@ -148,12 +148,14 @@ def find_node(
         (n for n, nodes in ledger.by_count.items() if n >= k and nodes),
         reverse=spread,
     )
+    everywhere = len(view.uniform) == len(idx.gpus_by_node)
     for count in counts:
-        cands = [
-            n for n in ledger.by_count[count] if n in view.uniform and n not in special
-        ]
+        bucket = ledger.by_count[count]
+        cands = bucket if everywhere else bucket & view.uniform
+        if special:
+            cands = cands - special
         if cands:
-            node_id = min(cands, key=idx.node_key.__getitem__)
+            node_id = min(cands, key=idx.node_rank.__getitem__)
             rank = -count if spread else count
             best = ((rank, idx.node_key[node_id]), node_id, ledger.free[node_id])
             break

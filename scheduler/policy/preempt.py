@@ -132,7 +132,9 @@ def plan(
     if best is None:
         return None
     _, node_id, chosen, gpus = best
-    mini = Ledger({node_id: [*ledger.free.get(node_id, []), *gpus]})
+    mini = Ledger(
+        {node_id: sorted([*ledger.free.get(node_id, []), *gpus], key=lambda g: g.index)}
+    )
     placements = place(mini, idx, c, k, spread=spread, topology=topology)
     if placements is None:  # pragma: no cover - it fitted above
         return None

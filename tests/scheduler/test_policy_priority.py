@@ -201,3 +201,34 @@ def test_a_shape_no_node_can_hold_is_refused_at_the_gate():
     assert ws[1].reason is Reason.NO_SUCH_SHAPE
     assert "the largest node has 4" in ws[1].message
     assert ws[2].reason is Reason.NO_SUCH_SHAPE
+
+
+def test_the_batch_breakdowns_equal_the_single_job_breakdown():
+    from scheduler.policy.priority import breakdown, breakdowns
+    from tests.scheduler.test_policy_support import CLASSES, NOW
+
+    usage = Usage(group_usage={"a": 5.0, "b": 1.0}, user_usage={("a", "x"): 5.0})
+    jobs = [
+        pending(
+            i,
+            1 + i % 4,
+            cls=("high", "normal", "best-effort")[i % 3],
+            age=i * 50_000.0,
+            group="ab"[i % 2],
+            user="xy"[i % 3 % 2],
+        )
+        for i in range(1, 25)
+    ]
+    fs = FairShare(usage, {"a", "b"}, {(j.group, j.user) for j in jobs})
+    kw = {
+        "now": NOW,
+        "config": GPULAB,
+        "classes": CLASSES,
+        "fairshare": fs,
+        "total_gpus": 16,
+    }
+    many, prio = breakdowns(jobs, **kw)
+    for j in jobs:
+        one = breakdown(j, **kw)
+        assert many[j.id] == pytest.approx(one)
+        assert prio[j.id] == pytest.approx(sum(one.values()))
