@@ -80,27 +80,33 @@ def breakdowns(
     total_gpus: int,
 ) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
     """``breakdown`` for many jobs (the same numbers) and each one's priority (the
-    sum). The parts that do not depend on age are cached per (class, user, size):
-    a pass has few of those and many jobs."""
+    sum). The class, fair-share and size parts are cached per class, user and size:
+    a pass has few of each and many jobs."""
     w_age = config.weight_age
     max_age = config.max_age_s
-    static: dict[tuple[str, float, str, str, int], tuple[float, float, float, float]]
-    static = {}
+    cls_part: dict[tuple[str, float], float] = {}
+    fs_part: dict[tuple[str, str], float] = {}
+    size_part: dict[int, float] = {}
     out: dict[int, dict[str, float]] = {}
     prio: dict[int, float] = {}
     for job in jobs:
-        key = (job.priority_class, job.priority_weight, job.group, job.user, job.gpus)
-        st = static.get(key)
-        if st is None:
-            c = config.weight_class * class_factor(key[0], key[1], classes)
-            f = config.weight_fairshare * fairshare.of(key[2], key[3])
-            z = config.weight_size * size_factor(job.gpus, total_gpus)
-            st = static[key] = (c, f, z, c + f + z)
+        ck = (job.priority_class, job.priority_weight)
+        c = cls_part.get(ck)
+        if c is None:
+            c = cls_part[ck] = config.weight_class * class_factor(*ck, classes)
+        fk = (job.group, job.user)
+        f = fs_part.get(fk)
+        if f is None:
+            f = fs_part[fk] = config.weight_fairshare * fairshare.of(*fk)
+        gpus = job.gpus
+        z = size_part.get(gpus)
+        if z is None:
+            z = size_part[gpus] = config.weight_size * size_factor(gpus, total_gpus)
         if max_age > 0:
             a = (now - job.submitted_at) / max_age
             a = w_age * (0.0 if a < 0.0 else 1.0 if a > 1.0 else a)
         else:
             a = w_age
-        out[job.id] = {"class": st[0], "age": a, "fairshare": st[1], "size": st[2]}
-        prio[job.id] = st[3] + a
+        out[job.id] = {"class": c, "age": a, "fairshare": f, "size": z}
+        prio[job.id] = c + a + f + z
     return out, prio
