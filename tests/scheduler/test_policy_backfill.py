@@ -134,6 +134,19 @@ def test_exactly_one_decision_per_pending_job(config):
         assert sorted(ids) == sorted(j.id for j in state.pending)
         positions = sorted(w.position for w in waits(ds).values())
         assert positions == list(range(1, len(positions) + 1))
+        # no GPU is given twice, and only free schedulable GPUs are given
+        taken = [g for st in starts(ds).values() for g in st.gpu_ids]
+        assert len(taken) == len(set(taken))
+        free = {g.id for g in state.gpus if g.free_slots == g.slots and g.schedulable}
+        assert set(taken) <= free
+        for st in starts(ds).values():
+            nodes = [p.node_id for p in st.placements]
+            assert len(nodes) == len(set(nodes))  # one Placement per node
+            assert all(
+                state.gpus[[x.id for x in state.gpus].index(g)].node_id == p.node_id
+                for p in st.placements
+                for g in p.gpu_ids
+            )
 
 
 # ---------------------------------------------------------------- property check

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler.policy import Preempt, Reason, Usage, decide
@@ -167,3 +169,57 @@ def test_a_preempting_plan_respects_the_model_constraint():
     gpus = node_gpus(1, 1, model="NVIDIA K80") + node_gpus(2, 1, model="NVIDIA P100")
     ds = decide(cluster(gpus, [pending(1, 1, cls="high", model="p100")], run=run))
     assert [p.victim_id for p in preempts(ds)] == [20]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_plans_free_enough_and_only_take_allowed_victims(seed):
+    """For random clusters: every victim is preemptible and under the hourly bound,
+    the job it is for is not preemptible, and once the victims are gone the job
+    starts; dropping any one victim would not be enough (the plan is minimal)."""
+    from dataclasses import replace
+
+    from scheduler.policy import GpuView, Start
+
+    rng = random.Random(seed)
+    for _ in range(10):
+        gpus: tuple[GpuView, ...] = ()
+        for n in range(1, rng.randint(2, 4) + 1):
+            gpus += node_gpus(n, rng.choice((2, 4, 8)))
+        ids = [g.id for g in gpus]
+        rng.shuffle(ids)
+        run = []
+        for jid, g in enumerate(ids[: int(len(ids) * rng.uniform(0.5, 1.0))], 500):
+            run.append(
+                running(
+                    jid,
+                    (g,),
+                    cls=rng.choice(("best-effort", "best-effort", "normal")),
+                    preemptions=rng.choice((0, 0, 1, 2)),
+                    started_ago=rng.uniform(10, 10_000),
+                )
+            )
+        job = pending(
+            1, rng.choice((1, 2, 4, 6)), cls=rng.choice(("high", "best-effort"))
+        )
+        state = cluster(gpus, [job], run=run)
+        ds = decide(state)
+        victims = {p.victim_id for p in preempts(ds)}
+        if not victims:
+            continue
+        assert job.priority_class == "high"
+        by_id = {r.id: r for r in run}
+        assert all(by_id[v].preemptible for v in victims)
+        assert all(by_id[v].preemptions_last_hour < 2 for v in victims)
+        assert waits(ds)[1].reason is Reason.WAITING_FOR_PREEMPTION
+
+        def without(gone):
+            left = tuple(r for r in run if r.id not in gone)
+            busy = {g for r in left for g in r.gpu_ids}
+            views = tuple(replace(g, free_slots=0 if g.id in busy else 1) for g in gpus)
+            return replace(state, gpus=views, running=left)
+
+        assert isinstance(decide(without(victims))[0], Start)
+        if len(victims) > 1:
+            for v in victims:
+                fewer = decide(replace(without(victims - {v}), config=SLURM))
+                assert not isinstance(fewer[0], Start), (seed, v, victims)
