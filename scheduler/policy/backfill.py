@@ -37,11 +37,14 @@ class Reservation:
 def releases(
     idx: PassIndex, running: Iterable[RunningJob]
 ) -> list[tuple[float, int, GpuView]]:
-    """(time, job id, GPU): when each busy schedulable GPU frees, by planned ends."""
+    """(time, job id, GPU): when each busy schedulable GPU frees, by planned ends
+    (a job being stopped frees its GPUs now)."""
     last: dict[int, tuple[float, int]] = {}
+    now = idx.state.now
     for r in running:
+        end = min(r.planned_end, now) if r.stopping else r.planned_end
         for gid in r.gpu_ids:
-            key = (r.planned_end, r.id)
+            key = (end, r.id)
             if gid not in last or key > last[gid]:
                 last[gid] = key
     out = []

@@ -172,16 +172,16 @@ def decide_multifactor(
                     topology=topology,
                 )
             if plan is not None:
-                victims, placements = plan
+                victims, placements = plan.victims, plan.placements
+                held = tuple(v.id for v in victims) + plan.waiting_on
                 reservation = backfill.Reservation(
                     job.id,
                     now,
                     placements,
                     frozenset(g for p in placements for g in p.gpu_ids),
                     None,
-                    tuple(v.id for v in victims),
+                    held,
                 )
-                names = ", ".join(str(v.id) for v in victims)
                 for v in victims:
                     decisions.append(
                         Preempt(
@@ -195,11 +195,23 @@ def decide_multifactor(
                     idx.node_key.get(p.node_id, ("", p.node_id))[0] or str(p.node_id)
                     for p in placements
                 )
+                parts = []
+                if victims:
+                    parts.append(
+                        "stopping preemptible job(s) "
+                        + ", ".join(str(v.id) for v in victims)
+                    )
+                if plan.waiting_on:
+                    parts.append(
+                        "waiting for job(s) "
+                        + ", ".join(map(str, plan.waiting_on))
+                        + " (already being stopped)"
+                    )
                 wait(
                     job,
                     Reason.WAITING_FOR_PREEMPTION,
-                    f"stopping preemptible job(s) {names} to free"
-                    f" {gpus_word(job.gpus)} on {nodes}; it starts when they exit",
+                    f"{' and '.join(parts)} to free {gpus_word(job.gpus)} on {nodes};"
+                    " it starts when they exit",
                 )
                 continue
             reservation = backfill.reserve(

@@ -13,6 +13,7 @@ schedulable nodes count. At most one plan per pass (``multifactor`` asks once).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler.policy.ledger import Ledger
@@ -25,6 +26,13 @@ if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
     from scheduler.policy.state import GpuView, Placement, RunningJob
+
+
+@dataclass(frozen=True)
+class Plan:
+    victims: list[RunningJob]  # to stop now, in removal order (may be empty)
+    placements: tuple[Placement, ...]  # where the job goes once they are gone
+    waiting_on: tuple[int, ...] = ()  # jobs already being stopped that it uses
 
 
 def candidates(idx: PassIndex, fairshare: FairShare) -> list[RunningJob]:
@@ -41,7 +49,9 @@ def candidates(idx: PassIndex, fairshare: FairShare) -> list[RunningJob]:
         (
             r
             for r in state.running
-            if r.preemptible and r.preemptions_last_hour < cfg.preempt_max_per_hour
+            if r.preemptible
+            and not r.stopping
+            and r.preemptions_last_hour < cfg.preempt_max_per_hour
         ),
         key=key,
     )
@@ -56,8 +66,12 @@ def plan(
     *,
     spread: bool,
     topology: bool,
-) -> tuple[list[RunningJob], tuple[Placement, ...]] | None:
-    """(victims in removal order, where the job then goes), or None.
+) -> Plan | None:
+    """The victims (in removal order) and where the job then goes, or None.
+
+    GPUs of jobs already being stopped (``RunningJob.stopping``, e.g. the victims
+    of an earlier pass still in their grace period) count as free: when they
+    suffice, the plan has no new victims and the job keeps waiting for them.
 
     A single-node job gets one remove-then-add-back plan per node holding
     candidates, and the plan with the fewest victims wins (then the one whose victims
@@ -66,7 +80,8 @@ def plan(
     plan over the whole cluster.
     """
     cands = candidates(idx, fairshare)
-    if not cands:
+    stopping = [r for r in idx.state.running if r.stopping]
+    if not cands and not stopping:
         return None
     on_gpu: dict[int, set[int]] = {}
     for r in idx.state.running:
@@ -86,8 +101,19 @@ def plan(
                 out.append(gpu)
         return out
 
+    # the GPUs of jobs being stopped are as good as free
+    gone = {r.id for r in stopping}
+    if stopping:
+        ledger = ledger.copy()
+        for r in stopping:
+            for g in freed_by(gone, r):
+                ledger.give(g.node_id, (g,))
+        placements = place(ledger, idx, c, k, spread=spread, topology=topology)
+        if placements is not None:
+            return Plan([], placements, _waiting_on(stopping, placements))
     if is_gang(idx, c, k):
-        return _gang_plan(c, k, ledger, idx, cands, freed_by, spread, topology)
+        got = _gang_plan(c, k, ledger, idx, cands, freed_by, gone, spread, topology)
+        return None if got is None else Plan(*got, _waiting_on(stopping, got[1]))
     view = idx.view(c)
     rank = {r.id: i for i, r in enumerate(cands)}
     by_node: dict[int, list[RunningJob]] = {}
@@ -105,7 +131,7 @@ def plan(
             continue
         count = len(_fitting(ledger, idx, c, node_id, frozenset()))
         removed: list[RunningJob] = []
-        victims: set[int] = set()
+        victims: set[int] = set(gone)
         freed: dict[int, list[GpuView]] = {}
         for r in subset:
             removed.append(r)
@@ -138,7 +164,14 @@ def plan(
     placements = place(mini, idx, c, k, spread=spread, topology=topology)
     if placements is None:  # pragma: no cover - it fitted above
         return None
-    return chosen, placements
+    return Plan(chosen, placements, _waiting_on(stopping, placements))
+
+
+def _waiting_on(
+    stopping: list[RunningJob], placements: tuple[Placement, ...]
+) -> tuple[int, ...]:
+    taken = {g for p in placements for g in p.gpu_ids}
+    return tuple(r.id for r in stopping if taken.intersection(r.gpu_ids))
 
 
 def _gang_plan(
@@ -148,6 +181,7 @@ def _gang_plan(
     idx: PassIndex,
     cands: list[RunningJob],
     freed_by: Callable[[set[int], RunningJob], list[GpuView]],
+    gone: set[int],
     spread: bool,  # noqa: FBT001
     topology: bool,  # noqa: FBT001
 ) -> tuple[list[RunningJob], tuple[Placement, ...]] | None:
@@ -155,7 +189,7 @@ def _gang_plan(
     scratch = ledger.copy()
     total = sum(len(_fitting(scratch, idx, c, n, frozenset())) for n in scratch.free)
     removed: list[RunningJob] = []
-    victims: set[int] = set()
+    victims: set[int] = set(gone)
     freed: dict[int, list[GpuView]] = {}
     for r in cands:
         removed.append(r)

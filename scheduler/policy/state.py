@@ -106,6 +106,11 @@ class RunningJob:
     priority_class: str = "normal"
     preemptible: bool = False
     preemptions_last_hour: int = 0
+    # A stop was requested (preempted, over its limit, cancelled): its GPUs free
+    # within its grace period. The policy counts them as freeing now, so a job
+    # waiting for a preemption is not given a second, extra set of victims while
+    # the first set is still in its grace period.
+    stopping: bool = False
 
     @property
     def planned_end(self) -> float:

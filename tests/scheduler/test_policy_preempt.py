@@ -8,6 +8,7 @@ import pytest
 
 from scheduler.policy import Preempt, Reason, Usage, decide
 from tests.scheduler.test_policy_support import (
+    NOW,
     SLURM,
     cluster,
     node_gpus,
@@ -223,3 +224,48 @@ def test_random_plans_free_enough_and_only_take_allowed_victims(seed):
             for v in victims:
                 fewer = decide(replace(without(victims - {v}), config=SLURM))
                 assert not isinstance(fewer[0], Start), (seed, v, victims)
+
+
+def test_victims_in_their_grace_period_are_waited_for_not_replaced():
+    """Pass 1 preempts job 10; in pass 2 job 10 is still on its GPU, being stopped
+    (and no longer a candidate, as the loaders mark it): no second victim."""
+    from dataclasses import replace
+
+    run = [
+        running(10, (100,), cls="best-effort", started_ago=10),
+        running(11, (101,), cls="best-effort", started_ago=5000),
+    ]
+    s1 = cluster(node_gpus(1, 2), [pending(1, 1, cls="high")], run=run)
+    assert [p.victim_id for p in preempts(decide(s1))] == [10]
+    run[0] = replace(run[0], preemptible=False, stopping=True)
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1, cls="high")], run=run))
+    assert not preempts(ds)
+    w = waits(ds)[1]
+    assert w.reason is Reason.WAITING_FOR_PREEMPTION
+    assert "waiting for job(s) 10 (already being stopped)" in w.message
+
+
+def test_a_plan_adds_only_what_the_stopping_jobs_do_not_cover():
+    from dataclasses import replace
+
+    run = [
+        replace(
+            running(10, (100,), cls="best-effort"), preemptible=False, stopping=True
+        ),
+        running(11, (101,), cls="best-effort", started_ago=10),
+        running(12, (102,), cls="best-effort", started_ago=20),
+    ]
+    ds = decide(cluster(node_gpus(1, 3), [pending(1, 2, cls="high")], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [11]
+    assert (
+        "stopping preemptible job(s) 11 and waiting for job(s) 10"
+        in waits(ds)[1].message
+    )
+
+
+def test_without_preemption_a_stopping_job_frees_its_gpus_now_in_the_plan():
+    from dataclasses import replace
+
+    run = [replace(running(10, (100,), ends_in=5 * 3600), stopping=True)]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1)], run=run, config=SLURM))
+    assert waits(ds)[1].est_start == NOW
