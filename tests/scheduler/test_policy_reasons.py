@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from scheduler.policy import Reason, Wait, decide
-from scheduler.policy.multifactor import _wait
 from scheduler.policy.reasons import duration
 from tests.scheduler.test_policy_support import (
     cluster,
@@ -16,12 +15,19 @@ from tests.scheduler.test_policy_support import (
 )
 
 
-def test_the_fast_wait_is_the_same_object_as_a_built_one():
-    args = (7, Reason.RESOURCES, "m", 3, {"class": 1.0}, 12.5)
-    fast, built = _wait(*args), Wait(*args)
+def test_the_waits_decide_builds_fast_are_ordinary_frozen_waits():
+    [fast] = decide(cluster(node_gpus(1, 1, busy=(0,)), [pending(1)]))
+    built = Wait(
+        fast.job_id,
+        fast.reason,
+        fast.message,
+        fast.position,
+        dict(fast.breakdown),
+        fast.est_start,
+    )
+    assert type(fast) is Wait
     assert fast == built
     assert repr(fast) == repr(built)
-    assert fast.breakdown == {"class": 1.0}
     with pytest.raises(AttributeError):
         fast.job_id = 8  # type: ignore[misc]
 
