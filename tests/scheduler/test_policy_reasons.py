@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import Reason, Wait, decide
+from scheduler.policy import Wait, decide
 from scheduler.policy.reasons import duration
 from tests.scheduler.test_policy_support import (
     cluster,
