@@ -36,27 +36,29 @@ class Reservation:
 
 def releases(
     idx: PassIndex, running: Iterable[RunningJob]
-) -> list[tuple[float, int, GpuView]]:
-    """(time, job id, GPU): when each busy schedulable GPU frees, by planned ends
-    (a job being stopped frees its GPUs now)."""
+) -> list[tuple[float, int, list[GpuView]]]:
+    """(time, job id, GPUs) in time order: when busy schedulable GPUs free, by
+    planned ends (a GPU frees with the last job on it; a job being stopped frees
+    its GPUs now)."""
     last: dict[int, tuple[float, int]] = {}
     now = idx.state.now
     for r in running:
         end = min(r.planned_end, now) if r.stopping else r.planned_end
+        key = (end, r.id)
         for gid in r.gpu_ids:
-            key = (end, r.id)
             if gid not in last or key > last[gid]:
                 last[gid] = key
-    out = []
-    for gid, (end, job_id) in last.items():
-        gpu = idx.gpu_by_id.get(gid)
-        if gpu is None or gpu.node_id not in idx.schedulable_nodes:
+    groups: dict[tuple[float, int], list[GpuView]] = {}
+    gpu_by_id = idx.gpu_by_id
+    schedulable = idx.schedulable_nodes
+    for gid, key in last.items():
+        gpu = gpu_by_id.get(gid)
+        if gpu is None or gpu.node_id not in schedulable:
             continue
         if not gpu.schedulable or gpu.slots <= 0:
             continue
-        out.append((end, job_id, gpu))
-    out.sort(key=lambda e: (e[0], e[1], e[2].id))
-    return out
+        groups.setdefault(key, []).append(gpu)
+    return [(t, job_id, groups[t, job_id]) for t, job_id in sorted(groups)]
 
 
 def reserve(
@@ -85,15 +87,17 @@ def reserve(
         touched: dict[int, list[GpuView]] = {}
         behind = events[i][1]
         while i < len(events) and events[i][0] == t:
-            _, behind, gpu = events[i]
-            have = {g.id for g in scratch.free.get(gpu.node_id, [])}
-            if gpu.id not in have:
+            _, behind, gpus = events[i]
+            for gpu in gpus:
                 touched.setdefault(gpu.node_id, []).append(gpu)
             i += 1
         for node_id, gpus in touched.items():
-            scratch.give(node_id, gpus)
             if gang:
-                total += sum(1 for g in gpus if g.id in view.matching)
+                have = {g.id for g in scratch.free.get(node_id, ())}
+                total += sum(
+                    1 for g in gpus if g.id in view.matching and g.id not in have
+                )
+            scratch.give(node_id, gpus)
         if gang:
             fits = total >= k
         else:
