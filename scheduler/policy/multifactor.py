@@ -139,6 +139,8 @@ def decide_multifactor(
         f"not tested this pass: backfill stopped after"
         f" {cfg.backfill_max_tested} jobs (backfill_max_tested)"
     )
+    max_tested = cfg.backfill_max_tested
+    not_tested_reason = Reason.NOT_TESTED
     for job in order:
         sk = (job.gpus, job.gpu_memory_mib, job.gpu_model)
         got_shape = shapes.get(sk)
@@ -252,8 +254,8 @@ def decide_multifactor(
                 f" {prio[job.id]:.0f}), which waits for GPUs; backfill is off",
             )
             continue
-        if tested >= cfg.backfill_max_tested:
-            later.append((job, Reason.NOT_TESTED, not_tested, None, None))
+        if tested >= max_tested:
+            later.append((job, not_tested_reason, not_tested, None, None))
             continue
         tested += 1
         got = try_place(job, c, avoid_reserved=False)
@@ -296,22 +298,16 @@ def decide_multifactor(
     # (``_wait`` inlined: this loop runs once per waiting job, up to 10,000)
     append = decisions.append
     new = object.__new__
-    setattr_ = object.__setattr__
     for position, (job, reason, message, est, res) in enumerate(later, 1):
         if res is not None:
             message = f"{messages.resources(*res, ledger)}{message}"
         w = new(Wait)
-        setattr_(
-            w,
-            "__dict__",
-            {
-                "job_id": job.id,
-                "reason": reason,
-                "message": message,
-                "position": position,
-                "breakdown": breakdowns[job.id],
-                "est_start": est,
-            },
-        )
+        fields = w.__dict__  # frozen: set the fields as dataclasses' __init__ does
+        fields["job_id"] = job.id
+        fields["reason"] = reason
+        fields["message"] = message
+        fields["position"] = position
+        fields["breakdown"] = breakdowns[job.id]
+        fields["est_start"] = est
         append(w)
     return decisions
