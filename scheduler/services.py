@@ -649,8 +649,10 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
                 user=user,
                 group=group,
                 priority_class=pclass,
-                # A job already being stopped is no candidate for preemption.
+                # A job already being stopped is no candidate for preemption, and
+                # its GPUs count as freeing now (no second set of victims).
                 preemptible=bool(spec and spec.preemptible) and not kill_reason,
+                stopping=bool(kill_reason),
                 # Conservative: all its preemptions, if the last was within the hour.
                 preemptions_last_hour=preemptions
                 if last_preempted and last_preempted > hour_ago
@@ -744,8 +746,14 @@ def _preempt(decision: policy.Preempt) -> bool:
 
 def _start(decision: policy.Start) -> bool:
     if len(decision.placements) != 1:
-        # Multi-node starts come with the rest of issue #4 (rank variables per node).
-        log.error("job %s: multi-node starts are not supported yet", decision.job_id)
+        # Multi-node starts (rank variables per node) are not built yet (#4): the
+        # policy only gangs a job larger than every node, which submit refuses, so
+        # this happens when nodes shrank after submit. Say so on the job.
+        Job.objects.filter(pk=decision.job_id, status=Job.Status.PENDING).update(
+            pending_reason=policy.Reason.NO_SUCH_SHAPE.value,
+            pending_message="needs more GPUs than any one node has now; jobs "
+            "spanning nodes are not supported yet",
+        )
         return False
     placement = decision.placements[0]
     try:

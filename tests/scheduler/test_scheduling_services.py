@@ -289,3 +289,37 @@ def test_the_portal_stops_a_job_its_agent_let_run_past_its_limit(
     )
     job.refresh_from_db()
     assert job.status == Job.Status.TIMEOUT
+
+
+def test_a_victim_being_stopped_counts_as_stopping_for_the_policy(
+    alice: User, cluster: list[Node], send: Any
+) -> None:
+    victim = JobFactory(owner=alice, priority_class="best-effort")
+    running(victim, cluster[0], at=1_800_000_000.0)
+    services.apply_decisions([policy.Preempt(victim.pk, 1, "r")])
+
+    [view] = services.cluster_state().running
+
+    assert view.stopping is True
+
+
+def test_a_start_across_nodes_leaves_the_job_pending_with_a_clear_reason(
+    alice: User, cluster: list[Node]
+) -> None:
+    job = JobFactory(owner=alice, gpus=6)
+    a, b = cluster
+    start = policy.Start(
+        job.pk,
+        (
+            policy.Placement(a.pk, tuple(g.pk for g in a.gpus.all())),
+            policy.Placement(b.pk, tuple(g.pk for g in b.gpus.all())),
+        ),
+    )
+
+    result = services.apply_decisions([start])
+
+    job.refresh_from_db()
+    assert result.started == 0
+    assert job.status == Job.Status.PENDING
+    assert "not supported yet" in job.pending_message
+    assert not Attempt.objects.filter(job=job).exists()
