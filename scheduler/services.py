@@ -918,15 +918,15 @@ def _update_reasons(waits: list[policy.Wait]) -> int:
     second, so a job's growing age does not rewrite every row on every pass.
     """
     current = {
-        j.pk: j
-        for j in Job.objects.filter(
+        row[0]: row[1:]
+        for row in Job.objects.filter(
             pk__in=[w.job_id for w in waits], status=Job.Status.PENDING
-        ).only("id", *WAIT_FIELDS)
+        ).values_list("id", *WAIT_FIELDS)
     }
     rows: list[tuple[Any, ...]] = []
     for wait in waits:
-        job = current.get(wait.job_id)
-        if job is None:
+        old = current.get(wait.job_id)
+        if old is None:
             continue
         breakdown = {k: round(v, 1) for k, v in wait.breakdown.items()}
         est = _ts(round(wait.est_start)) if wait.est_start is not None else None
@@ -937,15 +937,8 @@ def _update_reasons(waits: list[policy.Wait]) -> int:
             breakdown,
             est,
         )
-        old = (
-            job.pending_reason,
-            job.pending_message,
-            job.queue_position,
-            job.priority_breakdown,
-            job.est_start,
-        )
         if new != old:
-            rows.append((job.pk, *new))
+            rows.append((wait.job_id, *new))
     if rows:
         columns = list(zip(*rows, strict=True))
         with connection.cursor() as cursor:
