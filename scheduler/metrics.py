@@ -182,18 +182,14 @@ def _insert(rows: list[tuple[Any, ...]]) -> None:
 
 # ------------------------------------------------------------------ rollups
 
-_ROLLUP_SQL = """
+_INSERT_ROLLUP = """
 INSERT INTO scheduler_gpurollup (gpu_id, resolution, start, samples,
     util_gpu_min, util_gpu_mean, util_gpu_max, util_mem_mean,
     memory_used_mean, memory_used_max, power_mean, power_max,
     temperature_mean, temperature_max)
-SELECT gpu_id, %(resolution)s, date_bin(%(width)s::interval, at, TIMESTAMPTZ 'epoch'),
-    count(*), min(util_gpu), avg(util_gpu), max(util_gpu), avg(util_mem),
-    avg(memory_used_mib), max(memory_used_mib), avg(power_w), max(power_w),
-    avg(temperature_c), max(temperature_c)
-FROM scheduler_gpusample
-WHERE at >= %(since)s AND at < %(until)s
-GROUP BY 1, 3
+"""
+# Re-running a rollup over the same window replaces its rows (idempotent).
+_UPSERT = """
 ON CONFLICT (gpu_id, resolution, start) DO UPDATE SET
     samples = EXCLUDED.samples,
     util_gpu_min = EXCLUDED.util_gpu_min, util_gpu_mean = EXCLUDED.util_gpu_mean,
@@ -205,12 +201,24 @@ ON CONFLICT (gpu_id, resolution, start) DO UPDATE SET
     temperature_max = EXCLUDED.temperature_max
 """
 
+_ROLLUP_SQL = (
+    _INSERT_ROLLUP
+    + """
+SELECT gpu_id, %(resolution)s, date_bin(%(width)s::interval, at, TIMESTAMPTZ 'epoch'),
+    count(*), min(util_gpu), avg(util_gpu), max(util_gpu), avg(util_mem),
+    avg(memory_used_mib), max(memory_used_mib), avg(power_w), max(power_w),
+    avg(temperature_c), max(temperature_c)
+FROM scheduler_gpusample
+WHERE at >= %(since)s AND at < %(until)s
+GROUP BY 1, 3
+"""
+    + _UPSERT
+)
+
 # The hour rollup is built from minute rollups, weighting each by its sample count.
-_ROLLUP_HOUR_SQL = """
-INSERT INTO scheduler_gpurollup (gpu_id, resolution, start, samples,
-    util_gpu_min, util_gpu_mean, util_gpu_max, util_mem_mean,
-    memory_used_mean, memory_used_max, power_mean, power_max,
-    temperature_mean, temperature_max)
+_ROLLUP_HOUR_SQL = (
+    _INSERT_ROLLUP
+    + """
 SELECT gpu_id, '1h', date_bin('1 hour'::interval, start, TIMESTAMPTZ 'epoch'),
     sum(samples), min(util_gpu_min),
     sum(util_gpu_mean * samples) / nullif(sum(samples) FILTER (
@@ -230,16 +238,9 @@ SELECT gpu_id, '1h', date_bin('1 hour'::interval, start, TIMESTAMPTZ 'epoch'),
 FROM scheduler_gpurollup
 WHERE resolution = '1m' AND start >= %(since)s AND start < %(until)s
 GROUP BY 1, 3
-ON CONFLICT (gpu_id, resolution, start) DO UPDATE SET
-    samples = EXCLUDED.samples,
-    util_gpu_min = EXCLUDED.util_gpu_min, util_gpu_mean = EXCLUDED.util_gpu_mean,
-    util_gpu_max = EXCLUDED.util_gpu_max, util_mem_mean = EXCLUDED.util_mem_mean,
-    memory_used_mean = EXCLUDED.memory_used_mean,
-    memory_used_max = EXCLUDED.memory_used_max,
-    power_mean = EXCLUDED.power_mean, power_max = EXCLUDED.power_max,
-    temperature_mean = EXCLUDED.temperature_mean,
-    temperature_max = EXCLUDED.temperature_max
 """
+    + _UPSERT
+)
 
 
 def _floor(moment: datetime, width: timedelta) -> datetime:
