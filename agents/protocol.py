@@ -160,7 +160,14 @@ class JobLaunchData(_Model):
     run_as: Text | None = None  # Unix account; None: the agent's own account
 
 
-KillReason = Literal["cancelled", "timeout", "preempted", "stale", "node_lost"]
+KillReason = Literal[
+    "cancelled",
+    "timeout",
+    "preempted",
+    "stale",
+    "node_lost",
+    "peer_failed",  # another rank of a multi-node job failed
+]
 
 
 class JobKillData(_Model):

@@ -405,6 +405,11 @@ class Attempt(models.Model):
     pid = models.IntegerField(null=True, blank=True)
     # Why the server asked the agent to stop it (cancelled, timeout, stale, ...).
     kill_reason = models.CharField(max_length=16, blank=True)
+    # A job spanning nodes: the node ids in rank order (rank 0 is ``node``), and
+    # each rank's exit {"<node id>": {"exit_code", "ended_at", "reason", "message"}}.
+    # The attempt ends when every rank has exited. Empty for single-node attempts.
+    ranks = models.JSONField(default=list, blank=True)
+    rank_exits = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ("job", "number")
@@ -425,6 +430,11 @@ class Attempt(models.Model):
     @property
     def is_live(self) -> bool:
         return self.ended_at is None
+
+    @property
+    def node_ids(self) -> list[int]:
+        """Every node the attempt runs on, in rank order."""
+        return [int(n) for n in self.ranks] or [self.node_id]
 
 
 class Allocation(models.Model):

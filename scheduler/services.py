@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, F, Func, IntegerField, Sum
+from django.db.models import Count, F, Func, IntegerField, Q, Sum
 from django.utils import timezone
 
 from agents import protocol
@@ -232,7 +232,7 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
             )
 
     model = req.gpu_model.strip()
-    largest_node, total, largest_mem = cluster_capacity(model)
+    _largest_node, total, largest_mem = cluster_capacity(model)
     if model and total == 0:
         known = ", ".join(gpu_models()) or "none yet"
         errors["gpu_model"] = f"No GPU matches {model!r}; the cluster has: {known}."
@@ -247,12 +247,7 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
     elif req.gpus > total:
         which = f" matching {model!r}" if model else ""
         errors["gpus"] = f"The cluster has {total} GPU(s){which} in all."
-    elif req.gpus > largest_node:
-        # Multi-node jobs come with the policy issue (#4).
-        errors["gpus"] = (
-            f"A job must fit on one node for now; the largest node has "
-            f"{largest_node} GPU(s)."
-        )
+    # A job larger than every node spans several (all or nothing, torchrun ranks).
     if req.gpu_memory_mib is not None:
         if req.gpu_memory_mib < 1:
             errors["gpu_memory_mib"] = "GPU memory must be positive."
@@ -442,10 +437,19 @@ def kill_frame(
 
 
 def _send_kill_on_commit(
-    attempt: Attempt, reason: protocol.KillReason, grace_s: int
+    attempt: Attempt,
+    reason: protocol.KillReason,
+    grace_s: int,
+    *,
+    skip: int | None = None,
 ) -> None:
+    """After commit, ask every node of the attempt whose rank has not exited (but
+    ``skip``) to stop it."""
     command = kill_frame(attempt.pk, attempt.job_id, reason, grace_s)
-    transaction.on_commit(partial(events.send_to_agent, attempt.node_id, command))
+    for node_id in attempt.node_ids:
+        if node_id == skip or str(node_id) in attempt.rank_exits:
+            continue
+        transaction.on_commit(partial(events.send_to_agent, node_id, command))
 
 
 # ------------------------------------------------------------------ scheduling
@@ -745,17 +749,17 @@ def _preempt(decision: policy.Preempt) -> bool:
 
 
 def _start(decision: policy.Start) -> bool:
-    if len(decision.placements) != 1:
-        # Multi-node starts (rank variables per node) are not built yet (#4): the
-        # policy only gangs a job larger than every node, which submit refuses, so
-        # this happens when nodes shrank after submit. Say so on the job.
-        Job.objects.filter(pk=decision.job_id, status=Job.Status.PENDING).update(
-            pending_reason=policy.Reason.NO_SUCH_SHAPE.value,
-            pending_message="needs more GPUs than any one node has now; jobs "
-            "spanning nodes are not supported yet",
-        )
-        return False
-    placement = decision.placements[0]
+    """Start one job on its placements (one per node, rank 0 first), all or none.
+
+    1. Lock the job (must be PENDING) and every GPU of every placement in id order
+       (two passes cannot deadlock); all must be schedulable, free, on UP nodes
+       that are not draining. Anything changed since the state was read: skip.
+    2. Create the attempt (``node`` = rank 0; ``ranks`` = every node, for a job
+       spanning nodes) and one allocation per GPU slot.
+    3. After commit, send each node its ``job.launch`` (with its rank variables).
+    """
+    node_ids = [p.node_id for p in decision.placements]
+    wanted = {g for p in decision.placements for g in p.gpu_ids}
     try:
         with transaction.atomic():
             job = (
@@ -767,24 +771,28 @@ def _start(decision: policy.Start) -> bool:
                 return False
             gpus = list(
                 Gpu.objects.select_for_update()
-                .filter(pk__in=placement.gpu_ids, node_id=placement.node_id)
+                .filter(pk__in=wanted, node_id__in=node_ids)
                 .order_by("pk")
             )
-            if len(gpus) != len(placement.gpu_ids) or not all(
-                g.schedulable for g in gpus
-            ):
+            if len(gpus) != len(wanted) or not all(g.schedulable for g in gpus):
                 return False
             if Allocation.objects.filter(
                 gpu__in=gpus, released_at__isnull=True
             ).exists():
                 return False
-            node = Node.objects.get(pk=placement.node_id)
-            if node.status != Node.Status.UP or node.draining:
+            nodes = Node.objects.in_bulk(node_ids)
+            if len(nodes) != len(set(node_ids)) or any(
+                n.status != Node.Status.UP or n.draining for n in nodes.values()
+            ):
                 return False
             now = timezone.now()
             job.attempts += 1
             attempt = Attempt.objects.create(
-                job=job, number=job.attempts, node=node, created_at=now
+                job=job,
+                number=job.attempts,
+                node=nodes[node_ids[0]],
+                created_at=now,
+                ranks=node_ids if len(node_ids) > 1 else [],
             )
             Allocation.objects.bulk_create(
                 [
@@ -804,11 +812,18 @@ def _start(decision: policy.Start) -> bool:
                     "pending_message",
                 ]
             )
+            by_node = {n: [g for g in gpus if g.node_id == n] for n in node_ids}
             try:
-                launch = launch_frame(job, attempt, gpus)
+                launches = [
+                    (n, launch_frame(job, attempt, by_node[n], nodes)) for n in node_ids
+                ]
             except ValueError as exc:  # pydantic ValidationError is a ValueError
                 raise _Unlaunchable(str(exc)) from exc
-            where = ", ".join(f"{node.name}:{g.index}" for g in gpus)
+            where = ", ".join(
+                f"{nodes[g.node_id].name}:{g.index}"
+                for n in node_ids
+                for g in by_node[n]
+            )
             _event(
                 job,
                 f"attempt {attempt.number} allocated {where}",
@@ -816,10 +831,10 @@ def _start(decision: policy.Start) -> bool:
                 from_status=old,
                 to_status=job.status,
             )
-            transaction.on_commit(
-                partial(events.send_to_agent, attempt.node_id, launch)
-            )
-            _after_commit_state_change(job, f"starting on {node.name}")
+            for node_id, launch in launches:
+                transaction.on_commit(partial(events.send_to_agent, node_id, launch))
+            names = ", ".join(nodes[n].name for n in node_ids)
+            _after_commit_state_change(job, f"starting on {names}")
             return True
     except IntegrityError:
         # Another pass took one of these slots first: the constraint held.
@@ -868,7 +883,45 @@ def unix_account_of(user_id: int) -> str | None:
     return account or None
 
 
-def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
+# Port of the rendezvous of a multi-node job on its rank-0 node: torchrun's default
+# plus a per-attempt offset, so two jobs on one node do not collide.
+MASTER_PORT_BASE = 29500
+
+
+def rank_env(
+    attempt: Attempt, node_id: int, gpus_here: int, nodes: dict[int, Node]
+) -> dict[str, str]:
+    """The variables ``torchrun`` (and ``torch.distributed``'s env:// init) expect on
+    one node of a job spanning nodes; empty for a single-node job."""
+    ranks = attempt.node_ids
+    if len(ranks) < 2:
+        return {}
+    master = nodes[ranks[0]]
+    values = {
+        "NNODES": str(len(ranks)),
+        "NODE_RANK": str(ranks.index(node_id)),
+        "MASTER_ADDR": master.hostname or master.name,
+        "MASTER_PORT": str(MASTER_PORT_BASE + attempt.pk % 1000),
+        "NPROC_PER_NODE": str(gpus_here),
+    }
+    env = {f"GPULAB_{k}": v for k, v in values.items()}
+    env.update({k: v for k, v in values.items() if k.startswith("MASTER_")})
+    env.update({f"PET_{k}": v for k, v in values.items()})  # torchrun's own names
+    return env
+
+
+def launch_frame(
+    job: Job,
+    attempt: Attempt,
+    gpus: list[Gpu],
+    nodes: dict[int, Node] | None = None,
+) -> dict[str, Any]:
+    """The ``job.launch`` for one node of the attempt (the node of ``gpus``)."""
+    node_id = gpus[0].node_id if gpus else attempt.node_id
+    if nodes is None and len(attempt.node_ids) > 1:
+        nodes = Node.objects.in_bulk(attempt.node_ids)
+    env = {str(k): str(v) for k, v in job.env.items()}
+    env.update(rank_env(attempt, node_id, len(gpus), nodes or {}))
     return events.frame(
         protocol.JobLaunch,
         protocol.JobLaunchData(
@@ -878,7 +931,7 @@ def launch_frame(job: Job, attempt: Attempt, gpus: list[Gpu]) -> dict[str, Any]:
             name=job.name,
             command=job.command,
             workdir=job.workdir,
-            env={str(k): str(v) for k, v in job.env.items()},
+            env=env,
             gpu_uuids=[g.uuid for g in sorted(gpus, key=lambda g: g.index)],
             grace_s=job.kill_grace_s,
             time_limit_s=job.time_limit_s,
@@ -1041,15 +1094,25 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
 
         running = {r.attempt_id for r in hello.running}
         live = list(
-            Attempt.objects.filter(node=node, ended_at__isnull=True).select_related(
-                "job"
-            )
+            Attempt.objects.filter(ended_at__isnull=True)
+            .filter(Q(node=node) | Q(ranks__contains=[node.pk]))
+            .select_related("job")
         )
         for attempt in live:
-            if attempt.pk in running:
+            if attempt.pk in running or str(node.pk) in attempt.rank_exits:
                 continue
-            if attempt.started_at is None and attempt.job.cancel_requested_at is None:
-                gpus = [a.gpu for a in attempt.allocations.select_related("gpu")]
+            spans = len(attempt.node_ids) > 1
+            if (attempt.started_at is None or spans) and (
+                attempt.job.cancel_requested_at is None
+            ):
+                # Never launched here (or this rank's launch was lost): launch is
+                # idempotent by attempt id on the agent.
+                gpus = [
+                    a.gpu
+                    for a in attempt.allocations.select_related("gpu").filter(
+                        gpu__node=node
+                    )
+                ]
                 unique = list({g.pk: g for g in gpus}.values())
                 commands.append(launch_frame(attempt.job, attempt, unique))
             elif attempt.job.cancel_requested_at is not None:
@@ -1129,13 +1192,14 @@ def record_metrics(
 
 
 def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | None:
-    """The attempt, locked, if it belongs to this node and job (a node cannot report
-    for another node's jobs)."""
-    return (
-        Attempt.objects.select_for_update()
-        .filter(pk=attempt_id, node_id=node_id, job_id=job_id)
-        .first()
+    """The attempt, locked, if this node runs it (rank 0 or another rank) for this
+    job: a node cannot report for another node's jobs."""
+    attempt = (
+        Attempt.objects.select_for_update().filter(pk=attempt_id, job_id=job_id).first()
     )
+    if attempt is None or node_id not in attempt.node_ids:
+        return None
+    return attempt
 
 
 def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
@@ -1222,6 +1286,13 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
         if attempt is None or attempt.ended_at is not None:
             return False
         job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        if len(attempt.node_ids) > 1:
+            if str(node_id) in attempt.rank_exits:
+                return False  # a replayed rank exit
+            whole = _rank_exited(attempt, job, node_id, data)
+            if whole is None:
+                return True  # other ranks still run
+            data = whole
         ended = _ts(data.ended_at)
         if attempt.started_at is not None and ended < attempt.started_at:
             ended = attempt.started_at
@@ -1259,6 +1330,9 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             job.status = Job.Status.TIMEOUT
             limit = timedelta(seconds=job.time_limit_s)
             message = f"stopped at its time limit ({limit})"
+        elif server_kill == "peer_failed" and data.reason in ("exited", "killed"):
+            job.status = Job.Status.FAILED
+            message = f"a rank failed with exit code {code}; the others were stopped"
         elif data.reason == "exited" and code == 0:
             job.status = Job.Status.COMPLETED
             message = "completed (exit code 0)"
@@ -1298,6 +1372,48 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
         _after_commit_state_change(job, message)
         transaction.on_commit(_enqueue_pass_now)
     return True
+
+
+def _rank_exited(
+    attempt: Attempt, job: Job, node_id: int, data: protocol.JobExitedData
+) -> protocol.JobExitedData | None:
+    """Record one rank's exit of a job spanning nodes (attempt and job locked).
+
+    While other ranks run, return None; if this rank failed, ask the others to stop
+    (``peer_failed``): a job with a dead rank would hang in its collectives. Once
+    every rank has exited, return the attempt's exit: the first failure's, else a
+    clean exit at the last rank's end. A replayed rank exit changes nothing.
+    """
+    key = str(node_id)
+    attempt.rank_exits = {**attempt.rank_exits, key: data.model_dump(mode="json")}
+    attempt.save(update_fields=["rank_exits"])
+    failed = data.reason != "exited" or data.exit_code != 0
+    rank = attempt.node_ids.index(node_id)
+    if len(attempt.rank_exits) < len(attempt.node_ids):
+        if failed and not attempt.kill_reason and job.cancel_requested_at is None:
+            attempt.kill_reason = "peer_failed"
+            attempt.save(update_fields=["kill_reason"])
+            _event(
+                job,
+                f"rank {rank} stopped ({data.reason}, exit code {data.exit_code}); "
+                "stopping the other ranks",
+                source=JobEvent.Source.AGENT,
+            )
+            _send_kill_on_commit(attempt, "peer_failed", job.kill_grace_s)
+        return None
+    exits = [
+        protocol.JobExitedData.model_validate(v) for v in attempt.rank_exits.values()
+    ]
+    failures = sorted(
+        (e for e in exits if e.reason != "exited" or e.exit_code != 0),
+        key=lambda e: e.ended_at,
+    )
+    last = max(e.ended_at for e in exits)
+    if failures:
+        return failures[0].model_copy(update={"ended_at": last})
+    return data.model_copy(
+        update={"exit_code": 0, "reason": "exited", "ended_at": last}
+    )
 
 
 def append_log(node_id: int, data: protocol.JobLogData) -> bool:
@@ -1366,10 +1482,16 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
             node.connected = False
             node.save(update_fields=["status", "connected"])
             ended = node.last_seen_at or now
-            for attempt in Attempt.objects.select_for_update().filter(
-                node=node, ended_at__isnull=True
+            for attempt in (
+                Attempt.objects.select_for_update()
+                .filter(ended_at__isnull=True)
+                .filter(Q(node=node) | Q(ranks__contains=[node.pk]))
             ):
                 job = Job.objects.select_for_update().get(pk=attempt.job_id)
+                # The job's other ranks, on nodes still up, must stop too.
+                _send_kill_on_commit(
+                    attempt, "node_lost", job.kill_grace_s, skip=node.pk
+                )
                 _end_attempt(
                     attempt,
                     max(ended, attempt.started_at or ended),

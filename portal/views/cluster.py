@@ -20,15 +20,12 @@ def _nodes_with_gpus() -> list[Node]:
     live = Allocation.objects.filter(released_at__isnull=True).select_related(
         "attempt__job__owner"
     )
+    gpus = Gpu.objects.order_by("index").prefetch_related(
+        Prefetch("allocations", queryset=live, to_attr="live")
+    )
+    # django-stubs cannot type a nested Prefetch with to_attr (it varies by run).
     nodes = list(
-        Node.objects.prefetch_related(
-            Prefetch(
-                "gpus",
-                queryset=Gpu.objects.order_by("index").prefetch_related(
-                    Prefetch("allocations", queryset=live, to_attr="live")
-                ),
-            )
-        )
+        Node.objects.prefetch_related(Prefetch("gpus", queryset=gpus))  # type: ignore[arg-type, misc, unused-ignore]
     )
     for node in nodes:
         for gpu in node.gpus.all():

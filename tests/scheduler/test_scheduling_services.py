@@ -303,23 +303,156 @@ def test_a_victim_being_stopped_counts_as_stopping_for_the_policy(
     assert view.stopping is True
 
 
-def test_a_start_across_nodes_leaves_the_job_pending_with_a_clear_reason(
-    alice: User, cluster: list[Node]
-) -> None:
-    job = JobFactory(owner=alice, gpus=6)
+# ------------------------------------------------------------------ multi-node
+
+
+@pytest.fixture
+def spanning(
+    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+) -> tuple[Job, Attempt, Node, Node]:
+    """A 6-GPU job started across node-a (4 GPUs, rank 0) and node-b (2, rank 1)."""
     a, b = cluster
+    job = JobFactory(owner=alice, gpus=6)
     start = policy.Start(
         job.pk,
         (
-            policy.Placement(a.pk, tuple(g.pk for g in a.gpus.all())),
-            policy.Placement(b.pk, tuple(g.pk for g in b.gpus.all())),
+            policy.Placement(a.pk, tuple(g.pk for g in a.gpus.order_by("index"))),
+            policy.Placement(b.pk, tuple(g.pk for g in b.gpus.order_by("index"))),
         ),
     )
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.apply_decisions([start]).started == 1
+    return job, Attempt.objects.get(job=job), a, b
 
-    result = services.apply_decisions([start])
+
+def test_a_job_spanning_nodes_gets_one_launch_per_node_with_torchrun_ranks(
+    spanning: tuple[Job, Attempt, Node, Node], send: Any
+) -> None:
+    _, attempt, a, b = spanning
+
+    launches = {c.args[0]: c.args[1]["data"] for c in send.call_args_list}
+
+    assert attempt.node_id == a.pk
+    assert attempt.ranks == [a.pk, b.pk]
+    assert set(launches) == {a.pk, b.pk}
+    assert launches[a.pk]["gpu_uuids"] == [g.uuid for g in a.gpus.order_by("index")]
+    assert launches[b.pk]["gpu_uuids"] == [g.uuid for g in b.gpus.order_by("index")]
+    env_a, env_b = launches[a.pk]["env"], launches[b.pk]["env"]
+    assert (env_a["PET_NODE_RANK"], env_b["PET_NODE_RANK"]) == ("0", "1")
+    assert env_a["PET_NNODES"] == env_b["PET_NNODES"] == "2"
+    assert (env_a["PET_NPROC_PER_NODE"], env_b["PET_NPROC_PER_NODE"]) == ("4", "2")
+    assert env_a["MASTER_ADDR"] == env_b["MASTER_ADDR"] == "node-a"
+    assert env_a["MASTER_PORT"] == env_b["MASTER_PORT"]
+
+
+def test_every_rank_may_report_and_the_job_ends_when_all_have(
+    spanning: tuple[Job, Attempt, Node, Node], send: Any
+) -> None:
+    job, attempt, a, b = spanning
+    t0 = 1_800_000_000.0
+    assert services.mark_started(b.pk, started_data(attempt, t0))
+
+    assert services.finish_attempt(b.pk, exited(attempt, t0 + 50, 0, "exited"))
+    job.refresh_from_db()
+    assert job.status == Job.Status.RUNNING  # rank 0 still runs
+
+    assert not services.finish_attempt(b.pk, exited(attempt, t0 + 50, 0, "exited"))
+    assert services.finish_attempt(a.pk, exited(attempt, t0 + 60, 0, "exited"))
 
     job.refresh_from_db()
-    assert result.started == 0
+    assert job.status == Job.Status.COMPLETED
+    assert job.finished_at.timestamp() == t0 + 60
+    assert UsageRecord.objects.filter(attempt=attempt).count() == 6
+
+
+def test_a_failed_rank_stops_the_others_and_fails_the_job_with_its_code(
+    spanning: tuple[Job, Attempt, Node, Node],
+    send: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    job, attempt, a, b = spanning
+    t0 = 1_800_000_000.0
+    services.mark_started(a.pk, started_data(attempt, t0))
+    send.reset_mock()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.finish_attempt(a.pk, exited(attempt, t0 + 10, 3, "exited"))
+
+    [kill] = send.call_args_list
+    assert kill.args[0] == b.pk
+    assert kill.args[1]["data"]["reason"] == "peer_failed"
+    services.finish_attempt(b.pk, exited(attempt, t0 + 12, 143, "killed"))
+    job.refresh_from_db()
+    assert job.status == Job.Status.FAILED
+    assert job.exit_code == 3
+    assert "the others were stopped" in job.end_reason
+
+
+def test_a_node_that_is_not_a_rank_cannot_report_for_the_job(
+    spanning: tuple[Job, Attempt, Node, Node], db: None
+) -> None:
+    _, attempt, _, _ = spanning
+    stranger = make_node("stranger", 1)[0]
+
+    assert not services.mark_started(stranger.pk, started_data(attempt, 1.0))
+
+
+def test_cancelling_a_spanning_job_stops_every_rank(
+    spanning: tuple[Job, Attempt, Node, Node],
+    alice: User,
+    send: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    job, attempt, a, b = spanning
+    services.mark_started(a.pk, started_data(attempt, 1_800_000_000.0))
+    send.reset_mock()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.cancel_job(job.pk, by=alice)
+
+    assert {c.args[0] for c in send.call_args_list} == {a.pk, b.pk}
+
+
+def test_losing_one_node_of_a_spanning_job_requeues_it_and_stops_the_other_rank(
+    spanning: tuple[Job, Attempt, Node, Node],
+    send: Any,
+    django_capture_on_commit_callbacks: Any,
+    settings: Any,
+) -> None:
+    job, attempt, a, b = spanning
+    services.mark_started(a.pk, started_data(attempt, 1_800_000_000.0))
+    stale = timezone.now() - timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER + 5)
+    type(b).objects.filter(pk=b.pk).update(last_seen_at=stale)
+    send.reset_mock()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.mark_lost_nodes() == [b.pk]
+
+    job.refresh_from_db()
+    attempt.refresh_from_db()
     assert job.status == Job.Status.PENDING
-    assert "not supported yet" in job.pending_message
-    assert not Attempt.objects.filter(job=job).exists()
+    assert attempt.ended_at is not None
+    [kill] = send.call_args_list
+    assert (kill.args[0], kill.args[1]["data"]["reason"]) == (a.pk, "node_lost")
+
+
+def test_a_reconnecting_rank_node_gets_its_own_launch_again(
+    spanning: tuple[Job, Attempt, Node, Node],
+) -> None:
+    _, attempt, a, b = spanning
+    services.mark_started(a.pk, started_data(attempt, 1_800_000_000.0))
+    hello = hello_data(2, host="node-b")
+    hello = hello.model_copy(
+        update={
+            "gpus": [
+                g.model_copy(update={"uuid": gpu.uuid})
+                for g, gpu in zip(hello.gpus, b.gpus.order_by("index"), strict=True)
+            ]
+        }
+    )
+
+    result = services.record_hello(b.pk, hello)
+
+    [launch] = [c for c in result.commands if c["type"] == "job.launch"]
+    assert launch["data"]["gpu_uuids"] == [g.uuid for g in b.gpus.order_by("index")]
+    assert launch["data"]["env"]["PET_NODE_RANK"] == "1"

@@ -43,9 +43,6 @@ BAD_INPUT = [
     pytest.param({"gpus": -2}, "gpus", "at least one GPU", id="negative-gpus"),
     pytest.param({"gpus": 7}, "gpus", "6 GPU(s) in all", id="more-than-cluster"),
     pytest.param(
-        {"gpus": 5}, "gpus", "largest node has 4 GPU(s)", id="more-than-largest-node"
-    ),
-    pytest.param(
         {"gpu_memory_mib": 81921}, "gpu_memory_mib", "81920 MiB", id="memory-too-big"
     ),
     pytest.param({"gpu_memory_mib": 0}, "gpu_memory_mib", "positive", id="memory-0"),
@@ -151,9 +148,19 @@ def test_it_ignores_gpus_that_are_gone_when_checking_capacity(
     node_a.gpus.filter(index__gte=2).update(present=False)
 
     with pytest.raises(ValidationError) as caught:
-        services.submit_job(alice, request(gpus=3))
+        services.submit_job(alice, request(gpus=5))
 
-    assert "largest node has 2 GPU(s)" in caught.value.message_dict["gpus"][0]
+    assert caught.value.message_dict["gpus"] == ["The cluster has 4 GPU(s) in all."]
+
+
+def test_it_accepts_a_job_larger_than_any_node_it_will_span_nodes(
+    alice: User, cluster: list[Any]
+) -> None:
+    """The foundation refused these; jobs now span nodes (torchrun ranks)."""
+    job = services.submit_job(alice, request(gpus=5))
+
+    assert job.status == Job.Status.PENDING
+    assert job.gpus == 5
 
 
 def test_it_stores_a_pending_job_with_the_class_default_time_limit(
