@@ -513,14 +513,20 @@ class JobLogChunk(models.Model):
     attempt = models.ForeignKey(
         Attempt, on_delete=models.CASCADE, related_name="log_chunks"
     )
+    # The node (rank) whose output this is: each rank of a job spanning nodes has
+    # its own log, with its own offsets.
+    node = models.ForeignKey(
+        Node, on_delete=models.CASCADE, null=True, blank=True, related_name="+"
+    )
     offset = models.BigIntegerField()
     data = models.TextField()
 
     class Meta:
-        ordering = ("attempt", "offset")
+        ordering = ("attempt", "node", "offset")
         constraints: ClassVar = [
             models.UniqueConstraint(
-                fields=["attempt", "offset"], name="%(app_label)s_%(class)s_unique"
+                fields=["attempt", "node", "offset"],
+                name="%(app_label)s_%(class)s_unique_per_node",
             )
         ]
 

@@ -1420,11 +1420,11 @@ def append_log(node_id: int, data: protocol.JobLogData) -> bool:
     """Store a log chunk of the node's attempt, within the per-job size cap;
     a replayed chunk (same offset) is ignored."""
     attempt = (
-        Attempt.objects.filter(pk=data.attempt_id, node_id=node_id, job_id=data.job_id)
-        .only("id")
+        Attempt.objects.filter(pk=data.attempt_id, job_id=data.job_id)
+        .only("id", "node_id", "ranks")
         .first()
     )
-    if attempt is None or not data.data:
+    if attempt is None or node_id not in attempt.node_ids or not data.data:
         return False
     stored = (
         JobLogChunk.objects.filter(attempt__job_id=data.job_id).aggregate(
@@ -1440,21 +1440,46 @@ def append_log(node_id: int, data: protocol.JobLogData) -> bool:
     if not text:
         return False
     JobLogChunk.objects.bulk_create(
-        [JobLogChunk(attempt=attempt, offset=data.offset, data=text)],
+        [JobLogChunk(attempt=attempt, node_id=node_id, offset=data.offset, data=text)],
         ignore_conflicts=True,
     )
     return True
 
 
 def log_tail(job: Job, max_chars: int = 20_000) -> str:
-    """The end of a job's stored output (all attempts, in order)."""
-    chunks = list(
+    """The end of a job's stored output: its attempts in order; for a job spanning
+    nodes, each rank's output in turn under a ``[rank N on NODE]`` header."""
+    rows = list(
         JobLogChunk.objects.filter(attempt__job=job)
-        .order_by("-attempt__number", "-offset")
-        .values_list("data", flat=True)[:200]
+        .order_by("-attempt__number", "-node_id", "-offset")
+        .values_list("attempt_id", "node_id", "data")[:400]
     )
-    text = "".join(reversed(chunks))
-    return text[-max_chars:]
+    rows.reverse()
+    ranks = {
+        a.pk: a.node_ids
+        for a in Attempt.objects.filter(pk__in={r[0] for r in rows}).only(
+            "id", "node_id", "ranks"
+        )
+    }
+    names = dict(Node.objects.values_list("pk", "name"))
+    parts: list[str] = []
+    current: tuple[int, int | None] | None = None
+    for attempt_id, node_id, data in sorted(
+        rows,
+        key=lambda r: (
+            r[0],
+            ranks.get(r[0], []).index(r[1]) if r[1] in ranks.get(r[0], []) else 0,
+        ),
+    ):
+        nodes = ranks.get(attempt_id, [])
+        if len(nodes) > 1 and (attempt_id, node_id) != current:
+            rank = nodes.index(node_id) if node_id in nodes else "?"
+            if parts and not parts[-1].endswith("\n"):
+                parts.append("\n")
+            parts.append(f"[rank {rank} on {names.get(node_id or 0, '?')}]\n")
+        current = (attempt_id, node_id)
+        parts.append(data)
+    return "".join(parts)[-max_chars:]
 
 
 # ------------------------------------------------------------------ liveness

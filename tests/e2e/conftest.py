@@ -186,6 +186,9 @@ class Stack:
             "0.2",
             "--backoff-cap",
             "1",
+            # Simulated GPU uuids derive from the host name: one per node.
+            "--hostname",
+            node,
             *(["--allow-root-jobs"] if os.geteuid() == 0 else []),
             *extra,
         )

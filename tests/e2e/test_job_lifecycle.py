@@ -124,3 +124,52 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
 
     assert not Allocation.objects.filter(released_at__isnull=True).exists()
     assert UsageRecord.objects.filter(attempt__job_id__in=[ok, bad, long]).count() == 3
+
+
+def test_a_job_larger_than_any_node_runs_on_two_nodes_with_torchrun_ranks(
+    stack: Stack, alice: User
+) -> None:
+    from scheduler import services
+    from scheduler.models import Attempt, Job, Node
+
+    for name in ("span-a", "span-b"):
+        _, token = services.create_node(name)
+        stack.start_agent(name, token, "2xA100-80GB")
+        stack.procs["web"].wait_for(rf"agent of node {name} connected")
+    wait_until(
+        lambda: Node.objects.filter(status="up").count() == 2,
+        what="both nodes' hello",
+    )
+    client = login(stack.base_url, "alice", "pw-alice")
+    page = client.get("/jobs/new/")
+    assert page.status_code == 200
+    resp = csrf_post(
+        client,
+        "/jobs/new/",
+        {
+            "name": "ddp",
+            "command": 'echo "rank=$PET_NODE_RANK of $PET_NNODES '
+            'master=$MASTER_ADDR:$MASTER_PORT gpus=$CUDA_VISIBLE_DEVICES"',
+            "workdir": "/tmp",
+            "gpus": "4",
+            "priority_class": "normal",
+        },
+    )
+    assert resp.status_code == 302, resp.text
+    job_id = int(resp.headers["location"].strip("/").split("/")[-1])
+
+    assert wait_for_job(job_id, set(Job.TERMINAL)) == "completed"
+    attempt = Attempt.objects.get(job_id=job_id)
+    assert len(attempt.ranks) == 2
+    master = Node.objects.get(pk=attempt.ranks[0]).name
+    job = Job.objects.get(pk=job_id)
+    wait_until(
+        lambda: (
+            "rank=1 of 2" in services.log_tail(job)
+            and "rank=0 of 2" in services.log_tail(job)
+        ),
+        what="both ranks' output",
+    )
+    log = services.log_tail(job)
+    assert f"master={master}:" in log
+    assert log.count(f"master={master}:") == 2  # both ranks agree on the master
