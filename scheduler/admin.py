@@ -91,7 +91,6 @@ class NodeAdmin(admin.ModelAdmin[Node]):
         "cuda_version",
         "agent_version",
         "incarnation",
-        "last_seq",
         "created_at",
     )
     inlines = (GpuInline,)

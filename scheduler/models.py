@@ -104,8 +104,6 @@ class Node(models.Model):
     incarnation = models.CharField(max_length=64, blank=True)
     connected = models.BooleanField(default=False)
     last_seen_at = models.DateTimeField(null=True, blank=True)
-    # Highest durable message seq processed from this node's agent (dedup of replays).
-    last_seq = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
 
     objects = NodeQuerySet.as_manager()
@@ -359,23 +357,6 @@ class Job(models.Model):
             return None
         end = self.finished_at or now or timezone.now()
         return end - self.started_at
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.pk,
-            "name": self.name,
-            "status": self.status,
-            "owner": self.owner.get_username(),
-            "group": self.group.name,
-            "gpus": self.gpus,
-            "priority_class": self.priority_class,
-            "pending_reason": self.pending_reason,
-            "pending_message": self.pending_message,
-            "exit_code": self.exit_code,
-            "submitted_at": self.submitted_at.isoformat(),
-            "started_at": self.started_at.isoformat() if self.started_at else None,
-            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
-        }
 
 
 class Attempt(models.Model):

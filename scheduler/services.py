@@ -39,6 +39,7 @@ from scheduler.models import (
     Node,
     Profile,
     UsageRecord,
+    hash_token,
 )
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ def _after_commit_state_change(job: Job, message: str) -> None:
     )
 
 
-def _enqueue_pass() -> None:
+def _pass_after_commit() -> None:
+    """Ask for a scheduling pass once the current transaction commits."""
     from scheduler.tasks import schedule_pass
 
     transaction.on_commit(schedule_pass.delay)
@@ -361,7 +363,7 @@ def submit_job(owner: User, req: JobRequest) -> Job:
             to_status=job.status,
         )
         _after_commit_state_change(job, "submitted")
-        _enqueue_pass()
+        _pass_after_commit()
     return job
 
 
@@ -1017,8 +1019,6 @@ def authenticate_node(token: str) -> Node | None:
     ``check_token`` then compares in constant time."""
     if not token or len(token) > 512:
         return None
-    from scheduler.models import hash_token
-
     node = Node.objects.filter(token_hash=hash_token(token)).first()
     if node is None or not node.check_token(token):
         return None
@@ -1132,16 +1132,10 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
                         job.attempt_id, job.job_id, "stale", settings.GPULAB_KILL_GRACE
                     )
                 )
-    transaction.on_commit(_enqueue_pass_now)
+    _pass_after_commit()
     for problem in rejected:
         log.error("node %s hello: %s", node.name, problem)
     return HelloResult(commands, rejected)
-
-
-def _enqueue_pass_now() -> None:
-    from scheduler.tasks import schedule_pass
-
-    schedule_pass.delay()
 
 
 def record_heartbeat(node_id: int) -> None:
@@ -1370,7 +1364,7 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             at=ended,
         )
         _after_commit_state_change(job, message)
-        transaction.on_commit(_enqueue_pass_now)
+        _pass_after_commit()
     return True
 
 
@@ -1543,7 +1537,7 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
                     to_status=job.status,
                 )
                 _after_commit_state_change(job, message)
-            transaction.on_commit(_enqueue_pass_now)
+            _pass_after_commit()
             lost.append(node.pk)
             log.warning("node %s marked lost (last seen %s)", node.name, ended)
     return lost
@@ -1621,7 +1615,7 @@ def rotate_node_token(node_id: int) -> str:
 def set_draining(node_id: int, *, draining: bool) -> None:
     Node.objects.filter(pk=node_id).update(draining=draining)
     if not draining:
-        transaction.on_commit(_enqueue_pass_now)
+        _pass_after_commit()
 
 
 def gpu_summary() -> dict[str, int]:

@@ -84,6 +84,3 @@ def agent_frame(model: type[protocol._Envelope], data: Any, seq: int) -> str:
 def parse_command(command: dict[str, Any]) -> protocol.ServerMessage:
     """A server -> agent command dict, validated the way the agent reads it."""
     return protocol.parse_server_message(json.dumps(command))
-
-
-FAST_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

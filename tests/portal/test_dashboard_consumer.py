@@ -14,7 +14,7 @@ from django.test import Client
 
 from portal.asgi import application
 from scheduler import events
-from tests.factories import FAST_HASHERS, JobFactory
+from tests.factories import JobFactory
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -25,11 +25,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.django_db(transaction=True)]
 
 TIMEOUT = 5
 GOOD_ORIGIN = (b"origin", b"http://localhost")
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 
 from scheduler.models import Job
-from tests.factories import FAST_HASHERS, JobFactory, start_job
+from tests.factories import JobFactory, start_job
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -18,11 +18,6 @@ if TYPE_CHECKING:
     from scheduler.models import Node
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 @pytest.fixture

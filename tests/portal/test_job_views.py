@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 
 from scheduler.models import Job
-from tests.factories import FAST_HASHERS, JobFactory
+from tests.factories import JobFactory
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -21,11 +21,6 @@ pytestmark = pytest.mark.django_db
 
 XSS = "<script>alert(1)</script>"
 XSS_ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 def client_for(user: User | None) -> Client:

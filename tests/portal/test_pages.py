@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from django.test import Client
 from django.urls import reverse
 
 from scheduler.models import Node
-from tests.factories import FAST_HASHERS, JobFactory, start_job
+from tests.factories import JobFactory, start_job
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -17,11 +17,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.django_db
 
 PAGES = ["portal-overview", "portal-queue", "portal-nodes"]
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 def client_for(user: User) -> Client:

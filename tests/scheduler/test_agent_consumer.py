@@ -30,7 +30,6 @@ from scheduler.models import (
 )
 from tests.conftest import hello_data, make_node
 from tests.factories import (
-    FAST_HASHERS,
     JobFactory,
     agent_frame,
     exited_data,
@@ -44,11 +43,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.anyio, pytest.mark.django_db(transaction=True)]
 
 TIMEOUT = 5
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 @pytest.fixture(autouse=True)

@@ -15,17 +15,12 @@ from django.db import connection
 from scheduler import tasks
 from scheduler.models import Allocation, Attempt, Gpu, Job
 from tests.conftest import make_node
-from tests.factories import FAST_HASHERS, JobFactory
+from tests.factories import JobFactory
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
 THREADS = 4
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 @pytest.fixture(autouse=True)

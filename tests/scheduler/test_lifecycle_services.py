@@ -25,7 +25,6 @@ from scheduler.models import (
 )
 from tests.conftest import hello_data
 from tests.factories import (
-    FAST_HASHERS,
     JobFactory,
     exited_data,
     free_gpus,
@@ -40,11 +39,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.django_db
 
 T0 = 1_800_000_000.0  # an agent clock far from the test's wall clock
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 @pytest.fixture

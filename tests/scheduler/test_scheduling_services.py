@@ -17,17 +17,12 @@ from agents import protocol
 from scheduler import policy, services
 from scheduler.models import Attempt, Job, JobEvent, UsageRecord
 from tests.conftest import hello_data, make_node
-from tests.factories import FAST_HASHERS, JobFactory, start_job, started_data
+from tests.factories import JobFactory, start_job, started_data
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 @pytest.fixture

@@ -14,15 +14,8 @@ from django.core.exceptions import ValidationError
 from scheduler import services
 from scheduler.models import Job, JobEvent, Membership
 from scheduler.services import JobRequest
-from tests.factories import FAST_HASHERS
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings: Any) -> None:
-    """The personas' passwords are hashed at creation: a fast hasher saves ~1 s each."""
-    settings.PASSWORD_HASHERS = FAST_HASHERS
 
 
 WEEK = 7 * 24 * 3600
