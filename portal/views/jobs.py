@@ -99,7 +99,12 @@ def _job_context(job: Job) -> dict[str, object]:
                     "gpu", "gpu__node"
                 )
             }.values(),
-            key=lambda a: a.gpu.index,
+            # Rank order (a job spanning nodes), then GPU index.
+            key=lambda a: (
+                (attempt.node_ids.index(a.gpu.node_id), a.gpu.index)
+                if a.gpu.node_id in attempt.node_ids
+                else (len(attempt.node_ids), a.gpu.index)
+            ),
         )
     ahead: list[Job] = []
     if job.status == Job.Status.PENDING and job.queue_position:

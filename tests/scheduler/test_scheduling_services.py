@@ -451,3 +451,18 @@ def test_a_reconnecting_rank_node_gets_its_own_launch_again(
     [launch] = [c for c in result.commands if c["type"] == "job.launch"]
     assert launch["data"]["gpu_uuids"] == [g.uuid for g in b.gpus.order_by("index")]
     assert launch["data"]["env"]["PET_NODE_RANK"] == "1"
+
+
+def test_the_job_page_lists_a_spanning_jobs_gpus_in_rank_order(
+    spanning: tuple[Job, Attempt, Node, Node], alice: User, client: Any
+) -> None:
+    job, _, _, _ = spanning
+    client.force_login(alice)
+
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+
+    chips = [
+        page.index(f"{n}:{i} NVIDIA")
+        for n, i in [("node-a", 0), ("node-a", 3), ("node-b", 0), ("node-b", 1)]
+    ]
+    assert chips == sorted(chips)
