@@ -1,0 +1,122 @@
+"""The verbs of the scheduler: the only code that writes job state and allocations.
+
+Each service validates, writes inside one ``transaction.atomic()`` with the job row
+locked (``select_for_update``), records a ``JobEvent``, and only after commit enqueues
+tasks or sends websocket messages (``transaction.on_commit``). Views, tasks, consumers
+and management commands are adapters around these functions: they call
+``services.<verb>`` and never a submodule, so a verb can move between modules.
+
+- ``jobs``: validation of a request, run-time prediction, submit, cancel;
+- ``scheduling``: the pass's state (``cluster_state``) and its application
+  (``apply_decisions``: starts, preemptions, waits; launch frames);
+- ``agent_verbs``: what agents report (hello, heartbeats, metrics, starts, exits,
+  logs) and the stored output read back;
+- ``liveness``: lost nodes and time limits (beat);
+- ``nodes``: admin verbs on nodes and headline counts;
+- ``common``: events, after-commit helpers and kill frames the others share.
+"""
+
+from __future__ import annotations
+
+from scheduler.services.agent_verbs import (
+    HelloResult,
+    append_log,
+    authenticate_node,
+    finish_attempt,
+    log_tail,
+    mark_started,
+    record_disconnect,
+    record_heartbeat,
+    record_hello,
+    record_metrics,
+)
+from scheduler.services.common import JobStateError, kill_frame
+from scheduler.services.jobs import (
+    ALLOWED_GPULAB_ENV,
+    ENV_NAME_RE,
+    MAX_KILL_GRACE_S,
+    PREDICTION_HISTORY,
+    RESERVED_ENV,
+    RESERVED_ENV_PREFIX,
+    JobRequest,
+    _charge_group,
+    cancel_job,
+    cluster_capacity,
+    gpu_models,
+    groups_of,
+    predict_runtime,
+    submit_job,
+    validate_job_request,
+)
+from scheduler.services.liveness import (
+    TIME_LIMIT_MARGIN,
+    enforce_time_limits,
+    mark_lost_nodes,
+)
+from scheduler.services.nodes import (
+    create_node,
+    gpu_summary,
+    rotate_node_token,
+    set_draining,
+)
+from scheduler.services.scheduling import (
+    MASTER_PORT_BASE,
+    WAIT_FIELDS,
+    ApplyResult,
+    apply_decisions,
+    class_specs,
+    cluster_state,
+    decayed_usage,
+    launch_frame,
+    policy_config,
+    rank_env,
+    unix_account_of,
+)
+
+__all__ = [
+    "ALLOWED_GPULAB_ENV",
+    "ENV_NAME_RE",
+    "MASTER_PORT_BASE",
+    "MAX_KILL_GRACE_S",
+    "PREDICTION_HISTORY",
+    "RESERVED_ENV",
+    "RESERVED_ENV_PREFIX",
+    "TIME_LIMIT_MARGIN",
+    "WAIT_FIELDS",
+    "ApplyResult",
+    "HelloResult",
+    "JobRequest",
+    "JobStateError",
+    "_charge_group",
+    "append_log",
+    "apply_decisions",
+    "authenticate_node",
+    "cancel_job",
+    "class_specs",
+    "cluster_capacity",
+    "cluster_state",
+    "create_node",
+    "decayed_usage",
+    "enforce_time_limits",
+    "finish_attempt",
+    "gpu_models",
+    "gpu_summary",
+    "groups_of",
+    "kill_frame",
+    "launch_frame",
+    "log_tail",
+    "mark_lost_nodes",
+    "mark_started",
+    "policy_config",
+    "predict_runtime",
+    "rank_env",
+    "record_disconnect",
+    "record_heartbeat",
+    "record_hello",
+    "record_metrics",
+    "rotate_node_token",
+    "set_draining",
+    "submit_job",
+    "unix_account_of",
+    "validate_job_request",
+]

@@ -1,0 +1,502 @@
+"""What node agents report: authentication, hello (facts and reconciliation),
+heartbeats, metrics, job starts and exits (one rank at a time for jobs spanning
+nodes), log chunks, and the stored output read back.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Func, IntegerField, Q, Sum
+from django.utils import timezone
+
+from agents import protocol
+from scheduler import metrics as metrics_store
+from scheduler.models import (
+    Allocation,
+    Attempt,
+    Gpu,
+    Job,
+    JobEvent,
+    JobLogChunk,
+    Node,
+    UsageRecord,
+    hash_token,
+)
+from scheduler.services.common import (
+    _after_commit_state_change,
+    _event,
+    _pass_after_commit,
+    _send_kill_on_commit,
+    _ts,
+    kill_frame,
+)
+from scheduler.services.scheduling import launch_frame
+
+log = logging.getLogger(__name__)
+
+
+def authenticate_node(token: str) -> Node | None:
+    """The node whose token this is, or None. The lookup is by hash (unique index);
+    ``check_token`` then compares in constant time."""
+    if not token or len(token) > 512:
+        return None
+    node = Node.objects.filter(token_hash=hash_token(token)).first()
+    if node is None or not node.check_token(token):
+        return None
+    return node
+
+
+class HelloResult(NamedTuple):
+    commands: list[dict[str, Any]]
+    rejected: list[str]
+
+
+def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
+    """Record a node's facts and reconcile its jobs; return commands for its agent.
+
+    1. Lock the node; update its facts; it is UP and connected.
+    2. Upsert its GPUs by index; GPUs missing from the hello are marked not present.
+    3. Reconcile: a live attempt of this node that the agent does not run and that
+       never started is launched again (``job.launch`` is idempotent by attempt id);
+       an attempt the agent runs that the portal has ended (or never made) is killed
+       as stale, so a job never runs twice.
+    """
+    commands: list[dict[str, Any]] = []
+    rejected: list[str] = []
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        now = timezone.now()
+        was_lost = node.status == Node.Status.LOST
+        node.status = Node.Status.UP
+        node.connected = True
+        node.last_seen_at = now
+        node.hostname = hello.hostname[:255]
+        node.driver_version = (hello.driver_version or "")[:64]
+        node.cuda_version = (hello.cuda_version or "")[:64]
+        node.agent_version = hello.agent_version[:64]
+        node.incarnation = hello.incarnation
+        node.save()
+        if was_lost:
+            log.info("node %s is back after being lost", node.name)
+
+        existing = {g.index: g for g in node.gpus.all()}
+        taken = dict(
+            Gpu.objects.filter(uuid__in=[i.uuid for i in hello.gpus])
+            .exclude(node=node)
+            .values_list("uuid", "node__name")
+        )
+        seen = set()
+        for info in hello.gpus:
+            if info.uuid in taken:
+                # Two nodes cannot hold one GPU: refuse it, keep the rest.
+                rejected.append(
+                    f"GPU {info.index} ({info.uuid}) is registered to node "
+                    f"{taken[info.uuid]}"
+                )
+                continue
+            seen.add(info.index)
+            gpu = existing.get(info.index)
+            if gpu is None:
+                gpu = Gpu(
+                    node=node, index=info.index, slots=settings.GPULAB_GPU_JOB_LIMIT
+                )
+            gpu.uuid = info.uuid
+            gpu.name = info.name
+            gpu.memory_total_mib = info.memory_total_mib
+            gpu.nvlink_peers = list(info.nvlink_peers)
+            gpu.topology = [link.model_dump() for link in info.topology]
+            gpu.mig_enabled = info.mig_enabled
+            gpu.present = True
+            gpu.save()
+        for index, gpu in existing.items():
+            if index not in seen and gpu.present:
+                gpu.present = False
+                gpu.save(update_fields=["present"])
+
+        running = {r.attempt_id for r in hello.running}
+        live = list(
+            Attempt.objects.filter(ended_at__isnull=True)
+            .filter(Q(node=node) | Q(ranks__contains=[node.pk]))
+            .select_related("job")
+        )
+        for attempt in live:
+            if attempt.pk in running or str(node.pk) in attempt.rank_exits:
+                continue
+            spans = len(attempt.node_ids) > 1
+            if (attempt.started_at is None or spans) and (
+                attempt.job.cancel_requested_at is None
+            ):
+                # Never launched here (or this rank's launch was lost): launch is
+                # idempotent by attempt id on the agent.
+                gpus = [
+                    a.gpu
+                    for a in attempt.allocations.select_related("gpu").filter(
+                        gpu__node=node
+                    )
+                ]
+                unique = list({g.pk: g for g in gpus}.values())
+                commands.append(launch_frame(attempt.job, attempt, unique))
+            elif attempt.job.cancel_requested_at is not None:
+                commands.append(
+                    kill_frame(
+                        attempt.pk,
+                        attempt.job_id,
+                        "cancelled",
+                        attempt.job.kill_grace_s,
+                    )
+                )
+        live_ids = {a.pk for a in live}
+        for job in hello.running:
+            if job.attempt_id not in live_ids:
+                commands.append(
+                    kill_frame(
+                        job.attempt_id, job.job_id, "stale", settings.GPULAB_KILL_GRACE
+                    )
+                )
+    _pass_after_commit()
+    for problem in rejected:
+        log.error("node %s hello: %s", node.name, problem)
+    return HelloResult(commands, rejected)
+
+
+def record_heartbeat(node_id: int) -> None:
+    Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now(), connected=True)
+
+
+def record_disconnect(node_id: int) -> None:
+    Node.objects.filter(pk=node_id).update(connected=False)
+
+
+def record_metrics(
+    node_id: int, metrics: protocol.MetricsData, *, persist: bool = False
+) -> int:
+    """Take one metrics frame of a node.
+
+    1. Keep it as the latest state of each GPU (unless a newer one is stored: a
+       replayed sample never overwrites the present).
+    2. A GPU reported lost (fell off the bus) stops being schedulable: the node's
+       capacity shrinks until a hello reports it again.
+    3. With ``persist``, store it in the history (``scheduler.metrics``); a replay
+       of a stored sample is ignored there.
+    Samples of GPUs the node does not have (wrong index or uuid) are ignored.
+    """
+    at = _ts(metrics.sampled_at)
+    gpus = {g.index: g for g in Gpu.objects.filter(node_id=node_id)}
+    known: dict[int, int] = {}
+    changed = []
+    lost = []
+    for sample in metrics.gpus:
+        gpu = gpus.get(sample.index)
+        if gpu is None or gpu.uuid != sample.uuid:
+            continue
+        known[sample.index] = gpu.pk
+        if sample.lost and gpu.present:
+            lost.append(gpu.pk)
+        if gpu.latest_at is None or at >= gpu.latest_at:
+            gpu.latest = sample.model_dump(mode="json")
+            gpu.latest_at = at
+            changed.append(gpu)
+    Gpu.objects.bulk_update(changed, ["latest", "latest_at"])
+    if lost:
+        Gpu.objects.filter(pk__in=lost).update(present=False)
+        log.error("node %s: GPU(s) %s lost (fell off the bus)", node_id, lost)
+    Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
+    if persist and known:
+        metrics_store.store_samples(known, metrics)
+    return len(changed)
+
+
+def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | None:
+    """The attempt, locked, if this node runs it (rank 0 or another rank) for this
+    job: a node cannot report for another node's jobs."""
+    attempt = (
+        Attempt.objects.select_for_update().filter(pk=attempt_id, job_id=job_id).first()
+    )
+    if attempt is None or node_id not in attempt.node_ids:
+        return None
+    return attempt
+
+
+def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
+    """The agent started the attempt: STARTING -> RUNNING. Idempotent."""
+    with transaction.atomic():
+        attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
+        if attempt is None or attempt.ended_at is not None:
+            return False
+        if attempt.started_at is not None:
+            return False  # a replay
+        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        started = _ts(data.started_at)
+        attempt.started_at = started
+        attempt.pid = data.pid
+        attempt.save(update_fields=["started_at", "pid"])
+        old = job.status
+        if job.status == Job.Status.STARTING:
+            job.status = Job.Status.RUNNING
+        if job.started_at is None:
+            job.started_at = started
+        job.save(update_fields=["status", "started_at"])
+        _event(
+            job,
+            f"running on {attempt.node.name} (pid {data.pid})",
+            source=JobEvent.Source.AGENT,
+            from_status=old,
+            to_status=job.status,
+            at=started,
+        )
+        _after_commit_state_change(job, "running")
+    return True
+
+
+def _end_attempt(
+    attempt: Attempt, ended: datetime, outcome: str, exit_code: int | None
+) -> None:
+    """End a live attempt: release its slots and charge its GPU time."""
+    attempt.ended_at = ended
+    attempt.outcome = outcome
+    attempt.exit_code = exit_code
+    attempt.save(update_fields=["ended_at", "outcome", "exit_code"])
+    allocations = list(attempt.allocations.filter(released_at__isnull=True))
+    Allocation.objects.filter(pk__in=[a.pk for a in allocations]).update(
+        released_at=ended
+    )
+    if attempt.started_at is None:
+        return
+    seconds = max(0.0, (ended - attempt.started_at).total_seconds())
+    slots_by_gpu: dict[int, int] = {}
+    for alloc in allocations:
+        slots_by_gpu[alloc.gpu_id] = slots_by_gpu.get(alloc.gpu_id, 0) + 1
+    gpu_slots = dict(Gpu.objects.filter(pk__in=slots_by_gpu).values_list("pk", "slots"))
+    job = attempt.job
+    UsageRecord.objects.bulk_create(
+        [
+            UsageRecord(
+                attempt=attempt,
+                gpu_id=gpu_id,
+                user_id=job.owner_id,
+                group_id=job.group_id,
+                started_at=attempt.started_at,
+                ended_at=ended,
+                share=held / gpu_slots[gpu_id],
+                gpu_seconds=seconds * held / gpu_slots[gpu_id],
+            )
+            for gpu_id, held in slots_by_gpu.items()
+        ],
+        ignore_conflicts=True,
+    )
+
+
+def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
+    """The agent reports an attempt's end. Idempotent: a duplicate is ignored.
+
+    1. Lock the attempt (it must belong to this node and job) and the job.
+    2. End the attempt: release its GPU slots, record usage from agent times.
+    3. Move the job: CANCELLED if a cancel was asked; COMPLETED on exit 0; FAILED on
+       a non-zero exit or a launch failure; back to PENDING (or FAILED when the job
+       does not requeue) when its process was lost without an exit code.
+    4. After commit: broadcast, and run a scheduling pass for the freed GPUs.
+    """
+    with transaction.atomic():
+        attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
+        if attempt is None or attempt.ended_at is not None:
+            return False
+        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        if len(attempt.node_ids) > 1:
+            if str(node_id) in attempt.rank_exits:
+                return False  # a replayed rank exit
+            whole = _rank_exited(attempt, job, node_id, data)
+            if whole is None:
+                return True  # other ranks still run
+            data = whole
+        ended = _ts(data.ended_at)
+        if attempt.started_at is not None and ended < attempt.started_at:
+            ended = attempt.started_at
+        _end_attempt(attempt, ended, data.reason, data.exit_code)
+        old = job.status
+        if job.status not in Job.ON_NODE:
+            # The job already moved on (e.g. requeued when its node was lost).
+            _event(
+                job,
+                f"late exit of attempt {attempt.number} ignored ({data.reason})",
+                source=JobEvent.Source.AGENT,
+            )
+            return True
+        code = data.exit_code
+        server_kill = attempt.kill_reason
+        if job.cancel_requested_at is not None:
+            job.status = Job.Status.CANCELLED
+            message = "cancelled; process stopped"
+        elif server_kill == "preempted":
+            _event(
+                job,
+                f"preempted; process stopped (exit code {code})",
+                source=JobEvent.Source.AGENT,
+                from_status=old,
+                to_status=Job.Status.PREEMPTED,
+                at=ended,
+            )
+            old = Job.Status.PREEMPTED
+            job.status = Job.Status.PENDING
+            job.preemptions += 1
+            job.last_preempted_at = ended
+            job.save(update_fields=["preemptions", "last_preempted_at"])
+            message = "requeued after preemption (its age is kept)"
+        elif data.reason == "timeout" or server_kill == "timeout":
+            job.status = Job.Status.TIMEOUT
+            limit = timedelta(seconds=job.time_limit_s)
+            message = f"stopped at its time limit ({limit})"
+        elif server_kill == "peer_failed" and data.reason in ("exited", "killed"):
+            job.status = Job.Status.FAILED
+            message = f"a rank failed with exit code {code}; the others were stopped"
+        elif data.reason == "exited" and code == 0:
+            job.status = Job.Status.COMPLETED
+            message = "completed (exit code 0)"
+        elif data.reason == "exited":
+            # The user's program failed: a user error, not a system one.
+            job.status = Job.Status.FAILED
+            message = f"failed with exit code {code}"
+        elif data.reason == "killed" and server_kill:
+            job.status = Job.Status.FAILED
+            message = f"stopped ({server_kill}), exit code {code}"
+        elif data.reason == "launch_failed":
+            job.status = Job.Status.FAILED
+            message = f"could not be started: {data.message or 'launch failed'}"
+        else:
+            # lost / never_started / killed by the agent on its own (cut off from
+            # the portal): a node problem, not the user's. Requeue per the job.
+            what = data.message or f"process {data.reason}"
+            if job.requeue_on_node_loss:
+                job.status = Job.Status.PENDING
+                message = f"requeued: {what} on {attempt.node.name}"
+            else:
+                job.status = Job.Status.FAILED
+                message = f"failed: {what} on {attempt.node.name}"
+        if job.status != Job.Status.PENDING:
+            job.finished_at = ended
+            job.exit_code = code
+            job.end_reason = message
+        job.save(update_fields=["status", "finished_at", "exit_code", "end_reason"])
+        _event(
+            job,
+            message,
+            source=JobEvent.Source.AGENT,
+            from_status=old,
+            to_status=job.status,
+            at=ended,
+        )
+        _after_commit_state_change(job, message)
+        _pass_after_commit()
+    return True
+
+
+def _rank_exited(
+    attempt: Attempt, job: Job, node_id: int, data: protocol.JobExitedData
+) -> protocol.JobExitedData | None:
+    """Record one rank's exit of a job spanning nodes (attempt and job locked).
+
+    While other ranks run, return None; if this rank failed, ask the others to stop
+    (``peer_failed``): a job with a dead rank would hang in its collectives. Once
+    every rank has exited, return the attempt's exit: the first failure's, else a
+    clean exit at the last rank's end. A replayed rank exit changes nothing.
+    """
+    key = str(node_id)
+    attempt.rank_exits = {**attempt.rank_exits, key: data.model_dump(mode="json")}
+    attempt.save(update_fields=["rank_exits"])
+    failed = data.reason != "exited" or data.exit_code != 0
+    rank = attempt.node_ids.index(node_id)
+    if len(attempt.rank_exits) < len(attempt.node_ids):
+        if failed and not attempt.kill_reason and job.cancel_requested_at is None:
+            attempt.kill_reason = "peer_failed"
+            attempt.save(update_fields=["kill_reason"])
+            _event(
+                job,
+                f"rank {rank} stopped ({data.reason}, exit code {data.exit_code}); "
+                "stopping the other ranks",
+                source=JobEvent.Source.AGENT,
+            )
+            _send_kill_on_commit(attempt, "peer_failed", job.kill_grace_s)
+        return None
+    exits = [
+        protocol.JobExitedData.model_validate(v) for v in attempt.rank_exits.values()
+    ]
+    failures = sorted(
+        (e for e in exits if e.reason != "exited" or e.exit_code != 0),
+        key=lambda e: e.ended_at,
+    )
+    last = max(e.ended_at for e in exits)
+    if failures:
+        return failures[0].model_copy(update={"ended_at": last})
+    return data.model_copy(
+        update={"exit_code": 0, "reason": "exited", "ended_at": last}
+    )
+
+
+def append_log(node_id: int, data: protocol.JobLogData) -> bool:
+    """Store a log chunk of the node's attempt, within the per-job size cap;
+    a replayed chunk (same offset) is ignored."""
+    attempt = (
+        Attempt.objects.filter(pk=data.attempt_id, job_id=data.job_id)
+        .only("id", "node_id", "ranks")
+        .first()
+    )
+    if attempt is None or node_id not in attempt.node_ids or not data.data:
+        return False
+    stored = (
+        JobLogChunk.objects.filter(attempt__job_id=data.job_id).aggregate(
+            n=Sum(Func(F("data"), function="octet_length", output_field=IntegerField()))
+        )["n"]
+        or 0
+    )
+    if stored >= settings.GPULAB_LOG_MAX_BYTES:
+        return False
+    room = settings.GPULAB_LOG_MAX_BYTES - stored
+    # Cut by bytes, never inside a UTF-8 sequence.
+    text = data.data.encode("utf-8")[:room].decode("utf-8", "ignore")
+    if not text:
+        return False
+    JobLogChunk.objects.bulk_create(
+        [JobLogChunk(attempt=attempt, node_id=node_id, offset=data.offset, data=text)],
+        ignore_conflicts=True,
+    )
+    return True
+
+
+def log_tail(job: Job, max_chars: int = 20_000) -> str:
+    """The end of a job's stored output: its attempts in order; for a job spanning
+    nodes, each rank's output in turn under a ``[rank N on NODE]`` header."""
+    rows = list(
+        JobLogChunk.objects.filter(attempt__job=job)
+        .order_by("-attempt__number", "-node_id", "-offset")
+        .values_list("attempt_id", "node_id", "data")[:400]
+    )
+    rows.reverse()
+    ranks = {
+        a.pk: a.node_ids
+        for a in Attempt.objects.filter(pk__in={r[0] for r in rows}).only(
+            "id", "node_id", "ranks"
+        )
+    }
+    names = dict(Node.objects.values_list("pk", "name"))
+    parts: list[str] = []
+    current: tuple[int, int | None] | None = None
+    for attempt_id, node_id, data in sorted(
+        rows,
+        key=lambda r: (
+            r[0],
+            ranks.get(r[0], []).index(r[1]) if r[1] in ranks.get(r[0], []) else 0,
+        ),
+    ):
+        nodes = ranks.get(attempt_id, [])
+        if len(nodes) > 1 and (attempt_id, node_id) != current:
+            rank = nodes.index(node_id) if node_id in nodes else "?"
+            if parts and not parts[-1].endswith("\n"):
+                parts.append("\n")
+            parts.append(f"[rank {rank} on {names.get(node_id or 0, '?')}]\n")
+        current = (attempt_id, node_id)
+        parts.append(data)
+    return "".join(parts)[-max_chars:]

@@ -1,0 +1,88 @@
+"""Helpers every verb shares: job events, timestamps, after-commit sends and passes,
+kill frames.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from agents import protocol
+from scheduler import events
+from scheduler.models import Attempt, Job, JobEvent
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+
+class JobStateError(Exception):
+    """The job is not in a state that allows this action; ``str()`` says why."""
+
+
+def _ts(value: float) -> datetime:
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def _event(
+    job: Job,
+    message: str,
+    *,
+    source: str,
+    actor: User | None = None,
+    from_status: str = "",
+    to_status: str = "",
+    at: datetime | None = None,
+) -> JobEvent:
+    return JobEvent.objects.create(
+        job=job,
+        message=message[:500],
+        source=source,
+        actor=actor,
+        from_status=from_status,
+        to_status=to_status,
+        at=at or timezone.now(),
+    )
+
+
+def _after_commit_state_change(job: Job, message: str) -> None:
+    transaction.on_commit(
+        partial(events.broadcast_job_status, job.pk, job.status, message)
+    )
+
+
+def _pass_after_commit() -> None:
+    """Ask for a scheduling pass once the current transaction commits."""
+    from scheduler.tasks import schedule_pass
+
+    transaction.on_commit(schedule_pass.delay)
+
+
+def kill_frame(
+    attempt_id: int, job_id: int, reason: protocol.KillReason, grace_s: int
+) -> dict[str, Any]:
+    return events.frame(
+        protocol.JobKill,
+        protocol.JobKillData(
+            attempt_id=attempt_id, job_id=job_id, reason=reason, grace_s=grace_s
+        ),
+    )
+
+
+def _send_kill_on_commit(
+    attempt: Attempt,
+    reason: protocol.KillReason,
+    grace_s: int,
+    *,
+    skip: int | None = None,
+) -> None:
+    """After commit, ask every node of the attempt whose rank has not exited (but
+    ``skip``) to stop it."""
+    command = kill_frame(attempt.pk, attempt.job_id, reason, grace_s)
+    for node_id in attempt.node_ids:
+        if node_id == skip or str(node_id) in attempt.rank_exits:
+            continue
+        transaction.on_commit(partial(events.send_to_agent, node_id, command))

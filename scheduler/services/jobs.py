@@ -1,0 +1,368 @@
+"""User verbs on jobs: validation of a request (one copy of the rules), run-time
+prediction, the group a job is charged to, submit and cancel.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from scheduler import classes
+from scheduler.models import Attempt, Gpu, Group, Job, JobEvent, Membership
+from scheduler.services.common import (
+    JobStateError,
+    _after_commit_state_change,
+    _event,
+    _pass_after_commit,
+    _send_kill_on_commit,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from django.contrib.auth.models import User
+
+
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
+RESERVED_ENV_PREFIX = "GPULAB_"
+# Simulator profile variables a job may set (agents/simulate.py reads them).
+ALLOWED_GPULAB_ENV = ("GPULAB_SIM_UTIL", "GPULAB_SIM_MEM_MIB")
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _bad_text(value: str, *, allow_newlines: bool) -> str | None:
+    """Why ``value`` is not acceptable text, or None."""
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid UTF-8 text"
+    allowed = {"\n", "\t", "\r"} if allow_newlines else set()
+    for ch in value:
+        if ch not in allowed and unicodedata.category(ch) == "Cc":
+            return f"must not contain control characters (found U+{ord(ch):04X})"
+    return None
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a user asks for; ``validate_job_request`` checks it against the cluster."""
+
+    name: str
+    command: str
+    workdir: str = ""
+    env: Mapping[str, str] | None = None
+    gpus: int = 1
+    gpu_memory_mib: int | None = None
+    time_limit_s: int | None = None
+    priority_class: str = ""
+    shareable: bool = False
+    workload: str = ""
+    group: str = ""
+    kill_grace_s: int | None = None  # None: GPULAB_KILL_GRACE
+    requeue_on_node_loss: bool = True
+    gpu_model: str = ""  # a required GPU model, part of the GPU's name
+
+
+def cluster_capacity(model: str = "") -> tuple[int, int, int]:
+    """(GPUs on the largest node, GPUs in the cluster, largest GPU memory in MiB),
+    counting every registered GPU that is present (nodes down now may come back),
+    of the given model only when one is named."""
+    usable = Gpu.objects.filter(present=True, mig_enabled=False)
+    if model:
+        usable = usable.filter(name__icontains=model)
+    counts = list(
+        usable.values("node_id").annotate(n=Count("id")).values_list("n", flat=True)
+    )
+    largest_mem = (
+        usable.order_by("-memory_total_mib")
+        .values_list("memory_total_mib", flat=True)
+        .first()
+    )
+    return (max(counts, default=0), sum(counts), largest_mem or 0)
+
+
+def gpu_models() -> list[str]:
+    """The GPU models present in the cluster (for the form's choices and errors)."""
+    return sorted(
+        set(Gpu.objects.filter(present=True).values_list("name", flat=True).distinct())
+    )
+
+
+MAX_KILL_GRACE_S = 3600
+
+
+def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
+    """Check a request; return the cleaned fields or raise a field-keyed
+    ``ValidationError`` naming every problem."""
+    errors: dict[str, str] = {}
+    name = req.name.strip()
+    if not name:
+        errors["name"] = "Give the job a name."
+    elif len(name) > 128:
+        errors["name"] = "The name is longer than 128 characters."
+    elif problem := _bad_text(name, allow_newlines=False):
+        errors["name"] = f"The name {problem}."
+
+    command = req.command.strip()
+    max_bytes = settings.GPULAB_MAX_COMMAND_BYTES
+    if not command:
+        errors["command"] = "The command is empty."
+    elif problem := _bad_text(command, allow_newlines=True):
+        errors["command"] = f"The command {problem}."
+    elif len(command.encode("utf-8")) > max_bytes:
+        size = len(command.encode("utf-8"))
+        errors["command"] = (
+            f"The command is {size} bytes; the limit is {max_bytes} bytes. "
+            "Put long scripts in a file and run that file."
+        )
+
+    workdir = req.workdir.strip() or settings.GPULAB_DEFAULT_WORKDIR.replace(
+        "{user}", username
+    )
+    if problem := _bad_text(workdir, allow_newlines=False):
+        errors["workdir"] = f"The working directory {problem}."
+    elif not PurePosixPath(workdir).is_absolute():
+        errors["workdir"] = "The working directory must be an absolute path."
+    elif len(workdir) > 1024:
+        errors["workdir"] = "The working directory path is too long."
+
+    env = dict(req.env or {})
+    for key, value in env.items():
+        if not ENV_NAME_RE.match(key):
+            errors["env"] = f"{key!r} is not a valid environment variable name."
+            break
+        if key in RESERVED_ENV or (
+            key.startswith(RESERVED_ENV_PREFIX) and key not in ALLOWED_GPULAB_ENV
+        ):
+            errors["env"] = f"{key} is set by gpulab and cannot be overridden."
+            break
+        if problem := _bad_text(value, allow_newlines=True):
+            errors["env"] = f"The value of {key} {problem}."
+            break
+    if len(env) > 200:
+        errors["env"] = "At most 200 environment variables."
+
+    pclass = classes.get_class(req.priority_class or settings.GPULAB_DEFAULT_CLASS)
+    if pclass is None:
+        names = ", ".join(settings.GPULAB_PRIORITY_CLASSES)
+        errors["priority_class"] = (
+            f"Unknown class {req.priority_class!r}; choose one of: {names}."
+        )
+    time_limit = req.time_limit_s
+    if pclass is not None:
+        if time_limit is None:
+            time_limit = pclass.default_time_limit
+        elif time_limit < 1:
+            errors["time_limit_s"] = "The time limit must be positive."
+        elif time_limit > pclass.max_time_limit:
+            errors["time_limit_s"] = (
+                f"The {pclass.name} class allows at most "
+                f"{pclass.max_time_limit // 3600} h."
+            )
+
+    model = req.gpu_model.strip()
+    _largest_node, total, largest_mem = cluster_capacity(model)
+    if model and total == 0:
+        known = ", ".join(gpu_models()) or "none yet"
+        errors["gpu_model"] = f"No GPU matches {model!r}; the cluster has: {known}."
+    elif len(model) > 64:
+        errors["gpu_model"] = "The GPU model is longer than 64 characters."
+    if req.gpus < 1:
+        errors["gpus"] = "Ask for at least one GPU."
+    elif total == 0 and not model:
+        errors["gpus"] = "No GPU node has registered yet; ask an admin to add one."
+    elif total == 0:
+        pass  # reported on gpu_model
+    elif req.gpus > total:
+        which = f" matching {model!r}" if model else ""
+        errors["gpus"] = f"The cluster has {total} GPU(s){which} in all."
+    # A job larger than every node spans several (all or nothing, torchrun ranks).
+    if req.gpu_memory_mib is not None:
+        if req.gpu_memory_mib < 1:
+            errors["gpu_memory_mib"] = "GPU memory must be positive."
+        elif largest_mem and req.gpu_memory_mib > largest_mem:
+            errors["gpu_memory_mib"] = (
+                f"No GPU has that much memory; the largest has {largest_mem} MiB."
+            )
+
+    workload = req.workload.strip()
+    if problem := _bad_text(workload, allow_newlines=False):
+        errors["workload"] = f"The workload label {problem}."
+    elif len(workload) > 128:
+        errors["workload"] = "The workload label is longer than 128 characters."
+
+    grace = settings.GPULAB_KILL_GRACE if req.kill_grace_s is None else req.kill_grace_s
+    if not 0 <= grace <= MAX_KILL_GRACE_S:
+        errors["kill_grace_s"] = (
+            f"The grace period must be between 0 and {MAX_KILL_GRACE_S} seconds."
+        )
+
+    if errors:
+        raise ValidationError(errors)
+    assert pclass is not None and time_limit is not None
+    return {
+        "name": name,
+        "command": command,
+        "workdir": workdir,
+        "env": env,
+        "gpus": req.gpus,
+        "gpu_memory_mib": req.gpu_memory_mib,
+        "time_limit_s": time_limit,
+        "priority_class": pclass.name,
+        "shareable": req.shareable,
+        "workload": workload,
+        "kill_grace_s": grace,
+        "requeue_on_node_loss": req.requeue_on_node_loss,
+        "gpu_model": model,
+    }
+
+
+PREDICTION_HISTORY = 10
+
+
+def predict_runtime(user_id: int, workload: str) -> int | None:
+    """Run time predicted from the user's last completed jobs: the median of the
+    last ``PREDICTION_HISTORY`` with the same workload label, else of any label;
+    None without history (the class default then plans as the limit). One query."""
+    rows = list(
+        Attempt.objects.filter(
+            job__owner_id=user_id,
+            job__status=Job.Status.COMPLETED,
+            started_at__isnull=False,
+            ended_at__isnull=False,
+            outcome=Attempt.Outcome.EXITED,
+        )
+        .order_by("-ended_at")
+        .values_list("job__workload", "started_at", "ended_at")[:200]
+    )
+    runs = [(w, (e - s).total_seconds()) for w, s, e in rows if s and e]
+    same = [d for w, d in runs if workload and w == workload]
+    pool = same[:PREDICTION_HISTORY] or [d for _, d in runs[:PREDICTION_HISTORY]]
+    if not pool:
+        return None
+    pool.sort()
+    middle = len(pool) // 2
+    median = pool[middle] if len(pool) % 2 else (pool[middle - 1] + pool[middle]) / 2
+    return max(1, round(median))
+
+
+def groups_of(user: User) -> list[Group]:
+    return list(Group.objects.filter(membership__user=user).order_by("name"))
+
+
+def _charge_group(user: User, name: str) -> Group:
+    """The group a job is charged to: the named one (if the user is a member), else
+    the user's first group; a user in no group joins the default group."""
+    mine = groups_of(user)
+    if name:
+        for group in mine:
+            if group.name == name:
+                return group
+        raise ValidationError({"group": f"You are not a member of group {name!r}."})
+    if mine:
+        return mine[0]
+    group, _ = Group.objects.get_or_create(name=settings.GPULAB_DEFAULT_GROUP)
+    Membership.objects.get_or_create(user=user, group=group)
+    return group
+
+
+# ------------------------------------------------------------------ user verbs
+
+
+def submit_job(owner: User, req: JobRequest) -> Job:
+    """Validate and store a new PENDING job, then ask for a scheduling pass."""
+    fields = validate_job_request(req, owner.get_username())
+    predicted = predict_runtime(owner.pk, fields["workload"])
+    with transaction.atomic():
+        group = _charge_group(owner, req.group)
+        job = Job.objects.create(
+            owner=owner,
+            group=group,
+            predicted_runtime_s=predicted,
+            pending_message="waiting for the scheduler",
+            **fields,
+        )
+        _event(
+            job,
+            f"submitted by {owner.get_username()}",
+            source=JobEvent.Source.USER,
+            actor=owner,
+            to_status=job.status,
+        )
+        _after_commit_state_change(job, "submitted")
+        _pass_after_commit()
+    return job
+
+
+def cancel_job(job_id: int, *, by: User) -> Job:
+    """Cancel a job.
+
+    1. Lock the job row.
+    2. PENDING / HELD: it becomes CANCELLED at once.
+    3. STARTING / RUNNING: record the request and, after commit, send ``job.kill``
+       to its node; the job becomes CANCELLED when the agent reports the exit.
+    """
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if job.is_terminal:
+            raise JobStateError(f"Job #{job.pk} has already ended ({job.status}).")
+        if job.cancel_requested_at is not None:
+            raise JobStateError(f"Job #{job.pk} is already being cancelled.")
+        now = timezone.now()
+        who = by.get_username()
+        if job.status in (Job.Status.PENDING, Job.Status.HELD):
+            old = job.status
+            job.status = Job.Status.CANCELLED
+            job.finished_at = now
+            job.cancel_requested_at = now
+            job.pending_reason = job.pending_message = ""
+            job.end_reason = f"cancelled by {who}"
+            job.save(
+                update_fields=[
+                    "status",
+                    "finished_at",
+                    "cancel_requested_at",
+                    "pending_reason",
+                    "pending_message",
+                    "end_reason",
+                ]
+            )
+            _event(
+                job,
+                f"cancelled by {who}",
+                source=JobEvent.Source.USER,
+                actor=by,
+                from_status=old,
+                to_status=job.status,
+            )
+            _after_commit_state_change(job, "cancelled")
+            return job
+        job.cancel_requested_at = now
+        job.save(update_fields=["cancel_requested_at"])
+        attempt = job.attempt_set.filter(ended_at__isnull=True).first()
+        _event(
+            job,
+            f"cancel requested by {who}; stopping the process",
+            source=JobEvent.Source.USER,
+            actor=by,
+        )
+        if attempt is not None:
+            attempt.kill_reason = "cancelled"
+            attempt.save(update_fields=["kill_reason"])
+            _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
+        _after_commit_state_change(job, "cancelling")
+    return job

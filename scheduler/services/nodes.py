@@ -1,0 +1,67 @@
+"""Admin verbs on nodes: register, rotate the agent token, drain; headline counts."""
+
+from __future__ import annotations
+
+import re
+
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+
+from scheduler.models import Allocation, Gpu, Job, Node
+from scheduler.services.common import _pass_after_commit
+
+
+def create_node(name: str) -> tuple[Node, str]:
+    """Register a node; return it and its token (shown once, stored hashed)."""
+    name = name.strip()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
+        raise ValidationError(
+            {"name": "Use 1-63 letters, digits, dots, dashes or underscores."}
+        )
+    token = Node.new_token()
+    node = Node(name=name)
+    node.set_token(token)
+    try:
+        with transaction.atomic():
+            node.save()
+    except IntegrityError:
+        raise ValidationError({"name": f"A node named {name!r} exists."}) from None
+    return node, token
+
+
+def rotate_node_token(node_id: int) -> str:
+    """Give the node a new token; the old one stops working at once."""
+    token = Node.new_token()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        node.set_token(token)
+        node.save(update_fields=["token_hash"])
+    return token
+
+
+def set_draining(node_id: int, *, draining: bool) -> None:
+    Node.objects.filter(pk=node_id).update(draining=draining)
+    if not draining:
+        _pass_after_commit()
+
+
+def gpu_summary() -> dict[str, int]:
+    """Headline counts for the overview page."""
+    gpus = Gpu.objects.filter(present=True)
+    busy = (
+        Allocation.objects.filter(released_at__isnull=True)
+        .values("gpu_id")
+        .distinct()
+        .count()
+    )
+    total = gpus.count()
+    return {
+        "gpus": total,
+        "busy": busy,
+        "free": max(0, total - busy),
+        "running": Job.objects.filter(status=Job.Status.RUNNING).count(),
+        "pending": Job.objects.filter(status=Job.Status.PENDING).count(),
+        "nodes_up": Node.objects.filter(status=Node.Status.UP).count(),
+        "nodes": Node.objects.count(),
+        "lost": Node.objects.filter(status=Node.Status.LOST).count(),
+    }
