@@ -54,9 +54,13 @@ def decide(state: ClusterState) -> list[Decision]:
     if name == "fifo":
         return decide_fifo(state)
     if name == "slurm":
-        return decide_multifactor(state, preemption=False, topology=False)
+        return decide_multifactor(
+            state, preemption=False, topology=False, predictions=False
+        )
     if name == "gpulab":
-        return decide_multifactor(state, preemption=True, topology=True)
+        return decide_multifactor(
+            state, preemption=True, topology=True, predictions=True
+        )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

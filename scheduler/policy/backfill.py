@@ -1,7 +1,7 @@
 """Stage 7: the EASY reservation (shadow time) for the top blocked job.
 
-Walk the running jobs in planned-end order (``RunningJob.planned_end``: started_at +
-min(limit, prediction)), releasing each GPU when the last job on it is planned to end,
+Walk the running jobs in planned-end order (``PassIndex.planned_end``: started_at +
+min(limit, prediction), or + limit in ``slurm``, whose backfill plans with limits), releasing each GPU when the last job on it is planned to end,
 into a scratch ledger, until the blocked job fits: that time (never before ``now``) is
 its shadow time, and the GPUs it would take then are reserved. A later job may start
 now only if it fits now and either ends (by its plan) by the shadow time or takes none
@@ -43,7 +43,9 @@ def releases(
     last: dict[int, tuple[float, int]] = {}
     now = idx.state.now
     for r in running:
-        end = min(r.planned_end, now) if r.stopping else r.planned_end
+        end = idx.planned_end(r)
+        if r.stopping:
+            end = min(end, now)
         key = (end, r.id)
         for gid in r.gpu_ids:
             if gid not in last or key > last[gid]:

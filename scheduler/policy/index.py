@@ -58,6 +58,9 @@ class PassIndex:
     free_now: dict[int, list[GpuView]]  # schedulable node -> free schedulable GPUs
     total_gpus: int
     running_by_end: tuple[RunningJob, ...]
+    # Plan with min(limit, prediction) (``gpulab``) or with the limit only, as
+    # Slurm's backfill does (``slurm``).
+    predictions: bool
     # GPU kinds (memory, model): one example each, and per node the ids of each kind
     kind_example: dict[tuple[int, str], GpuView]
     kinds_by_node: dict[int, dict[tuple[int, str], list[int]]]
@@ -69,6 +72,16 @@ class PassIndex:
     choices: dict[tuple[int, tuple[int, ...], int], tuple[int, ...]] = field(
         default_factory=dict
     )
+
+    def planned_s(self, job: PendingJob | RunningJob) -> float:
+        """How long backfill plans ``job`` to run."""
+        return job.planned_s if self.predictions else job.time_limit_s
+
+    def planned_end(self, r: RunningJob) -> float:
+        """A running job's planned end; one that outlived its prediction is
+        planned to its limit (Tsafrir et al. 2007: a violated prediction is raised
+        to the user's estimate)."""
+        return _planned_end(r, self.state.now, self.predictions)
 
     def constraint(self, job: PendingJob) -> Constraint:
         key = (job.gpu_memory_mib, job.gpu_model)
@@ -130,7 +143,16 @@ def is_free(gpu: GpuView) -> bool:
     return gpu.schedulable and gpu.slots > 0 and gpu.free_slots == gpu.slots
 
 
-def build(state: ClusterState) -> PassIndex:
+def _planned_end(r: RunningJob, now: float, predictions: bool) -> float:  # noqa: FBT001
+    if predictions:
+        end = r.started_at + r.planned_s
+        if end > now:
+            return end
+    return r.started_at + r.time_limit_s
+
+
+def build(state: ClusterState, *, predictions: bool = True) -> PassIndex:
+    now = state.now
     schedulable = frozenset(n.id for n in state.nodes if n.schedulable)
     node_key = {n.id: (n.name, n.id) for n in state.nodes}
     by_node: dict[int, list[GpuView]] = {}
@@ -164,8 +186,12 @@ def build(state: ClusterState) -> PassIndex:
         free_now=free_now,
         total_gpus=len(state.gpus),
         running_by_end=tuple(
-            sorted(state.running, key=lambda r: (r.planned_end, r.id))
+            sorted(
+                state.running,
+                key=lambda r: (_planned_end(r, now, predictions), r.id),
+            )
         ),
+        predictions=predictions,
         kind_example=kind_example,
         kinds_by_node=kinds_by_node,
     )

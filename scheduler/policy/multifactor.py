@@ -48,14 +48,14 @@ INF = 1 << 62
 
 
 def decide_multifactor(
-    state: ClusterState, *, preemption: bool, topology: bool
+    state: ClusterState, *, preemption: bool, topology: bool, predictions: bool
 ) -> list[Decision]:
     cfg = state.config
     spread = cfg.placement == "spread"
     now = state.now
 
     # 1. index and ledger
-    idx = index.build(state)
+    idx = index.build(state, predictions=predictions)
     ledger = Ledger({n: gs.copy() for n, gs in idx.free_now.items()})
     fairshare = FairShare(
         state.usage,
@@ -73,6 +73,7 @@ def decide_multifactor(
         classes=state.classes,
         fairshare=fairshare,
         total_gpus=idx.total_gpus,
+        runtime=predictions,
     )
 
     # 4. stable order (tuples compare in C; the position breaks nothing: ids are unique)
@@ -271,7 +272,7 @@ def decide_multifactor(
         if shadow is None and not reservation.victims:
             start(job, got, bf=True)  # nothing can be protected: no planned start
             continue
-        if shadow is not None and now + job.planned_s <= shadow:
+        if shadow is not None and now + idx.planned_s(job) <= shadow:
             start(job, got, bf=True)
             continue
         got = try_place(job, c, avoid_reserved=True)
@@ -289,7 +290,7 @@ def decide_multifactor(
             msg = (
                 f"{gpus_word(job.gpus)} are free now, but it would delay job {top.id},"
                 f" reserved to start at {when(shadow, now)}: it is planned to run"
-                f" {duration(job.planned_s)}, past that, and the only GPUs that fit"
+                f" {duration(idx.planned_s(job))}, past that, and the only GPUs that fit"
                 f" it are reserved"
             )
         wait(job, Reason.RESERVED_FOR_HIGHER, msg)

@@ -40,6 +40,9 @@ class PolicyConfig:
     weight_age: float = 500.0
     weight_fairshare: float = 1000.0
     weight_size: float = 100.0
+    # ``gpulab`` only: shorter planned run times first (``priority.runtime_factor``).
+    weight_runtime: float = 500.0
+    runtime_ref_s: float = 7 * 86400.0  # the run time whose factor is 0
     max_age_s: float = 7 * 86400.0  # the age factor saturates here
     backfill: bool = True
     backfill_max_tested: int = 500

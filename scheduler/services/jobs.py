@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from scheduler import classes
 from scheduler.models import Attempt, Gpu, Group, Job, JobEvent, Membership
+from scheduler.policy.predict import HISTORY, predict
 from scheduler.services.common import (
     JobStateError,
     _after_commit_state_change,
@@ -231,13 +232,14 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
     }
 
 
-PREDICTION_HISTORY = 10
+PREDICTION_HISTORY = HISTORY
 
 
 def predict_runtime(user_id: int, workload: str) -> int | None:
-    """Run time predicted from the user's last completed jobs: the median of the
-    last ``PREDICTION_HISTORY`` with the same workload label, else of any label;
-    None without history (the class default then plans as the limit). One query."""
+    """Run time predicted from the user's last completed jobs by the shared rule
+    (``scheduler.policy.predict``: the longest of the last ``PREDICTION_HISTORY``)
+    with the same workload label, else with any label; None without history (the
+    class default then plans as the limit). One query."""
     rows = list(
         Attempt.objects.filter(
             job__owner_id=user_id,
@@ -251,13 +253,8 @@ def predict_runtime(user_id: int, workload: str) -> int | None:
     )
     runs = [(w, (e - s).total_seconds()) for w, s, e in rows if s and e]
     same = [d for w, d in runs if workload and w == workload]
-    pool = same[:PREDICTION_HISTORY] or [d for _, d in runs[:PREDICTION_HISTORY]]
-    if not pool:
-        return None
-    pool.sort()
-    middle = len(pool) // 2
-    median = pool[middle] if len(pool) % 2 else (pool[middle - 1] + pool[middle]) / 2
-    return max(1, round(median))
+    got = predict(same[:HISTORY] or [d for _, d in runs[:HISTORY]])
+    return None if got is None else max(1, round(got))
 
 
 def groups_of(user: User) -> list[Group]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from agents.spec import SpecError, parse_cluster_spec
 from scheduler.policy import POLICIES, PolicyConfig
+from scheduler.policy.predict import HISTORY
 from scheduler.sim.engine import (
     InvariantError,
     PolicyContractError,
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-limit-fraction", type=_fraction, default=0.5)
     p.add_argument("--best-effort-fraction", type=_fraction, default=0.0)
     p.add_argument("--half-life-days", type=_positive, default=7.0)
-    p.add_argument("--history-n", type=_count, default=10)
+    p.add_argument("--history-n", type=_count, default=HISTORY)
     p.add_argument("--preempt-grace", type=_nonneg, default=30.0)
     p.add_argument("--sample-min", type=_nonneg, default=60.0)
     p.add_argument("--no-check", action="store_true", help="skip per-pass invariants")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from scheduler.policy import (
     Wait,
     decide,
 )
+from scheduler.policy.predict import HISTORY, predict
 from scheduler.sim.trace import throughput
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class InvariantError(AssertionError):
 class SimOptions:
     period_s: float = 60.0
     half_life_s: float = 7 * 86400.0
-    history_n: int = 10
+    history_n: int = HISTORY  # the production rule reads this many
     preempt_grace_s: float = 30.0
     sample_s: float = 3600.0
     check: bool = True
@@ -308,13 +308,15 @@ class Simulator:
         self.pending_views[job.id] = self._pending_view(job)
 
     def _predict(self, job: SimJob) -> tuple[float | None, str]:
+        """``policy.predict.predict`` over the user's completed runs with the same
+        label, else over all of the user's: the production rule."""
         if job.label:
             hist = self.hist_label.get((job.user, job.label))
             if hist:
-                return statistics.median(hist), "user+label"
+                return predict(hist), "user+label"
         hist_u = self.hist_user.get(job.user)
         if hist_u:
-            return statistics.median(hist_u), "user"
+            return predict(hist_u), "user"
         return None, "default"
 
     def _pending_view(self, job: SimJob) -> PendingJob:

@@ -75,11 +75,14 @@ def pending(
     cls: str = "normal",
     age: float = 0.0,
     planned: float = 3600.0,
+    limit: float | None = None,
     group: str = "g",
     user: str = "u",
     mem: int | None = None,
     model: str = "",
 ) -> PendingJob:
+    """``limit`` defaults to ``planned``: ``slurm`` plans with the limit and
+    ``gpulab`` with the prediction, so by default both plan alike."""
     return PendingJob(
         id=job_id,
         gpus=gpus,
@@ -90,7 +93,7 @@ def pending(
         group=group,
         priority_class=cls,
         gpu_model=model,
-        time_limit_s=max(planned, 86400.0),
+        time_limit_s=planned if limit is None else limit,
         planned_s=planned,
     )
 
@@ -105,13 +108,14 @@ def running(
     user: str = "u",
     preemptions: int = 0,
     started_ago: float = 600.0,
+    limit: float | None = None,
 ) -> RunningJob:
     return RunningJob(
         id=job_id,
         gpu_ids=gpu_ids,
         started_at=NOW - started_ago,
         planned_s=started_ago + ends_in,
-        time_limit_s=86400.0,
+        time_limit_s=started_ago + ends_in if limit is None else limit,
         user=user,
         group=group,
         priority_class=cls,

@@ -197,8 +197,9 @@ def test_it_predicts_run_time_from_the_same_workload_then_any(
         _completed(alice, node, "resnet", seconds)
     _completed(alice, node, "bert", 5000)
 
-    assert services.predict_runtime(alice.pk, "resnet") == 200
-    assert services.predict_runtime(alice.pk, "unknown-label") == 250  # all 4
+    # the longest of the pool (scheduler.policy.predict)
+    assert services.predict_runtime(alice.pk, "resnet") == 300
+    assert services.predict_runtime(alice.pk, "unknown-label") == 5000  # all 4
     assert services.predict_runtime(alice.pk + 1000, "resnet") is None
 
 

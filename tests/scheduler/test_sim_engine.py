@@ -264,9 +264,9 @@ def test_prediction_from_history_and_slipped_reservation():
     ]
     _, result = simulate(jobs, cluster="1x1:p100", decide_fn=reserve, period_s=1e9)
     # job 3 was planned with the history of job 1 (100 s) once job 1 finished,
-    # and the planned value at its start used jobs 1 and 2 (median of 100, 300).
+    # and the planned value at its start used jobs 1 and 2 (the longest: 300).
     assert jobs[2].pred_source == "user+label"
-    assert jobs[2].planned_s == pytest.approx(200)
+    assert jobs[2].planned_s == pytest.approx(300)
     assert result.slipped == 2  # jobs 2 and 3 started long after est_start
     out = summarize(result)
     assert out["prediction"]["predicted_jobs"] == 2

@@ -1,0 +1,144 @@
+"""What ``gpulab`` knows that ``slurm`` does not: predicted run times.
+
+- ``slurm`` plans backfill with time limits, as Slurm does; ``gpulab`` with
+  min(limit, prediction), and a running job that outlived its prediction with its
+  limit from then on;
+- ``gpulab`` ranks shorter planned jobs higher (the ``runtime`` factor), bounded by
+  age so a long job is not starved;
+- the prediction rule (``policy.predict``) shared by the pass and the simulator.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.policy import PolicyConfig, Reason, decide
+from scheduler.policy.predict import predict
+from scheduler.policy.priority import runtime_factor
+from tests.scheduler.test_policy_support import (
+    GPULAB,
+    NOW,
+    SLURM,
+    cluster,
+    node_gpus,
+    pending,
+    running,
+    starts,
+    waits,
+)
+
+HOUR = 3600.0
+DAY = 86400.0
+WEEK = 7 * DAY
+
+
+def blocked(later, *, run_limit: float | None = None, run_started_ago=600.0):
+    """One 4-GPU node, 2 GPUs busy until +1 h (job 90, limit ``run_limit``); a
+    4-GPU job (1) waits for them; ``later`` is the job behind it."""
+    run = [
+        running(
+            90, (100, 101), ends_in=HOUR, started_ago=run_started_ago, limit=run_limit
+        )
+    ]
+    return node_gpus(1, 4), run, [pending(1, 4, cls="high"), later]
+
+
+@pytest.mark.parametrize(
+    ("config", "backfilled"),
+    [(GPULAB, True), (SLURM, False)],
+)
+def test_slurm_plans_with_limits_and_gpulab_with_predictions(config, backfilled):
+    # predicted 30 min, limit 8 h: fits before the +1 h shadow only by prediction
+    gpus, run, jobs = blocked(pending(2, 2, planned=HOUR / 2, limit=8 * HOUR))
+    ds = decide(cluster(gpus, jobs, run=run, config=config))
+    assert (2 in starts(ds)) is backfilled
+    if not backfilled:
+        w = waits(ds)[2]
+        assert w.reason is Reason.RESERVED_FOR_HIGHER
+        assert "planned to run 8h" in w.message
+
+
+@pytest.mark.parametrize(
+    ("config", "shadow"),
+    [(GPULAB, NOW + HOUR), (SLURM, NOW - 600.0 + DAY)],
+)
+def test_the_shadow_time_follows_what_each_policy_plans_with(config, shadow):
+    gpus, run, jobs = blocked(pending(2, 1), run_limit=DAY)
+    assert waits(decide(cluster(gpus, jobs, run=run, config=config)))[
+        1
+    ].est_start == pytest.approx(shadow)
+
+
+def test_a_job_past_its_prediction_is_planned_to_its_limit():
+    # job 90 was predicted to run 1 h, has run 2 h: its prediction is violated,
+    # so the reservation plans with its limit (6 h after its start), not "now"
+    run = [running(90, (100, 101), ends_in=-HOUR, started_ago=2 * HOUR, limit=6 * HOUR)]
+    jobs = [pending(1, 4, cls="high"), pending(2, 2, planned=3 * HOUR)]
+    ds = decide(cluster(node_gpus(1, 4), jobs, run=run))
+    assert waits(ds)[1].est_start == pytest.approx(NOW + 4 * HOUR)
+    # a 3 h job ends before that shadow: backfilled (planning with the violated
+    # prediction would put the shadow at now and hold it back)
+    assert starts(ds)[2].backfilled
+
+
+@pytest.mark.parametrize(
+    ("planned", "expected"),
+    [
+        (0.0, 1.0),
+        (60.0, 0.9248),
+        (HOUR, 0.5540),
+        (DAY, 0.2110),
+        (WEEK, 0.0),
+        (4 * WEEK, 0.0),  # clamped
+    ],
+)
+def test_runtime_factor_values(planned, expected):
+    assert runtime_factor(planned, WEEK) == pytest.approx(expected, abs=1e-3)
+
+
+def test_runtime_factor_is_off_without_a_reference():
+    assert runtime_factor(60.0, 0.0) == 0.0
+
+
+def order_of(jobs, config=GPULAB):
+    state = cluster(node_gpus(1, 1, busy=(0,)), jobs, config=config)
+    ws = sorted(waits(decide(state)).values(), key=lambda w: w.position)
+    return [w.job_id for w in ws]
+
+
+def test_gpulab_ranks_shorter_planned_jobs_first_and_slurm_does_not():
+    jobs = [pending(1, planned=DAY, age=60.0), pending(2, planned=600.0)]
+    assert order_of(jobs, GPULAB) == [2, 1]
+    assert order_of(jobs, SLURM) == [1, 2]  # older first
+    breakdown = waits(decide(cluster(node_gpus(1, 1, busy=(0,)), jobs)))[2].breakdown
+    assert breakdown["runtime"] == pytest.approx(500 * runtime_factor(600.0, WEEK))
+
+
+def test_age_bounds_the_runtime_factor_so_long_jobs_are_not_starved():
+    """A week-long job that waited ``max_age`` goes before a brand-new job of one
+    minute: the whole runtime weight is at most what a week's age makes up."""
+    old_long = pending(1, planned=WEEK, age=WEEK)
+    new_short = pending(2, planned=1.0)
+    assert order_of([new_short, old_long]) == [1, 2]
+    # and before it has aged that long, the short job goes first
+    assert order_of([new_short, pending(1, planned=WEEK, age=DAY)]) == [2, 1]
+
+
+def test_runtime_weight_is_a_setting():
+    jobs = [pending(1, planned=DAY, age=60.0), pending(2, planned=600.0)]
+    off = PolicyConfig(name="gpulab", weight_runtime=0.0)
+    assert order_of(jobs, off) == [1, 2]
+    state = cluster(node_gpus(1, 1, busy=(0,)), jobs, config=off)
+    assert "runtime" not in waits(decide(state))[2].breakdown
+
+
+@pytest.mark.parametrize(
+    ("runs", "expected"),
+    [
+        ([], None),
+        ([100.0], 100.0),
+        ([100.0, 300.0, 200.0], 300.0),  # the longest: short ones hurt backfill
+    ],
+)
+def test_predict_is_the_longest_recent_run(runs, expected):
+    assert predict(runs) == expected
