@@ -316,7 +316,7 @@ class Job(models.Model):
     def priority(self) -> float:
         return float(sum(self.priority_breakdown.values()))
 
-    FACTOR_ORDER: ClassVar = ("class", "age", "fairshare", "size")
+    FACTOR_ORDER: ClassVar = ("class", "age", "fairshare", "size", "runtime")
 
     @property
     def breakdown_items(self) -> list[tuple[str, float]]:
