@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -276,6 +277,10 @@ class ApplyResult:
     skipped: int = 0
     updated_reasons: int = 0
     preempted: int = 0
+    # Wall time of each part, for the pass's log line and bench/pass_scaling.py.
+    starts_ms: float = 0.0
+    preempts_ms: float = 0.0
+    waits_ms: float = 0.0
 
 
 def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
@@ -293,17 +298,27 @@ def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
     decisions = list(decisions)
     with transaction.atomic():
         for decision in decisions:
+            t0 = time.perf_counter()
             if isinstance(decision, policy.Start):
                 if _start(decision):
                     result.started += 1
                 else:
                     result.skipped += 1
-            elif isinstance(decision, policy.Preempt) and _preempt(decision):
-                result.preempted += 1
+                result.starts_ms += _ms_since(t0)
+            elif isinstance(decision, policy.Preempt):
+                if _preempt(decision):
+                    result.preempted += 1
+                result.preempts_ms += _ms_since(t0)
+        t0 = time.perf_counter()
         waits = [d for d in decisions if isinstance(d, policy.Wait)]
         if waits:
             result.updated_reasons = _update_reasons(waits)
+        result.waits_ms = _ms_since(t0)
     return result
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
 
 
 def _preempt(decision: policy.Preempt) -> bool:
