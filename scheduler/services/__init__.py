@@ -8,7 +8,8 @@ and management commands are adapters around these functions: they call
 
 - ``jobs``: validation of a request, run-time prediction, submit, cancel;
 - ``scheduling``: the pass's state (``cluster_state``) and its application
-  (``apply_decisions``: starts, preemptions, waits; launch frames);
+  (``apply_decisions``: starts, preemptions, waits);
+- ``starts``: the starts of a pass (batched) and the ``job.launch`` frames;
 - ``agent_verbs``: what agents report (hello, heartbeats, metrics, starts, exits,
   logs) and the stored output read back;
 - ``liveness``: lost nodes and time limits (beat);
@@ -60,16 +61,19 @@ from scheduler.services.nodes import (
     set_draining,
 )
 from scheduler.services.scheduling import (
-    MASTER_PORT_BASE,
     WAIT_FIELDS,
     ApplyResult,
     apply_decisions,
     class_specs,
     cluster_state,
     decayed_usage,
-    launch_frame,
     policy_config,
+)
+from scheduler.services.starts import (
+    MASTER_PORT_BASE,
+    launch_frame,
     rank_env,
+    start_jobs,
     unix_account_of,
 )
 
@@ -116,6 +120,7 @@ __all__ = [
     "record_metrics",
     "rotate_node_token",
     "set_draining",
+    "start_jobs",
     "submit_job",
     "unix_account_of",
     "validate_job_request",

@@ -35,7 +35,7 @@ from scheduler.services.common import (
     _ts,
     kill_frame,
 )
-from scheduler.services.scheduling import launch_frame
+from scheduler.services.starts import launch_frame
 
 log = logging.getLogger(__name__)
 

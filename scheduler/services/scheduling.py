@@ -1,6 +1,6 @@
 """The scheduling pass's two ends around ``policy.decide``: ``cluster_state`` loads
 what the policy needs in a fixed number of queries, ``apply_decisions`` applies its
-Starts, Preempts and Waits in one transaction (and builds the ``job.launch`` frames).
+Starts (``starts.py``), Preempts and Waits in one transaction.
 """
 
 from __future__ import annotations
@@ -10,15 +10,13 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
-from agents import protocol
-from scheduler import classes, events, policy
+from scheduler import classes, policy
 from scheduler.models import (
     Allocation,
     Attempt,
@@ -28,14 +26,9 @@ from scheduler.models import (
     JobEvent,
     Membership,
     Node,
-    Profile,
 )
-from scheduler.services.common import (
-    _after_commit_state_change,
-    _event,
-    _send_kill_on_commit,
-    _ts,
-)
+from scheduler.services.common import _event, _send_kill_on_commit, _ts
+from scheduler.services.starts import start_jobs
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -284,31 +277,30 @@ class ApplyResult:
 
 
 def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
-    """Apply one pass's decisions.
+    """Apply one pass's decisions in one transaction.
 
-    1. Each ``Start`` runs in its own savepoint: lock the job (must still be
-       PENDING) and its GPUs (in id order, so two passes cannot deadlock), check the
-       slots are free, create the attempt and one allocation per slot. A start whose
-       job or GPUs changed since the state was read is skipped, not half-applied; the
-       (gpu, slot) unique constraint is the last line of defence.
+    1. The ``Start`` decisions together (``start_jobs``): lock the jobs (must still
+       be PENDING) and their GPUs, in id order; a start whose job or GPUs changed
+       since the state was read is skipped, not half-applied; the others get their
+       attempts and allocations in a fixed number of queries. The (gpu, slot)
+       unique constraint is the last line of defence.
     2. After commit, each started attempt's ``job.launch`` goes to its node.
-    3. ``Wait`` decisions update the job's reason only when it changed.
+    3. ``Preempt`` decisions ask the victims' nodes to stop them.
+    4. ``Wait`` decisions update the job's reason only when it changed.
     """
     result = ApplyResult()
     decisions = list(decisions)
+    starts = [d for d in decisions if isinstance(d, policy.Start)]
     with transaction.atomic():
+        t0 = time.perf_counter()
+        result.started = start_jobs(starts)
+        result.skipped = len(starts) - result.started
+        result.starts_ms = _ms_since(t0)
+        t0 = time.perf_counter()
         for decision in decisions:
-            t0 = time.perf_counter()
-            if isinstance(decision, policy.Start):
-                if _start(decision):
-                    result.started += 1
-                else:
-                    result.skipped += 1
-                result.starts_ms += _ms_since(t0)
-            elif isinstance(decision, policy.Preempt):
-                if _preempt(decision):
-                    result.preempted += 1
-                result.preempts_ms += _ms_since(t0)
+            if isinstance(decision, policy.Preempt) and _preempt(decision):
+                result.preempted += 1
+        result.preempts_ms = _ms_since(t0)
         t0 = time.perf_counter()
         waits = [d for d in decisions if isinstance(d, policy.Wait)]
         if waits:
@@ -349,198 +341,6 @@ def _preempt(decision: policy.Preempt) -> bool:
         )
         _send_kill_on_commit(attempt, "preempted", job.kill_grace_s)
     return True
-
-
-def _start(decision: policy.Start) -> bool:
-    """Start one job on its placements (one per node, rank 0 first), all or none.
-
-    1. Lock the job (must be PENDING) and every GPU of every placement in id order
-       (two passes cannot deadlock); all must be schedulable, free, on UP nodes
-       that are not draining. Anything changed since the state was read: skip.
-    2. Create the attempt (``node`` = rank 0; ``ranks`` = every node, for a job
-       spanning nodes) and one allocation per GPU slot.
-    3. After commit, send each node its ``job.launch`` (with its rank variables).
-    """
-    node_ids = [p.node_id for p in decision.placements]
-    wanted = {g for p in decision.placements for g in p.gpu_ids}
-    try:
-        with transaction.atomic():
-            job = (
-                Job.objects.select_for_update()
-                .filter(pk=decision.job_id, status=Job.Status.PENDING)
-                .first()
-            )
-            if job is None:
-                return False
-            gpus = list(
-                Gpu.objects.select_for_update()
-                .filter(pk__in=wanted, node_id__in=node_ids)
-                .order_by("pk")
-            )
-            if len(gpus) != len(wanted) or not all(g.schedulable for g in gpus):
-                return False
-            if Allocation.objects.filter(
-                gpu__in=gpus, released_at__isnull=True
-            ).exists():
-                return False
-            nodes = Node.objects.in_bulk(node_ids)
-            if len(nodes) != len(set(node_ids)) or any(
-                n.status != Node.Status.UP or n.draining for n in nodes.values()
-            ):
-                return False
-            now = timezone.now()
-            job.attempts += 1
-            attempt = Attempt.objects.create(
-                job=job,
-                number=job.attempts,
-                node=nodes[node_ids[0]],
-                created_at=now,
-                ranks=node_ids if len(node_ids) > 1 else [],
-            )
-            Allocation.objects.bulk_create(
-                [
-                    Allocation(attempt=attempt, gpu=g, slot=slot, allocated_at=now)
-                    for g in gpus
-                    for slot in range(g.slots)
-                ]
-            )
-            old = job.status
-            job.status = Job.Status.STARTING
-            job.pending_reason = job.pending_message = ""
-            job.save(
-                update_fields=[
-                    "status",
-                    "attempts",
-                    "pending_reason",
-                    "pending_message",
-                ]
-            )
-            by_node = {n: [g for g in gpus if g.node_id == n] for n in node_ids}
-            try:
-                launches = [
-                    (n, launch_frame(job, attempt, by_node[n], nodes)) for n in node_ids
-                ]
-            except ValueError as exc:  # pydantic ValidationError is a ValueError
-                raise _Unlaunchable(str(exc)) from exc
-            where = ", ".join(
-                f"{nodes[g.node_id].name}:{g.index}"
-                for n in node_ids
-                for g in by_node[n]
-            )
-            _event(
-                job,
-                f"attempt {attempt.number} allocated {where}",
-                source=JobEvent.Source.SCHEDULER,
-                from_status=old,
-                to_status=job.status,
-            )
-            for node_id, launch in launches:
-                transaction.on_commit(partial(events.send_to_agent, node_id, launch))
-            names = ", ".join(nodes[n].name for n in node_ids)
-            _after_commit_state_change(job, f"starting on {names}")
-            return True
-    except IntegrityError:
-        # Another pass took one of these slots first: the constraint held.
-        log.warning("start of job %s lost a race for its GPUs", decision.job_id)
-        return False
-    except _Unlaunchable as exc:
-        # The savepoint is rolled back (no attempt, no allocation): fail the job.
-        _fail_unlaunchable(decision.job_id, str(exc))
-        return False
-
-
-class _Unlaunchable(Exception):
-    pass
-
-
-def _fail_unlaunchable(job_id: int, problem: str) -> None:
-    """A job that no agent could be told to run fails with the reason, in its own
-    savepoint, so one bad row never stops the pass for everyone else."""
-    log.error("job %s cannot be launched: %s", job_id, problem)
-    with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job_id)
-        if job.status != Job.Status.PENDING:
-            return
-        job.status = Job.Status.FAILED
-        job.finished_at = timezone.now()
-        job.end_reason = f"cannot be launched: {problem}"[:200]
-        job.save(update_fields=["status", "finished_at", "end_reason"])
-        _event(
-            job,
-            job.end_reason,
-            source=JobEvent.Source.SCHEDULER,
-            from_status=Job.Status.PENDING,
-            to_status=job.status,
-        )
-        _after_commit_state_change(job, job.end_reason)
-
-
-def unix_account_of(user_id: int) -> str | None:
-    """The Unix account a user's jobs run as (their profile), or None: the node
-    then uses its default account, if it allows one, else refuses the job."""
-    account = (
-        Profile.objects.filter(user_id=user_id)
-        .values_list("unix_account", flat=True)
-        .first()
-    )
-    return account or None
-
-
-# Port of the rendezvous of a multi-node job on its rank-0 node: torchrun's default
-# plus a per-attempt offset, so two jobs on one node do not collide.
-MASTER_PORT_BASE = 29500
-
-
-def rank_env(
-    attempt: Attempt, node_id: int, gpus_here: int, nodes: dict[int, Node]
-) -> dict[str, str]:
-    """The variables ``torchrun`` (and ``torch.distributed``'s env:// init) expect on
-    one node of a job spanning nodes; empty for a single-node job."""
-    ranks = attempt.node_ids
-    if len(ranks) < 2:
-        return {}
-    master = nodes[ranks[0]]
-    values = {
-        "NNODES": str(len(ranks)),
-        "NODE_RANK": str(ranks.index(node_id)),
-        "MASTER_ADDR": master.hostname or master.name,
-        "MASTER_PORT": str(MASTER_PORT_BASE + attempt.pk % 1000),
-        "NPROC_PER_NODE": str(gpus_here),
-    }
-    env = {f"GPULAB_{k}": v for k, v in values.items()}
-    env.update({k: v for k, v in values.items() if k.startswith("MASTER_")})
-    env.update({f"PET_{k}": v for k, v in values.items()})  # torchrun's own names
-    return env
-
-
-def launch_frame(
-    job: Job,
-    attempt: Attempt,
-    gpus: list[Gpu],
-    nodes: dict[int, Node] | None = None,
-) -> dict[str, Any]:
-    """The ``job.launch`` for one node of the attempt (the node of ``gpus``)."""
-    node_id = gpus[0].node_id if gpus else attempt.node_id
-    if nodes is None and len(attempt.node_ids) > 1:
-        nodes = Node.objects.in_bulk(attempt.node_ids)
-    env = {str(k): str(v) for k, v in job.env.items()}
-    env.update(rank_env(attempt, node_id, len(gpus), nodes or {}))
-    return events.frame(
-        protocol.JobLaunch,
-        protocol.JobLaunchData(
-            attempt_id=attempt.pk,
-            attempt=attempt.number,
-            job_id=job.pk,
-            name=job.name,
-            command=job.command,
-            workdir=job.workdir,
-            env=env,
-            gpu_uuids=[g.uuid for g in sorted(gpus, key=lambda g: g.index)],
-            grace_s=job.kill_grace_s,
-            time_limit_s=job.time_limit_s,
-            run_as=unix_account_of(job.owner_id),
-        ),
-    )
 
 
 WAIT_FIELDS = (

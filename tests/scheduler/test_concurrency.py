@@ -1,5 +1,6 @@
 """Scheduling passes under real concurrency on PostgreSQL: racing passes never
-double-allocate, and schedule_pass_body is single-flight with a rerun flag."""
+double-allocate (starts batched, or one by one as when a batch fails), and
+schedule_pass_body is single-flight with a rerun flag."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from unittest import mock
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection
 
 from scheduler import tasks
 from scheduler.models import Allocation, Attempt, Gpu, Job
+from scheduler.services import starts
 from tests.conftest import make_node
 from tests.factories import JobFactory
 
@@ -67,10 +69,28 @@ def _assert_no_double_allocation() -> None:
     assert all(len(attempts) == 1 for attempts in owners.values()), owners
 
 
+@pytest.fixture(params=["batched", "one-by-one"])
+def start_path(request: pytest.FixtureRequest) -> Any:
+    """Starts applied as one batch per pass, or (as when a batch fails) each in its
+    own savepoint."""
+    if request.param == "batched":
+        yield
+        return
+    real = starts._start_batch
+
+    def batch_fails(batch: list[Any]) -> int:
+        if len(batch) > 1:
+            raise IntegrityError("forced: start one by one")
+        return real(batch)
+
+    with mock.patch.object(starts, "_start_batch", side_effect=batch_fails):
+        yield
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("shape", [(1,), (1, 2)], ids=["1-gpu", "mixed"])
 def test_it_never_double_allocates_in_parallel_passes(
-    alice: User, shape: tuple[int, ...]
+    alice: User, shape: tuple[int, ...], start_path: None
 ) -> None:
     make_node("node-a", 4)
     make_node("node-b", 2)
@@ -105,7 +125,9 @@ def test_it_never_double_allocates_in_parallel_passes(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_it_fills_every_free_gpu_when_passes_race(alice: User) -> None:
+def test_it_fills_every_free_gpu_when_passes_race(
+    alice: User, start_path: None
+) -> None:
     make_node("node-a", 4)
     make_node("node-b", 2)
     for _ in range(10):

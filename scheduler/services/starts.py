@@ -1,0 +1,311 @@
+"""Starting jobs: the ``Start`` decisions of a pass applied in a fixed number of
+queries, and the ``job.launch`` frames (with torchrun's rank variables) they send.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from agents import protocol
+from scheduler import events
+from scheduler.models import Allocation, Attempt, Gpu, Job, JobEvent, Node, Profile
+from scheduler.services.common import _after_commit_state_change, _event
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence, Set
+
+    from scheduler import policy
+
+log = logging.getLogger(__name__)
+
+
+def start_jobs(starts: Sequence[policy.Start]) -> int:
+    """Apply a pass's starts, each on its placements (one per node, rank 0 first),
+    all or none; return how many started (the others are skipped).
+
+    1. All at once (``_start_batch``), in one savepoint and a fixed number of
+       queries whatever their number: lock the jobs, then their GPUs, both in id
+       order, check each start, then bulk-create attempts, allocations and events.
+    2. If that fails (a GPU slot taken by a concurrent pass that did not hold the
+       scheduling lock: the unique constraint on live allocations; or a job whose
+       launch frame is invalid), the savepoint is rolled back and each start runs
+       alone in its own savepoint: a lost race skips that start, an unlaunchable
+       job fails with the reason, the others start.
+    """
+    if not starts:
+        return 0
+    try:
+        return _start_batch(starts)
+    except IntegrityError:
+        log.warning("batched start lost a race for a GPU slot; starting one by one")
+    except _Unlaunchable as exc:
+        log.warning("batched start: job %s cannot be launched; one by one", exc.job_id)
+    started = 0
+    for decision in starts:
+        try:
+            started += _start_batch([decision])
+        except IntegrityError:
+            # Another pass took one of these slots first: the constraint held.
+            log.warning("start of job %s lost a race for its GPUs", decision.job_id)
+        except _Unlaunchable as exc:
+            # Its savepoint is rolled back (no attempt, no allocation): fail the job.
+            _fail_unlaunchable(exc.job_id, exc.problem)
+    return started
+
+
+def _start_batch(starts: Sequence[policy.Start]) -> int:
+    """Start these jobs in one savepoint; return how many started.
+
+    1. Lock every job (must be PENDING), then every GPU of every placement, each in
+       id order: all jobs before any GPU, so passes doing the same never wait on
+       each other in a cycle.
+    2. Check each start in the policy's order (``_placed_gpus``): anything changed
+       since the state was read (job no longer pending, a GPU taken, gone or given
+       to an earlier start of this batch, a node down or draining): skip it.
+    3. Create the attempts (``node`` = rank 0; ``ranks`` = every node, for a job
+       spanning nodes) and one allocation per GPU slot in two bulk inserts; the jobs
+       go STARTING in one UPDATE; one event each, in one insert.
+    4. After commit, send each node its ``job.launch`` (with its rank variables).
+    Raises ``IntegrityError`` or ``_Unlaunchable`` with the savepoint rolled back.
+    """
+    with transaction.atomic():
+        jobs = {
+            job.pk: job
+            for job in Job.objects.select_for_update()
+            .filter(pk__in={d.job_id for d in starts}, status=Job.Status.PENDING)
+            .order_by("pk")
+        }
+        wanted = {g for d in starts for p in d.placements for g in p.gpu_ids}
+        gpus = {
+            gpu.pk: gpu
+            for gpu in Gpu.objects.select_for_update()
+            .filter(pk__in=wanted)
+            .order_by("pk")
+        }
+        busy = set(
+            Allocation.objects.filter(
+                gpu_id__in=list(gpus), released_at__isnull=True
+            ).values_list("gpu_id", flat=True)
+        )
+        nodes = Node.objects.in_bulk(
+            list({p.node_id for d in starts for p in d.placements})
+        )
+        planned: list[tuple[Job, list[int], list[Gpu]]] = []
+        for decision in starts:
+            job = jobs.pop(decision.job_id, None)  # a job starts once
+            held = None if job is None else _placed_gpus(decision, gpus, nodes, busy)
+            if job is None or held is None:
+                continue
+            busy.update(g.pk for g in held)
+            planned.append((job, [p.node_id for p in decision.placements], held))
+        if not planned:
+            return 0
+        accounts = dict(
+            Profile.objects.filter(
+                user_id__in={job.owner_id for job, _, _ in planned}
+            ).values_list("user_id", "unix_account")
+        )
+        now = timezone.now()
+        attempts = Attempt.objects.bulk_create(
+            [
+                Attempt(
+                    job=job,
+                    number=job.attempts + 1,
+                    node=nodes[node_ids[0]],
+                    created_at=now,
+                    ranks=node_ids if len(node_ids) > 1 else [],
+                )
+                for job, node_ids, _ in planned
+            ]
+        )
+        Allocation.objects.bulk_create(
+            [
+                Allocation(attempt=attempt, gpu=g, slot=slot, allocated_at=now)
+                for attempt, (_, _, held) in zip(attempts, planned, strict=True)
+                for g in held
+                for slot in range(g.slots)
+            ]
+        )
+        Job.objects.filter(pk__in=[job.pk for job, _, _ in planned]).update(
+            status=Job.Status.STARTING,
+            attempts=F("attempts") + 1,
+            pending_reason="",
+            pending_message="",
+        )
+        started: list[JobEvent] = []
+        sends: list[tuple[Job, list[tuple[int, dict[str, Any]]], str]] = []
+        for attempt, (job, node_ids, held) in zip(attempts, planned, strict=True):
+            job.attempts = attempt.number
+            job.status = Job.Status.STARTING
+            job.pending_reason = job.pending_message = ""
+            by_node = {n: [g for g in held if g.node_id == n] for n in node_ids}
+            try:
+                launches = [
+                    (
+                        n,
+                        launch_frame(
+                            job, attempt, by_node[n], nodes, accounts=accounts
+                        ),
+                    )
+                    for n in node_ids
+                ]
+            except ValueError as exc:  # pydantic ValidationError is a ValueError
+                raise _Unlaunchable(job.pk, str(exc)) from exc
+            where = ", ".join(
+                f"{nodes[g.node_id].name}:{g.index}"
+                for n in node_ids
+                for g in by_node[n]
+            )
+            started.append(
+                JobEvent(
+                    job=job,
+                    message=f"attempt {attempt.number} allocated {where}"[:500],
+                    source=JobEvent.Source.SCHEDULER,
+                    from_status=Job.Status.PENDING,
+                    to_status=job.status,
+                    at=now,
+                )
+            )
+            names = ", ".join(nodes[n].name for n in node_ids)
+            sends.append((job, launches, f"starting on {names}"))
+        JobEvent.objects.bulk_create(started)
+        # Registered last: a savepoint rolled back above drops nothing half-sent.
+        for job, launches, message in sends:
+            for node_id, launch in launches:
+                transaction.on_commit(partial(events.send_to_agent, node_id, launch))
+            _after_commit_state_change(job, message)
+    return len(planned)
+
+
+def _placed_gpus(
+    decision: policy.Start,
+    gpus: Mapping[int, Gpu],
+    nodes: Mapping[int, Node],
+    busy: Set[int],
+) -> list[Gpu] | None:
+    """The start's GPUs (locked, id order) if it can go ahead: each exists on one
+    of its placements' nodes, is schedulable and has no live allocation; each node
+    is UP and not draining. Else None: the start is skipped."""
+    node_ids = {p.node_id for p in decision.placements}
+    wanted = sorted({g for p in decision.placements for g in p.gpu_ids})
+    held = [gpus[g] for g in wanted if g in gpus]
+    if len(held) != len(wanted) or any(
+        g.node_id not in node_ids or not g.schedulable or g.pk in busy for g in held
+    ):
+        return None
+    if any(
+        n not in nodes or nodes[n].status != Node.Status.UP or nodes[n].draining
+        for n in node_ids
+    ):
+        return None
+    return held
+
+
+class _Unlaunchable(Exception):
+    def __init__(self, job_id: int, problem: str) -> None:
+        super().__init__(f"job {job_id}: {problem}")
+        self.job_id = job_id
+        self.problem = problem
+
+
+def _fail_unlaunchable(job_id: int, problem: str) -> None:
+    """A job that no agent could be told to run fails with the reason, in its own
+    savepoint, so one bad row never stops the pass for everyone else."""
+    log.error("job %s cannot be launched: %s", job_id, problem)
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_id)
+        if job.status != Job.Status.PENDING:
+            return
+        job.status = Job.Status.FAILED
+        job.finished_at = timezone.now()
+        job.end_reason = f"cannot be launched: {problem}"[:200]
+        job.save(update_fields=["status", "finished_at", "end_reason"])
+        _event(
+            job,
+            job.end_reason,
+            source=JobEvent.Source.SCHEDULER,
+            from_status=Job.Status.PENDING,
+            to_status=job.status,
+        )
+        _after_commit_state_change(job, job.end_reason)
+
+
+def unix_account_of(user_id: int) -> str | None:
+    """The Unix account a user's jobs run as (their profile), or None: the node
+    then uses its default account, if it allows one, else refuses the job."""
+    account = (
+        Profile.objects.filter(user_id=user_id)
+        .values_list("unix_account", flat=True)
+        .first()
+    )
+    return account or None
+
+
+# Port of the rendezvous of a multi-node job on its rank-0 node: torchrun's default
+# plus a per-attempt offset, so two jobs on one node do not collide.
+MASTER_PORT_BASE = 29500
+
+
+def rank_env(
+    attempt: Attempt, node_id: int, gpus_here: int, nodes: Mapping[int, Node]
+) -> dict[str, str]:
+    """The variables ``torchrun`` (and ``torch.distributed``'s env:// init) expect on
+    one node of a job spanning nodes; empty for a single-node job."""
+    ranks = attempt.node_ids
+    if len(ranks) < 2:
+        return {}
+    master = nodes[ranks[0]]
+    values = {
+        "NNODES": str(len(ranks)),
+        "NODE_RANK": str(ranks.index(node_id)),
+        "MASTER_ADDR": master.hostname or master.name,
+        "MASTER_PORT": str(MASTER_PORT_BASE + attempt.pk % 1000),
+        "NPROC_PER_NODE": str(gpus_here),
+    }
+    env = {f"GPULAB_{k}": v for k, v in values.items()}
+    env.update({k: v for k, v in values.items() if k.startswith("MASTER_")})
+    env.update({f"PET_{k}": v for k, v in values.items()})  # torchrun's own names
+    return env
+
+
+def launch_frame(
+    job: Job,
+    attempt: Attempt,
+    gpus: list[Gpu],
+    nodes: Mapping[int, Node] | None = None,
+    *,
+    accounts: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
+    """The ``job.launch`` for one node of the attempt (the node of ``gpus``).
+    ``accounts`` (user id -> Unix account), when given, saves a query per job."""
+    node_id = gpus[0].node_id if gpus else attempt.node_id
+    if nodes is None and len(attempt.node_ids) > 1:
+        nodes = Node.objects.in_bulk(attempt.node_ids)
+    env = {str(k): str(v) for k, v in job.env.items()}
+    env.update(rank_env(attempt, node_id, len(gpus), nodes or {}))
+    return events.frame(
+        protocol.JobLaunch,
+        protocol.JobLaunchData(
+            attempt_id=attempt.pk,
+            attempt=attempt.number,
+            job_id=job.pk,
+            name=job.name,
+            command=job.command,
+            workdir=job.workdir,
+            env=env,
+            gpu_uuids=[g.uuid for g in sorted(gpus, key=lambda g: g.index)],
+            grace_s=job.kill_grace_s,
+            time_limit_s=job.time_limit_s,
+            run_as=(
+                unix_account_of(job.owner_id)
+                if accounts is None
+                else accounts.get(job.owner_id) or None
+            ),
+        ),
+    )
