@@ -143,3 +143,39 @@ def test_a_gpu_is_never_given_twice_in_one_pass():
     s = state([NodeView(1, "a")], gpus(1, 3), [job(i) for i in range(1, 6)])
     taken = [g for d in decide(s) if isinstance(d, Start) for g in d.gpu_ids]
     assert sorted(taken) == [100, 101, 102]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("policy", ["fifo", "slurm", "gpulab"])
+def test_decide_pauses_the_collector_and_restores_it(enabled, policy, monkeypatch):
+    """decide() runs with the cyclic GC off (speed) and leaves it as it found it,
+    also when it raises."""
+    import gc
+
+    from scheduler import policy as policy_module
+
+    seen = []
+    real = policy_module._decide
+
+    def spy(state):
+        seen.append(gc.isenabled())
+        return real(state)
+
+    monkeypatch.setattr(policy_module, "_decide", spy)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        state = ClusterState(
+            now=0.0,
+            nodes=(NodeView(1, "n1"),),
+            gpus=gpus(1, 1),
+            pending=(job(1),),
+            config=PolicyConfig(name=policy),
+        )
+        assert isinstance(decide(state)[0], Start)
+        assert gc.isenabled() is enabled
+        with pytest.raises(ValueError, match="unknown policy"):
+            decide(ClusterState(0.0, (), (), (), config=PolicyConfig(name="nope")))
+        assert gc.isenabled() is enabled
+        assert seen == [False, False]
+    finally:
+        gc.enable()
