@@ -126,6 +126,23 @@ def test_it_shows_the_owner_her_job(alice: User, alice_job: Job) -> None:
     assert reverse("portal-job-cancel", args=[alice_job.pk]) in body
 
 
+@pytest.mark.parametrize(
+    ("limit", "predicted", "shown"),
+    [
+        (600, 1319, "plans 10m: the smaller of the limit and 21m 59s"),
+        (7200, 1319, "plans 21m 59s: the smaller of the limit and 21m 59s"),
+    ],
+)
+def test_it_says_what_the_scheduler_plans_with(
+    alice: User, limit: int, predicted: int, shown: str
+) -> None:
+    job = JobFactory(owner=alice, time_limit_s=limit, predicted_runtime_s=predicted)
+
+    page = client_for(alice).get(f"/jobs/{job.pk}/").content.decode()
+
+    assert shown in " ".join(page.split())
+
+
 @pytest.mark.parametrize("persona", ["bob", "charlie"])
 def test_it_gives_others_404_on_alices_job(
     request: pytest.FixtureRequest, alice_job: Job, persona: str
