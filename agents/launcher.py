@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.protocol import ExitReason, JobLaunchData
+from agents.rendezvous import port_busy, rank0_rendezvous
 from agents.shim import LaunchError, check_workdir, resolve_user
 from agents.statedir import (
     StateDir,
@@ -135,7 +136,10 @@ class Launcher:
            so a crash right after leaves a directory ``scan()`` understands);
         2. check what can be checked here (workdir, account, root); a failure is
            written to ``launch_error`` and reported like any other ending;
-        3. start the shim in its own session and record its pid + start time.
+        3. rank 0 of a job spanning nodes: check its rendezvous port is free; if
+           not, write ``port_busy`` and start nothing (reported as ``port_busy``:
+           the portal relaunches the job with another port);
+        4. start the shim in its own session and record its pid + start time.
         """
         if data.run_as is None and self.default_account and os.geteuid() == 0:
             # Recorded in spec.json: the shim (and a restarted agent) read it there.
@@ -146,6 +150,7 @@ class Launcher:
         job = _job_from_spec(data, job_dir)
         try:
             self._preflight(data)
+            _check_rendezvous_port(data)
             env = dict(os.environ)
             env.pop("GPULAB_AGENT_TOKEN", None)
             shim = subprocess.Popen(
@@ -160,6 +165,9 @@ class Launcher:
             )
         except LaunchError as exc:
             atomic_write(job_dir / "launch_error", f"{exc}\n")
+            return job
+        except _PortBusy as exc:
+            atomic_write(job_dir / "port_busy", f"{exc}\n")
             return job
         except OSError as exc:
             atomic_write(job_dir / "launch_error", f"could not start the shim: {exc}\n")
@@ -223,10 +231,14 @@ class Launcher:
         """How the job ended, or None while it runs."""
         if job.outcome is not None:
             return job.outcome
-        # launch_error is only ever written before the command starts.
-        error = None if job.seen_started else read_text(job.dir / "launch_error")
-        if error is not None:
-            return Outcome(None, "launch_failed", error.strip()[:4000])
+        # launch_error and port_busy are only ever written before the command starts.
+        if not job.seen_started:
+            error = read_text(job.dir / "launch_error")
+            if error is not None:
+                return Outcome(None, "launch_failed", error.strip()[:4000])
+            busy = read_text(job.dir / "port_busy")
+            if busy is not None:
+                return Outcome(None, "port_busy", busy.strip()[:4000])
         code = read_int(job.dir / "exit_code")
         if code is not None:
             return self._ended(job, code)
@@ -239,7 +251,7 @@ class Launcher:
             code = read_int(job.dir / "exit_code")
             if code is not None:
                 return self._ended(job, code)
-            if (job.dir / "launch_error").exists():
+            if (job.dir / "launch_error").exists() or (job.dir / "port_busy").exists():
                 return self.poll(job)
             return Outcome(None, "lost", "the job's shim ended without an exit code")
         return None
@@ -289,6 +301,20 @@ class Launcher:
     def read_spec(job: Job) -> dict[str, object]:
         data: dict[str, object] = json.loads((job.dir / "spec.json").read_text())
         return data
+
+
+class _PortBusy(Exception):
+    """Rank 0's rendezvous port is taken on this node; the message says so."""
+
+
+def _check_rendezvous_port(data: JobLaunchData) -> None:
+    """Rank 0 of a job spanning nodes: raise ``_PortBusy`` if its port is taken."""
+    rendezvous = rank0_rendezvous(data.env)
+    if rendezvous is None:
+        return
+    problem = port_busy(*rendezvous)
+    if problem is not None:
+        raise _PortBusy(problem)
 
 
 def _job_from_spec(spec: JobLaunchData, job_dir: Path) -> Job:

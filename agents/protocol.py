@@ -127,6 +127,9 @@ ExitReason = Literal[
     "launch_failed",  # the agent could not start it (bad workdir, unknown user...)
     "lost",  # the agent found the job's shim gone without an exit code
     "timeout",  # stopped by the agent at the job's time limit
+    # Not launched: rank 0 of a job spanning nodes found its rendezvous port
+    # (MASTER_PORT) in use on its node; the portal relaunches the job.
+    "port_busy",
 ]
 
 

@@ -19,6 +19,8 @@ Layout (``--state-dir``, default ``$GPULAB_STATE_DIR/agent`` or ``/var/lib/gpula
                             kill (reason time_limit / cut_off: the agent's own)
         exit_code           written last by the shim, atomically
         launch_error        why the shim could not start the command
+        port_busy           rank 0 of a job spanning nodes was not started: its
+                            rendezvous port is in use here (the message says so)
 """
 
 from __future__ import annotations
