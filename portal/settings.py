@@ -242,6 +242,14 @@ GPULAB_GPU_JOB_LIMIT = envint("GPULAB_GPU_JOB_LIMIT", 2, minimum=1)
 GPULAB_DEFAULT_GROUP = envstr("GPULAB_DEFAULT_GROUP", "lab")
 # Seconds without a heartbeat after which a node is LOST and its jobs requeued.
 GPULAB_NODE_LOST_AFTER = envint("GPULAB_NODE_LOST_AFTER", 60, minimum=5)
+# A launch (one rank's, for a job spanning nodes) with no start reported after this
+# many seconds is sent again to its node, if connected; after GPULAB_LAUNCH_RESENDS
+# re-sends the attempt is given up. A job whose attempts could not launch (launch
+# never arrived, rendezvous port busy) is relaunched at most GPULAB_RELAUNCH_MAX
+# times, then fails.
+GPULAB_LAUNCH_RESEND_AFTER = envint("GPULAB_LAUNCH_RESEND_AFTER", 30, minimum=5)
+GPULAB_LAUNCH_RESENDS = envint("GPULAB_LAUNCH_RESENDS", 3, minimum=0)
+GPULAB_RELAUNCH_MAX = envint("GPULAB_RELAUNCH_MAX", 3, minimum=0)
 # Default SIGTERM -> SIGKILL grace for a job, seconds.
 GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
 # Largest command accepted, bytes.

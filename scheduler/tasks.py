@@ -115,10 +115,12 @@ def schedule_pass() -> dict[str, Any]:
 @shared_task(ignore_result=True)
 def check_nodes() -> dict[str, list[int]]:
     """Mark nodes without heartbeat as lost and requeue their jobs; stop jobs past
-    their time limit that their agent did not stop (beat)."""
+    their time limit that their agent did not stop; re-send launches that never
+    arrived (beat)."""
     return {
         "lost_nodes": services.mark_lost_nodes(),
         "overdue_jobs": services.enforce_time_limits(),
+        "launches_resent": services.resend_launches(),
     }
 
 

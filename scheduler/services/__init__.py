@@ -12,7 +12,7 @@ and management commands are adapters around these functions: they call
 - ``starts``: the starts of a pass (batched) and the ``job.launch`` frames;
 - ``agent_verbs``: what agents report (hello, heartbeats, metrics, starts, exits,
   logs) and the stored output read back;
-- ``liveness``: lost nodes and time limits (beat);
+- ``liveness``: lost nodes, time limits and lost launches (beat);
 - ``nodes``: admin verbs on nodes and headline counts;
 - ``common``: events, after-commit helpers and kill frames the others share.
 """
@@ -53,6 +53,7 @@ from scheduler.services.liveness import (
     TIME_LIMIT_MARGIN,
     enforce_time_limits,
     mark_lost_nodes,
+    resend_launches,
 )
 from scheduler.services.nodes import (
     create_node,
@@ -118,6 +119,7 @@ __all__ = [
     "record_heartbeat",
     "record_hello",
     "record_metrics",
+    "resend_launches",
     "rotate_node_token",
     "set_draining",
     "start_jobs",

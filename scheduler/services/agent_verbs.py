@@ -6,8 +6,10 @@ nodes), log chunks, and the stored output read back.
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast, get_args
 
 from django.conf import settings
 from django.db import transaction
@@ -37,7 +39,16 @@ from scheduler.services.common import (
 )
 from scheduler.services.starts import launch_frame
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 log = logging.getLogger(__name__)
+
+# Outcomes of attempts that ended without their job having run: the rendezvous
+# port was busy on rank 0's node (reported by its agent), or a rank never reported
+# a start although its launch was re-sent (``liveness.resend_launches``). Such a job
+# is relaunched, at most ``GPULAB_RELAUNCH_MAX`` times.
+UNLAUNCHED = ("port_busy", "launch_lost")
 
 
 def authenticate_node(token: str) -> Node | None:
@@ -131,16 +142,22 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
             if (attempt.started_at is None or spans) and (
                 attempt.job.cancel_requested_at is None
             ):
+                if attempt.kill_reason:
+                    # Being stopped (a peer failed, preempted...): never launch it
+                    # again; the kill of an attempt the agent does not run comes
+                    # back as its exit (never_started), so the attempt can end.
+                    commands.append(
+                        kill_frame(
+                            attempt.pk,
+                            attempt.job_id,
+                            _kill_reason(attempt.kill_reason),
+                            attempt.job.kill_grace_s,
+                        )
+                    )
+                    continue
                 # Never launched here (or this rank's launch was lost): launch is
                 # idempotent by attempt id on the agent.
-                gpus = [
-                    a.gpu
-                    for a in attempt.allocations.select_related("gpu").filter(
-                        gpu__node=node
-                    )
-                ]
-                unique = list({g.pk: g for g in gpus}.values())
-                commands.append(launch_frame(attempt.job, attempt, unique))
+                commands.append(rank_launch(attempt, node.pk))
             elif attempt.job.cancel_requested_at is not None:
                 commands.append(
                     kill_frame(
@@ -162,6 +179,94 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
     for problem in rejected:
         log.error("node %s hello: %s", node.name, problem)
     return HelloResult(commands, rejected)
+
+
+def _kill_reason(value: str) -> protocol.KillReason:
+    """An attempt's stored ``kill_reason`` as the protocol's (``stale`` if unknown)."""
+    if value in get_args(protocol.KillReason):
+        return cast("protocol.KillReason", value)
+    return "stale"
+
+
+def rank_launch(attempt: Attempt, node_id: int) -> dict[str, Any]:
+    """The ``job.launch`` of the attempt's rank on ``node_id``: its GPUs there (and,
+    for a job spanning nodes, that rank's variables)."""
+    gpus = [
+        a.gpu
+        for a in attempt.allocations.select_related("gpu").filter(gpu__node_id=node_id)
+    ]
+    unique = list({g.pk: g for g in gpus}.values())
+    return launch_frame(attempt.job, attempt, unique)
+
+
+# Each rank's start (of a job spanning nodes) and each re-sent launch is a job event
+# whose message starts "attempt N rank R: " ("attempt N: " for the re-sends of a
+# single-node attempt): the job's history, and what ``launch_progress`` reads back.
+_LAUNCH_EVENT = re.compile(
+    r"^attempt (\d+)(?: rank (\d+))?: (running on|launch re-sent) "
+)
+_LAUNCH_EVENT_SQL = r"^attempt [0-9]+( rank [0-9]+)?: (running on|launch re-sent) "
+
+
+def rank_started_message(attempt: Attempt, rank: int, node: str, pid: int) -> str:
+    return f"attempt {attempt.number} rank {rank}: running on {node} (pid {pid})"
+
+
+def launch_resent_message(attempt: Attempt, rank: int, node: str, detail: str) -> str:
+    who = f"attempt {attempt.number}"
+    if len(attempt.node_ids) > 1:
+        who += f" rank {rank}"
+    return f"{who}: launch re-sent to {node} ({detail})"
+
+
+@dataclass
+class RankLaunch:
+    """What the job's events say of one rank's launch."""
+
+    started: bool = False
+    resends: int = 0
+    last_resend: datetime | None = None
+
+
+def launch_progress(attempts: Iterable[Attempt]) -> dict[tuple[int, int], RankLaunch]:
+    """``(attempt id, rank) -> RankLaunch`` for the given attempts, in one query.
+    A single-node attempt's start is its ``started_at``, not an event."""
+    number_to_id = {(a.job_id, a.number): a.pk for a in attempts}
+    progress: dict[tuple[int, int], RankLaunch] = {}
+    if not number_to_id:
+        return progress
+    rows = JobEvent.objects.filter(
+        job_id__in={job_id for job_id, _ in number_to_id},
+        message__regex=_LAUNCH_EVENT_SQL,
+    ).values_list("job_id", "message", "at")
+    for job_id, message, at in rows:
+        match = _LAUNCH_EVENT.match(message)
+        if match is None:
+            continue
+        attempt_id = number_to_id.get((job_id, int(match[1])))
+        if attempt_id is None:
+            continue
+        rank = progress.setdefault((attempt_id, int(match[2] or 0)), RankLaunch())
+        if match[3] == "running on":
+            rank.started = True
+        else:
+            rank.resends += 1
+            if rank.last_resend is None or at > rank.last_resend:
+                rank.last_resend = at
+    return progress
+
+
+def relaunch_or_fail(job: Job, what: str) -> str:
+    """The job (locked; an attempt of it just ended ``UNLAUNCHED``) goes back to
+    PENDING, with its age kept, or FAILED once more than ``GPULAB_RELAUNCH_MAX`` of
+    its attempts ended so. Sets ``job.status``; returns the event's message."""
+    count = Attempt.objects.filter(job=job, outcome__in=UNLAUNCHED).count()
+    limit = settings.GPULAB_RELAUNCH_MAX
+    if count <= limit:
+        job.status = Job.Status.PENDING
+        return f"{what}; relaunching (relaunch {count} of at most {limit})"
+    job.status = Job.Status.FAILED
+    return f"{what}; not relaunched: {count} attempts could not launch"
 
 
 def record_heartbeat(node_id: int) -> None:
@@ -223,33 +328,48 @@ def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | No
 
 
 def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
-    """The agent started the attempt: STARTING -> RUNNING. Idempotent."""
+    """The agent started the attempt (a rank of it, for a job spanning nodes): the
+    first start moves the job STARTING -> RUNNING; each rank's start is a job event
+    (what ``liveness.resend_launches`` reads). Idempotent: a replay changes nothing.
+    """
     with transaction.atomic():
         attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
         if attempt is None or attempt.ended_at is not None:
             return False
-        if attempt.started_at is not None:
+        spans = len(attempt.node_ids) > 1
+        rank = attempt.node_ids.index(node_id)
+        if spans:
+            seen = launch_progress([attempt]).get((attempt.pk, rank))
+            if seen is not None and seen.started:
+                return False  # a replay of this rank's start
+        elif attempt.started_at is not None:
             return False  # a replay
         job = Job.objects.select_for_update().get(pk=attempt.job_id)
         started = _ts(data.started_at)
-        attempt.started_at = started
-        attempt.pid = data.pid
-        attempt.save(update_fields=["started_at", "pid"])
         old = job.status
-        if job.status == Job.Status.STARTING:
-            job.status = Job.Status.RUNNING
-        if job.started_at is None:
-            job.started_at = started
-        job.save(update_fields=["status", "started_at"])
+        first = attempt.started_at is None
+        if first:
+            attempt.started_at = started
+            attempt.pid = data.pid
+            attempt.save(update_fields=["started_at", "pid"])
+            if job.status == Job.Status.STARTING:
+                job.status = Job.Status.RUNNING
+            if job.started_at is None:
+                job.started_at = started
+            job.save(update_fields=["status", "started_at"])
+        name = Node.objects.values_list("name", flat=True).get(pk=node_id)
         _event(
             job,
-            f"running on {attempt.node.name} (pid {data.pid})",
+            rank_started_message(attempt, rank, name, data.pid)
+            if spans
+            else f"running on {name} (pid {data.pid})",
             source=JobEvent.Source.AGENT,
-            from_status=old,
-            to_status=job.status,
+            from_status=old if first else "",
+            to_status=job.status if first else "",
             at=started,
         )
-        _after_commit_state_change(job, "running")
+        if first:
+            _after_commit_state_change(job, "running")
     return True
 
 
@@ -346,6 +466,11 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             job.last_preempted_at = ended
             job.save(update_fields=["preemptions", "last_preempted_at"])
             message = "requeued after preemption (its age is kept)"
+        elif data.reason == "port_busy":
+            # Nothing ran: relaunch as a new attempt (a new rendezvous port).
+            message = relaunch_or_fail(
+                job, f"{data.message} on node {_port_busy_node(attempt, node_id)}"
+            )
         elif data.reason == "timeout" or server_kill == "timeout":
             job.status = Job.Status.TIMEOUT
             limit = timedelta(seconds=job.time_limit_s)
@@ -394,6 +519,17 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
     return True
 
 
+def _port_busy_node(attempt: Attempt, node_id: int) -> str:
+    """Name of the node that reported the attempt's rendezvous port busy."""
+    busy = [
+        int(key)
+        for key, rank_exit in attempt.rank_exits.items()
+        if rank_exit.get("reason") == "port_busy"
+    ]
+    pk = busy[0] if busy else node_id
+    return str(Node.objects.values_list("name", flat=True).get(pk=pk))
+
+
 def _rank_exited(
     attempt: Attempt, job: Job, node_id: int, data: protocol.JobExitedData
 ) -> protocol.JobExitedData | None:
@@ -413,10 +549,14 @@ def _rank_exited(
         if failed and not attempt.kill_reason and job.cancel_requested_at is None:
             attempt.kill_reason = "peer_failed"
             attempt.save(update_fields=["kill_reason"])
+            if data.reason == "port_busy":
+                name = Node.objects.values_list("name", flat=True).get(pk=node_id)
+                why = f"rank {rank} not started: {data.message} on node {name}"
+            else:
+                why = f"rank {rank} stopped ({data.reason}, exit code {data.exit_code})"
             _event(
                 job,
-                f"rank {rank} stopped ({data.reason}, exit code {data.exit_code}); "
-                "stopping the other ranks",
+                f"{why}; stopping the other ranks",
                 source=JobEvent.Source.AGENT,
             )
             _send_kill_on_commit(attempt, "peer_failed", job.kill_grace_s)
@@ -424,11 +564,14 @@ def _rank_exited(
     exits = [
         protocol.JobExitedData.model_validate(v) for v in attempt.rank_exits.values()
     ]
+    last = max(e.ended_at for e in exits)
+    busy = [e for e in exits if e.reason == "port_busy"]
+    if busy:  # the attempt never ran: it is relaunched, whatever the others did
+        return busy[0].model_copy(update={"ended_at": last})
     failures = sorted(
         (e for e in exits if e.reason != "exited" or e.exit_code != 0),
         key=lambda e: e.ended_at,
     )
-    last = max(e.ended_at for e in exits)
     if failures:
         return failures[0].model_copy(update={"ended_at": last})
     return data.model_copy(

@@ -1,19 +1,29 @@
 """The portal's backstops, run by beat: nodes silent too long are lost (their jobs
-requeued or failed exactly once), attempts past their time limit are stopped.
+requeued or failed exactly once), attempts past their time limit are stopped,
+launches that never arrived are sent again (and given up after a bound).
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from functools import partial
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent, Node
-from scheduler.services.agent_verbs import _end_attempt
+from scheduler.services.agent_verbs import (
+    RankLaunch,
+    _end_attempt,
+    launch_progress,
+    launch_resent_message,
+    rank_launch,
+    relaunch_or_fail,
+)
 from scheduler.services.common import (
     _after_commit_state_change,
     _event,
@@ -124,3 +134,164 @@ def enforce_time_limits(now: datetime | None = None) -> list[int]:
             _send_kill_on_commit(attempt, "timeout", job.kill_grace_s)
         overdue.append(job.pk)
     return overdue
+
+
+def resend_launches(now: datetime | None = None) -> list[int]:
+    """Re-send lost launches: the portal's backstop for a ``job.launch`` that never
+    reached a connected agent (a dropped channel-layer message, an agent mid-
+    reconnect), which would leave the job STARTING, or the other ranks of a job
+    spanning nodes waiting at the rendezvous, forever.
+
+    1. A rank of a live attempt (not being stopped or cancelled) whose node is UP
+       and connected, that has reported neither a start nor an exit
+       ``GPULAB_LAUNCH_RESEND_AFTER`` s after its launch or its last re-send, gets
+       its ``job.launch`` again (the agent ignores a launch it already has), with
+       a job event saying so: at most once per that delay, whatever the beat.
+    2. A rank still silent that long after ``GPULAB_LAUNCH_RESENDS`` re-sends:
+       the attempt is given up (``_give_up``).
+    A disconnected node's ranks wait: its hello re-sends their launches.
+    Returns the ids of the attempts acted on.
+    """
+    now = now or timezone.now()
+    delay = timedelta(seconds=settings.GPULAB_LAUNCH_RESEND_AFTER)
+    candidates = list(
+        Attempt.objects.filter(
+            ended_at__isnull=True,
+            kill_reason="",
+            created_at__lte=now - delay,
+            job__cancel_requested_at__isnull=True,
+        ).filter(Q(started_at__isnull=True) | ~Q(ranks=[]))
+    )
+    if not candidates:
+        return []
+    progress = launch_progress(candidates)
+    connected = set(
+        Node.objects.filter(
+            pk__in={n for a in candidates for n in a.node_ids},
+            status=Node.Status.UP,
+            connected=True,
+        ).values_list("pk", flat=True)
+    )
+    acted = []
+    for attempt in candidates:
+        if _silent_ranks(attempt, progress, connected, now, delay) and (
+            _resend_or_give_up(attempt.pk, now, delay)
+        ):
+            acted.append(attempt.pk)
+    return acted
+
+
+def _silent_ranks(
+    attempt: Attempt,
+    progress: dict[tuple[int, int], RankLaunch],
+    connected: set[int],
+    now: datetime,
+    delay: timedelta,
+) -> list[int]:
+    """Ranks of the attempt on connected nodes with neither a start nor an exit
+    ``delay`` after their launch or last re-send."""
+    spans = len(attempt.node_ids) > 1
+    silent = []
+    for rank, node_id in enumerate(attempt.node_ids):
+        if node_id not in connected or str(node_id) in attempt.rank_exits:
+            continue
+        launch = progress.get((attempt.pk, rank), RankLaunch())
+        if launch.started if spans else attempt.started_at is not None:
+            continue
+        since = max(attempt.created_at, launch.last_resend or attempt.created_at)
+        if now - since >= delay:
+            silent.append(rank)
+    return silent
+
+
+def _resend_or_give_up(attempt_id: int, now: datetime, delay: timedelta) -> bool:
+    """Re-check the attempt under its lock (a start may have come in, another
+    check may have re-sent already), then re-send or give up. True if it did."""
+    with transaction.atomic():
+        attempt = (
+            Attempt.objects.select_for_update()
+            .filter(pk=attempt_id, ended_at__isnull=True, kill_reason="")
+            .first()
+        )
+        if attempt is None:
+            return False
+        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        if job.cancel_requested_at is not None:
+            return False
+        attempt.job = job
+        nodes = Node.objects.in_bulk(attempt.node_ids)
+        connected = {
+            pk
+            for pk, node in nodes.items()
+            if node.status == Node.Status.UP and node.connected
+        }
+        progress = launch_progress([attempt])
+        silent = _silent_ranks(attempt, progress, connected, now, delay)
+        if not silent:
+            return False
+        limit = settings.GPULAB_LAUNCH_RESENDS
+        for rank in silent:
+            if progress.get((attempt.pk, rank), RankLaunch()).resends >= limit:
+                _give_up(attempt, job, rank, nodes[attempt.node_ids[rank]], now)
+                return True
+        waited = int((now - attempt.created_at).total_seconds())
+        for rank in silent:
+            node = nodes[attempt.node_ids[rank]]
+            sent = progress.get((attempt.pk, rank), RankLaunch()).resends + 1
+            _event(
+                job,
+                launch_resent_message(
+                    attempt,
+                    rank,
+                    node.name,
+                    f"no start reported {waited} s after the launch; "
+                    f"re-send {sent} of {limit}",
+                ),
+                source=JobEvent.Source.SYSTEM,
+                at=now,
+            )
+            transaction.on_commit(
+                partial(events.send_to_agent, node.pk, rank_launch(attempt, node.pk))
+            )
+            log.warning(
+                "attempt %d rank %d: no start from %s; launch re-sent (%d of %d)",
+                attempt.pk,
+                rank,
+                node.name,
+                sent,
+                limit,
+            )
+    return True
+
+
+def _give_up(attempt: Attempt, job: Job, rank: int, node: Node, now: datetime) -> None:
+    """A rank never started although its launch was re-sent: stop every rank that
+    may run (``stale``), end the attempt (``launch_lost``: its GPUs are free now)
+    and relaunch the job, or fail it past ``GPULAB_RELAUNCH_MAX`` (attempt and job
+    locked)."""
+    _send_kill_on_commit(attempt, "stale", job.kill_grace_s)
+    _end_attempt(attempt, max(now, attempt.started_at or now), "launch_lost", None)
+    old = job.status
+    if old not in Job.ON_NODE:  # the job moved on already: nothing to relaunch
+        return
+    who = f"rank {rank} of attempt" if len(attempt.node_ids) > 1 else "attempt"
+    message = relaunch_or_fail(
+        job,
+        f"{who} {attempt.number} on {node.name} reported no start after "
+        f"{settings.GPULAB_LAUNCH_RESENDS} re-sent launches",
+    )
+    if job.status != Job.Status.PENDING:
+        job.finished_at = now
+        job.end_reason = message
+    job.save(update_fields=["status", "finished_at", "end_reason"])
+    _event(
+        job,
+        message,
+        source=JobEvent.Source.SYSTEM,
+        from_status=old,
+        to_status=job.status,
+        at=now,
+    )
+    _after_commit_state_change(job, message)
+    _pass_after_commit()
+    log.warning("job %d: %s", job.pk, message)
