@@ -49,14 +49,15 @@ def _unlock() -> None:
 def run_one_pass() -> dict[str, Any]:
     """Load the state, decide, apply. Returns figures for the log."""
     t0 = time.perf_counter()
-    state = services.cluster_state()
+    snapshot = services.snapshot()
     t1 = time.perf_counter()
-    decisions = policy.decide(state)
+    decisions = policy.decide(snapshot.cluster)
     t2 = time.perf_counter()
-    result = services.apply_decisions(decisions)
+    # The waits' stored reasons came with the snapshot: not read a second time.
+    result = services.apply_decisions(decisions, snapshot.stored_waits)
     t3 = time.perf_counter()
     return {
-        "pending": len(state.pending),
+        "pending": len(snapshot.cluster.pending),
         "started": result.started,
         "skipped": result.skipped,
         "reasons_updated": result.updated_reasons,

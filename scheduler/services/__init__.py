@@ -64,11 +64,14 @@ from scheduler.services.nodes import (
 from scheduler.services.scheduling import (
     WAIT_FIELDS,
     ApplyResult,
+    Snapshot,
+    StoredWait,
     apply_decisions,
     class_specs,
     cluster_state,
     decayed_usage,
     policy_config,
+    snapshot,
 )
 from scheduler.services.starts import (
     MASTER_PORT_BASE,
@@ -92,6 +95,8 @@ __all__ = [
     "HelloResult",
     "JobRequest",
     "JobStateError",
+    "Snapshot",
+    "StoredWait",
     "_charge_group",
     "append_log",
     "apply_decisions",
@@ -122,6 +127,7 @@ __all__ = [
     "resend_launches",
     "rotate_node_token",
     "set_draining",
+    "snapshot",
     "start_jobs",
     "submit_job",
     "unix_account_of",

@@ -10,9 +10,11 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -20,7 +22,6 @@ from scheduler import classes, policy
 from scheduler.models import (
     Allocation,
     Attempt,
-    Gpu,
     Group,
     Job,
     JobEvent,
@@ -31,7 +32,7 @@ from scheduler.services.common import _event, _send_kill_on_commit, _ts
 from scheduler.services.starts import start_jobs
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
 
 log = logging.getLogger(__name__)
@@ -53,37 +54,30 @@ def class_specs() -> dict[str, policy.ClassSpec]:
     }
 
 
-def decayed_usage(now: datetime) -> policy.Usage:
-    """Each group's and user's GPU-seconds decayed with the fair-share half-life
-    (``GPULAB_FAIRSHARE_HALF_LIFE``), running attempts counted up to ``now``, and
-    their shares. Three queries, whatever the history's size."""
+def decayed_usage(
+    now: datetime, running: Mapping[tuple[str, str], float]
+) -> policy.Usage:
+    """Each group's and user's GPU-seconds: ended attempts' decayed with the
+    fair-share half-life (``GPULAB_FAIRSHARE_HALF_LIFE``), plus ``running``, the
+    running attempts' counted up to ``now`` by (group, user) (``snapshot`` has
+    them at hand); and their shares. Three queries, whatever the history's size."""
     half_life = float(settings.GPULAB_FAIRSHARE_HALF_LIFE)
     horizon = now - timedelta(seconds=half_life * 10)
-    decay = "power(2.0, -extract(epoch from (%s - {end})) / %s)"
     with connection.cursor() as cursor:
         cursor.execute(
-            f"""
-            SELECT g.name, u.username, sum(r.gpu_seconds * {decay.format(end="r.ended_at")})
+            """
+            SELECT g.name, u.username,
+                   sum(r.gpu_seconds
+                       * power(2.0, -extract(epoch from (%s - r.ended_at)) / %s))
             FROM scheduler_usagerecord r
             JOIN scheduler_group g ON g.id = r.group_id
             JOIN auth_user u ON u.id = r.user_id
             WHERE r.ended_at >= %s
             GROUP BY g.name, u.username
-            UNION ALL
-            SELECT g.name, u.username,
-                   sum(extract(epoch from (%s - t.started_at)) / gpu.slots)
-            FROM scheduler_allocation a
-            JOIN scheduler_attempt t ON t.id = a.attempt_id
-            JOIN scheduler_job j ON j.id = t.job_id
-            JOIN scheduler_group g ON g.id = j.group_id
-            JOIN auth_user u ON u.id = j.owner_id
-            JOIN scheduler_gpu gpu ON gpu.id = a.gpu_id
-            WHERE a.released_at IS NULL AND t.started_at IS NOT NULL
-            GROUP BY g.name, u.username
             """,
-            [now, half_life, horizon, now],
+            [now, half_life, horizon],
         )
-        rows = cursor.fetchall()
+        rows = [*cursor.fetchall(), *((g, u, s) for (g, u), s in running.items())]
     group_usage: dict[str, float] = {}
     user_usage: dict[tuple[str, str], float] = {}
     for group, user, used in rows:
@@ -100,136 +94,177 @@ def decayed_usage(now: datetime) -> policy.Usage:
     return policy.Usage(group_usage, user_usage, group_shares, user_shares)
 
 
+# The hot queries of a pass, in SQL: timestamps come back as epoch seconds (parsing
+# 18,000 timestamps was a fifth of loading the state at 10,000 pending jobs), JSON as
+# text (parsed once per distinct value), users and groups as ids (mapped through
+# small dicts). No ORDER BY: PostgreSQL sorting 10,000 wide rows cost more than
+# sorting the tuples here (into the models' default orders, so ``decide`` sees the
+# order it saw from the ORM).
+_GPUS_SQL = """
+SELECT id, node_id, index, memory_total_mib, slots, present, mig_enabled, name,
+       nvlink_peers::text, topology::text
+FROM scheduler_gpu
+"""
+# Each pending job with what decide needs and, after it, its wait fields as stored
+# (WAIT_FIELDS), so apply_decisions writes only what changed without reading 10,000
+# rows a second time.
+_PENDING_SQL = """
+SELECT id, gpus, gpu_memory_mib, date_part('epoch', submitted_at), owner_id, group_id,
+       priority_class, time_limit_s, predicted_runtime_s, shareable, gpu_model,
+       pending_reason, pending_message, queue_position, priority_breakdown::text,
+       date_part('epoch', est_start)
+FROM scheduler_job WHERE status = 'pending'
+"""
+_RUNNING_SQL = """
+SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
+       date_part('epoch', t.created_at), t.kill_reason, j.owner_id, j.group_id,
+       j.priority_class, j.time_limit_s, j.predicted_runtime_s,
+       CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END
+FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
+WHERE t.ended_at IS NULL
+"""
+
+# A pending job's wait fields as stored: reason, message, queue position, priority
+# breakdown (JSON text, parsed only when compared), planned start (epoch seconds).
+StoredWait = tuple[str, str, int | None, str, float | None]
+
+
+class Snapshot(NamedTuple):
+    """What a pass reads: the policy's input, and the waiting jobs' stored reasons
+    (``apply_decisions`` compares the new ones with them)."""
+
+    cluster: policy.ClusterState
+    stored_waits: dict[int, StoredWait]
+
+
 def cluster_state(now: datetime | None = None) -> policy.ClusterState:
+    """What ``policy.decide`` needs (see ``snapshot``)."""
+    return snapshot(now).cluster
+
+
+def snapshot(now: datetime | None = None) -> Snapshot:
     """Load what ``policy.decide`` needs in a fixed number of queries (never one
-    per job): nodes, GPUs, live allocations, pending jobs, running attempts, usage."""
+    per job): nodes, GPUs, live allocations, pending jobs (with their stored wait
+    fields), running attempts, users' and groups' names, usage."""
     now = now or timezone.now()
+    at = now.timestamp()
     specs = class_specs()
-    nodes = list(Node.objects.all().only("id", "name", "status", "draining"))
-    live = list(
-        Allocation.objects.filter(released_at__isnull=True).values_list(
-            "gpu_id", "attempt_id"
-        )
-    )
+    nodes = list(Node.objects.values_list("pk", "name", "status", "draining"))
+    users = dict(get_user_model().objects.values_list("pk", "username"))
+    groups = dict(Group.objects.values_list("pk", "name"))
     used: dict[int, int] = {}
-    gpus_of_attempt: dict[int, set[int]] = {}
-    for gpu_id, attempt_id in live:
+    gpus_of_attempt: dict[int, list[int]] = {}  # one entry per slot held
+    for gpu_id, attempt_id in Allocation.objects.filter(
+        released_at__isnull=True
+    ).values_list("gpu_id", "attempt_id"):
         used[gpu_id] = used.get(gpu_id, 0) + 1
-        gpus_of_attempt.setdefault(attempt_id, set()).add(gpu_id)
-    # Plain tuples, not model instances: building 50,000 ORM objects was most of
-    # the pass at 10,000 pending jobs (bench/pass_scaling.py).
-    gpu_rows = list(
-        Gpu.objects.values_list(
-            "pk",
-            "node_id",
-            "index",
-            "memory_total_mib",
-            "slots",
-            "present",
-            "mig_enabled",
-            "name",
-            "nvlink_peers",
-            "topology",
+        gpus_of_attempt.setdefault(attempt_id, []).append(gpu_id)
+    with connection.cursor() as cursor:
+        cursor.execute(_GPUS_SQL)
+        gpu_rows = cursor.fetchall()
+        cursor.execute(_PENDING_SQL)
+        pending_rows = cursor.fetchall()
+        cursor.execute(_RUNNING_SQL, [now - timedelta(hours=1)])
+        running_rows = cursor.fetchall()
+    node_names = {pk: name for pk, name, _, _ in nodes}
+    gpu_rows.sort(key=lambda row: (node_names.get(row[1], ""), row[2]))
+    pending_rows.sort(key=itemgetter(0), reverse=True)
+    running_rows.sort(key=itemgetter(1, 2))
+    # Nodes of one kind share their GPUs' links: parse each distinct text once.
+    peers_of: dict[str, tuple[int, ...]] = {}
+    topology_of: dict[str, tuple[tuple[int, int], ...]] = {}
+    gpus = []
+    for pk, node_id, index, memory, slots, present, mig, name, peers, topo in gpu_rows:
+        if peers not in peers_of:
+            peers_of[peers] = tuple(int(p) for p in json.loads(peers))
+        if topo not in topology_of:
+            topology_of[topo] = tuple(
+                (int(link["peer"]), int(link["level"])) for link in json.loads(topo)
+            )
+        gpus.append(
+            policy.GpuView(
+                id=pk,
+                node_id=node_id,
+                index=index,
+                memory_total_mib=memory,
+                slots=slots,
+                free_slots=max(0, slots - used.get(pk, 0)),
+                schedulable=present and not mig,
+                model=name,
+                nvlink_peers=peers_of[peers],
+                topology=topology_of[topo],
+            )
         )
-    )
     index_of = {row[0]: row[2] for row in gpu_rows}
-    gpus = [
-        policy.GpuView(
-            id=pk,
-            node_id=node_id,
-            index=index,
-            memory_total_mib=memory,
-            slots=slots,
-            free_slots=max(0, slots - used.get(pk, 0)),
-            schedulable=present and not mig,
-            model=name,
-            nvlink_peers=tuple(int(p) for p in peers),
-            topology=tuple((int(link["peer"]), int(link["level"])) for link in topo),
-        )
-        for (pk, node_id, index, memory, slots, present, mig, name, peers, topo) in (
-            gpu_rows
-        )
-    ]
-    pending = [
-        policy.PendingJob(
-            id=pk,
-            gpus=n_gpus,
-            gpu_memory_mib=memory,
-            priority_weight=specs[pclass].weight if pclass in specs else 0.0,
-            submitted_at=submitted.timestamp(),
-            user=user,
-            group=group,
-            priority_class=pclass,
-            time_limit_s=float(limit),
-            planned_s=float(min(limit, predicted) if predicted else limit),
-            shareable=shareable,
-            gpu_model=model,
-        )
-        for (
-            pk,
-            n_gpus,
-            memory,
-            submitted,
-            user,
-            group,
-            pclass,
-            limit,
-            predicted,
-            shareable,
-            model,
-        ) in Job.objects.pending().values_list(
-            "pk",
-            "gpus",
-            "gpu_memory_mib",
-            "submitted_at",
-            "owner__username",
-            "group__name",
-            "priority_class",
-            "time_limit_s",
-            "predicted_runtime_s",
-            "shareable",
-            "gpu_model",
-        )
-    ]
-    running = []
-    hour_ago = now - timedelta(hours=1)
+    slots_of = {row[0]: row[4] for row in gpu_rows}
+    weights = {name: spec.weight for name, spec in specs.items()}
+    pending = []
+    stored_waits: dict[int, StoredWait] = {}
     for (
-        attempt_id,
-        job_id,
-        started,
-        created,
-        kill_reason,
-        user,
-        group,
+        pk,
+        n_gpus,
+        memory,
+        submitted,
+        owner_id,
+        group_id,
         pclass,
         limit,
         predicted,
-        preemptions,
-        last_preempted,
-    ) in Attempt.objects.filter(
-        ended_at__isnull=True, pk__in=list(gpus_of_attempt)
-    ).values_list(
-        "pk",
-        "job_id",
-        "started_at",
-        "created_at",
-        "kill_reason",
-        "job__owner__username",
-        "job__group__name",
-        "job__priority_class",
-        "job__time_limit_s",
-        "job__predicted_runtime_s",
-        "job__preemptions",
-        "job__last_preempted_at",
-    ):
+        shareable,
+        model,
+        reason,
+        message,
+        position,
+        breakdown,
+        est_start,
+    ) in pending_rows:
+        pending.append(
+            policy.PendingJob(
+                id=pk,
+                gpus=n_gpus,
+                gpu_memory_mib=memory,
+                priority_weight=weights.get(pclass, 0.0),
+                submitted_at=submitted,
+                user=users.get(owner_id, ""),
+                group=groups.get(group_id, ""),
+                priority_class=pclass,
+                time_limit_s=float(limit),
+                planned_s=float(min(limit, predicted) if predicted else limit),
+                shareable=shareable,
+                gpu_model=model,
+            )
+        )
+        stored_waits[pk] = (reason, message, position, breakdown, est_start)
+    running = []
+    running_usage: dict[tuple[str, str], float] = {}
+    for (
+        attempt_id,
+        job_id,
+        _number,
+        started,
+        created,
+        kill_reason,
+        owner_id,
+        group_id,
+        pclass,
+        limit,
+        predicted,
+        preemptions_last_hour,
+    ) in running_rows:
+        held = gpus_of_attempt.get(attempt_id)
+        if not held:
+            continue  # ended or released between the two reads
+        user, group = users.get(owner_id, ""), groups.get(group_id, "")
+        if started is not None:
+            # Fair-share usage so far: each slot held is 1/slots of its GPU.
+            seconds = (at - started) * sum(1 / slots_of[g] for g in held)
+            running_usage[group, user] = running_usage.get((group, user), 0) + seconds
         spec = specs.get(pclass)
         running.append(
             policy.RunningJob(
                 id=job_id,
-                gpu_ids=tuple(
-                    sorted(gpus_of_attempt[attempt_id], key=lambda g: index_of[g])
-                ),
-                started_at=(started or created).timestamp(),
+                gpu_ids=tuple(sorted(set(held), key=index_of.__getitem__)),
+                started_at=started if started is not None else created,
                 planned_s=float(min(limit, predicted) if predicted else limit),
                 time_limit_s=float(limit),
                 user=user,
@@ -240,28 +275,27 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
                 preemptible=bool(spec and spec.preemptible) and not kill_reason,
                 stopping=bool(kill_reason),
                 # Conservative: all its preemptions, if the last was within the hour.
-                preemptions_last_hour=preemptions
-                if last_preempted and last_preempted > hour_ago
-                else 0,
+                preemptions_last_hour=preemptions_last_hour,
             )
         )
-    return policy.ClusterState(
-        now=now.timestamp(),
+    cluster = policy.ClusterState(
+        now=at,
         nodes=tuple(
             policy.NodeView(
-                id=n.pk,
-                name=n.name,
-                schedulable=n.status == Node.Status.UP and not n.draining,
+                id=pk,
+                name=name,
+                schedulable=status == Node.Status.UP and not draining,
             )
-            for n in nodes
+            for pk, name, status, draining in nodes
         ),
         gpus=tuple(gpus),
         pending=tuple(pending),
         running=tuple(running),
-        usage=decayed_usage(now),
+        usage=decayed_usage(now, running_usage),
         classes=specs,
         config=policy_config(),
     )
+    return Snapshot(cluster, stored_waits)
 
 
 @dataclass
@@ -276,8 +310,12 @@ class ApplyResult:
     waits_ms: float = 0.0
 
 
-def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
-    """Apply one pass's decisions in one transaction.
+def apply_decisions(
+    decisions: Iterable[policy.Decision],
+    stored_waits: Mapping[int, StoredWait] | None = None,
+) -> ApplyResult:
+    """Apply one pass's decisions in one transaction; ``stored_waits`` (from the
+    pass's ``snapshot``) saves reading the waiting jobs' reasons again.
 
     1. The ``Start`` decisions together (``start_jobs``): lock the jobs (must still
        be PENDING) and their GPUs, in id order; a start whose job or GPUs changed
@@ -304,7 +342,7 @@ def apply_decisions(decisions: Iterable[policy.Decision]) -> ApplyResult:
         t0 = time.perf_counter()
         waits = [d for d in decisions if isinstance(d, policy.Wait)]
         if waits:
-            result.updated_reasons = _update_reasons(waits)
+            result.updated_reasons = _update_reasons(waits, stored_waits)
         result.waits_ms = _ms_since(t0)
     return result
 
@@ -364,49 +402,54 @@ FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::text[],
 WHERE j.id = v.id AND j.status = 'pending'
 """
 
+_STORED_WAITS = """
+SELECT id, pending_reason, pending_message, queue_position, priority_breakdown::text,
+       extract(epoch FROM est_start)::float8
+FROM scheduler_job WHERE status = 'pending' AND id = ANY(%s)
+"""
 
-def _update_reasons(waits: list[policy.Wait]) -> int:
+
+def _update_reasons(
+    waits: list[policy.Wait], stored: Mapping[int, StoredWait] | None = None
+) -> int:
     """Store each waiting job's reason, place, factors and planned start.
 
     Only rows that changed are written, in ONE statement (``UPDATE ... FROM
     unnest``): Django's ``bulk_update`` builds a CASE per field and row and took a
     minute for 10,000 jobs. Factors are rounded to 0.1 and planned starts to the
     second, so a job's growing age does not rewrite every row on every pass.
+    The stored values come from the pass's snapshot (or one query without it); a
+    job no longer pending is left (the UPDATE checks too).
     """
-    current = {
-        row[0]: row[1:]
-        for row in Job.objects.filter(
-            pk__in=[w.job_id for w in waits], status=Job.Status.PENDING
-        ).values_list("id", *WAIT_FIELDS)
-    }
+    if stored is None:
+        with connection.cursor() as cursor:
+            cursor.execute(_STORED_WAITS, [[w.job_id for w in waits]])
+            stored = {row[0]: row[1:] for row in cursor.fetchall()}
     rows: list[tuple[Any, ...]] = []
     for wait in waits:
-        old = current.get(wait.job_id)
+        old = stored.get(wait.job_id)
         if old is None:
             continue
         breakdown = {k: round(v, 1) for k, v in wait.breakdown.items()}
-        est = _ts(round(wait.est_start)) if wait.est_start is not None else None
-        new = (
-            wait.reason.value,
-            wait.message[:500],
-            wait.position or None,
-            breakdown,
-            est,
+        est = round(wait.est_start) if wait.est_start is not None else None
+        new = (wait.reason.value, wait.message[:500], wait.position or None)
+        # The scalars first: the stored breakdown is parsed only when they match.
+        if new == old[:3] and est == old[4] and breakdown == json.loads(old[3]):
+            continue
+        rows.append((wait.job_id, *new, breakdown, None if est is None else _ts(est)))
+    if not rows:
+        return 0
+    columns = list(zip(*rows, strict=True))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _UPDATE_WAITS,
+            [
+                list(columns[0]),
+                list(columns[1]),
+                list(columns[2]),
+                list(columns[3]),
+                [json.dumps(b) for b in columns[4]],
+                list(columns[5]),
+            ],
         )
-        if new != old:
-            rows.append((wait.job_id, *new))
-    if rows:
-        columns = list(zip(*rows, strict=True))
-        with connection.cursor() as cursor:
-            cursor.execute(
-                _UPDATE_WAITS,
-                [
-                    list(columns[0]),
-                    list(columns[1]),
-                    list(columns[2]),
-                    list(columns[3]),
-                    [json.dumps(b) for b in columns[4]],
-                    list(columns[5]),
-                ],
-            )
-    return len(rows)
+        return int(cursor.rowcount)

@@ -1,0 +1,106 @@
+"""What a pass reads (``services.snapshot``): the policy's input in the models'
+orders, running attempts' fair-share usage, and the waiting jobs' stored reasons,
+which ``apply_decisions`` compares with the new ones instead of reading them again."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import pytest
+
+from scheduler import policy, services, tasks
+from scheduler.models import Gpu, Job
+from tests.conftest import make_node
+from tests.factories import JobFactory, start_job, started_data
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+    from scheduler.models import Node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with (
+        mock.patch("scheduler.events.send_to_agent", autospec=True),
+        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
+        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
+    ):
+        yield
+
+
+def test_the_snapshot_lists_jobs_and_gpus_in_the_models_orders(
+    alice: User, bob: User
+) -> None:
+    b, _ = make_node("node-b", 2)
+    a, _ = make_node("node-a", 3)
+    for i in range(4):
+        JobFactory(owner=alice if i % 2 else bob)
+    first, second = JobFactory(owner=alice), JobFactory(owner=bob)
+    start_job(second, a)
+    start_job(first, b)
+
+    state = services.cluster_state()
+
+    assert [p.id for p in state.pending] == list(
+        Job.objects.pending().values_list("pk", flat=True)
+    )
+    assert [p.user for p in state.pending][:2] == ["alice", "bob"]
+    assert [g.id for g in state.gpus] == list(Gpu.objects.values_list("pk", flat=True))
+    assert [r.id for r in state.running] == [first.pk, second.pk]
+    assert [(r.user, r.group) for r in state.running] == [
+        ("alice", first.group.name),
+        ("bob", second.group.name),
+    ]
+
+
+def test_running_attempts_count_toward_fair_share_as_they_run(
+    alice: User, cluster: list[Node]
+) -> None:
+    job = JobFactory(owner=alice, gpus=2)
+    attempt = start_job(job, cluster[0])
+    services.mark_started(cluster[0].pk, started_data(attempt, time.time() - 100))
+    JobFactory(owner=alice)  # started, never ran: charged nothing
+    start_job(Job.objects.pending().get(), cluster[1])
+
+    usage = services.cluster_state().usage
+
+    # 2 GPUs (each slot held: 1/slots of it) for 100 s.
+    assert usage.group_usage[job.group.name] == pytest.approx(200, abs=2)
+    assert usage.user_usage[job.group.name, "alice"] == pytest.approx(200, abs=2)
+
+
+def test_a_pass_stores_only_the_reasons_that_changed(
+    alice: User, cluster: list[Node]
+) -> None:
+    waiting = [JobFactory(owner=alice, gpus=6) for _ in range(3)]  # never fit now
+    start_job(JobFactory(owner=alice), cluster[0])
+
+    first = tasks.run_one_pass()
+    again = tasks.run_one_pass()
+    Job.objects.filter(pk=waiting[1].pk).update(pending_message="stale")
+    third = tasks.run_one_pass()
+
+    assert (first["reasons_updated"], again["reasons_updated"]) == (3, 0)
+    assert third["reasons_updated"] == 1
+    assert Job.objects.get(pk=waiting[1].pk).pending_message != "stale"
+
+
+def test_a_job_that_left_pending_after_the_snapshot_keeps_its_fields(
+    alice: User, cluster: list[Node]
+) -> None:
+    job = JobFactory(owner=alice)
+    snap = services.snapshot()
+    services.cancel_job(job.pk, by=alice)
+
+    result = services.apply_decisions(
+        [policy.Wait(job.pk, policy.Reason.RESOURCES, "late")], snap.stored_waits
+    )
+
+    job.refresh_from_db()
+    assert result.updated_reasons == 0
+    assert (job.status, job.pending_message) == ("cancelled", "")
