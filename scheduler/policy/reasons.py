@@ -71,10 +71,16 @@ class Messages:
     def __init__(self, idx: PassIndex) -> None:
         self.idx = idx
         self._cache: dict[tuple[Constraint, int], str] = {}
-        self._static: dict[Constraint, tuple[dict[str, int], frozenset[int]]] = {}
+        self._static: dict[
+            Constraint,
+            tuple[dict[str, int], frozenset[int], frozenset[int], dict[int, int]],
+        ] = {}
 
-    def _categories(self, c: Constraint) -> tuple[dict[str, int], frozenset[int]]:
-        """(counts of nodes refused whatever k, the schedulable nodes left)."""
+    def _categories(
+        self, c: Constraint
+    ) -> tuple[dict[str, int], frozenset[int], frozenset[int], dict[int, int]]:
+        """(counts of nodes refused whatever k, the schedulable nodes left, those of
+        them whose every GPU matches, how many of them have each capacity)."""
         got = self._static.get(c)
         if got is not None:
             return got
@@ -93,7 +99,16 @@ class Messages:
                 eligible.add(node_id)
                 continue
             counts[why] = counts.get(why, 0) + 1
-        got = self._static[c] = (counts, frozenset(eligible))
+        capacities: dict[int, int] = {}
+        for node_id in eligible:
+            cap = view.node_capacity[node_id]
+            capacities[cap] = capacities.get(cap, 0) + 1
+        got = self._static[c] = (
+            counts,
+            frozenset(eligible),
+            frozenset(eligible - view.mixed),
+            capacities,
+        )
         return got
 
     def resources(self, c: Constraint, k: int, ledger: Ledger) -> str:
@@ -105,9 +120,8 @@ class Messages:
             return got
         idx = self.idx
         view = idx.view(c)
-        static, eligible = self._categories(c)
+        static, eligible, uniform, capacities = self._categories(c)
         counts = dict(static)
-        uniform = eligible - view.mixed
         best = 0
         total = 0
         fit = 0
@@ -126,7 +140,7 @@ class Messages:
             total += n
             if n >= k:
                 fit += 1
-        small = sum(1 for n in eligible if view.node_capacity[n] < k)
+        small = sum(n for cap, n in capacities.items() if cap < k)
         if small:
             counts[TOO_SMALL] = small
         busy = len(eligible) - small - fit
