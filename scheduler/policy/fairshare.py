@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,21 +38,24 @@ class FairShare:
 
     def __init__(self, usage: Usage, groups: set[str], users: set[tuple[str, str]]):
         self.usage = usage
+        # Sums with math.fsum (exactly rounded): a plain sum over a set of strings
+        # depends on the set's order, i.e. on the process's hash seed, and its
+        # last-bit differences could flip a tie between two runs of one trace.
         all_groups = set(usage.group_usage) | set(usage.group_shares) | groups
-        self.total_usage = sum(max(0.0, u) for u in usage.group_usage.values())
-        self.total_shares = sum(
+        self.total_usage = math.fsum(max(0.0, u) for u in usage.group_usage.values())
+        self.total_shares = math.fsum(
             max(0.0, usage.group_shares.get(g, DEFAULT_SHARES)) for g in all_groups
         )
         members = set(usage.user_usage) | set(usage.user_shares) | users
-        self.group_user_usage: dict[str, float] = {}
-        self.group_user_shares: dict[str, float] = {}
+        used: dict[str, list[float]] = {}
+        shares: dict[str, list[float]] = {}
         for g, u in members:
-            self.group_user_usage[g] = self.group_user_usage.get(g, 0.0) + max(
-                0.0, usage.user_usage.get((g, u), 0.0)
+            used.setdefault(g, []).append(max(0.0, usage.user_usage.get((g, u), 0.0)))
+            shares.setdefault(g, []).append(
+                max(0.0, usage.user_shares.get((g, u), DEFAULT_SHARES))
             )
-            self.group_user_shares[g] = self.group_user_shares.get(g, 0.0) + max(
-                0.0, usage.user_shares.get((g, u), DEFAULT_SHARES)
-            )
+        self.group_user_usage = {g: math.fsum(v) for g, v in used.items()}
+        self.group_user_shares = {g: math.fsum(v) for g, v in shares.items()}
         self._group: dict[str, float] = {}
         self._user: dict[tuple[str, str], float] = {}
 

@@ -56,7 +56,7 @@ def decide_multifactor(
 
     # 1. index and ledger
     idx = index.build(state, predictions=predictions)
-    ledger = Ledger({n: gs.copy() for n, gs in idx.free_now.items()})
+    ledger = Ledger({n: gs.copy() for n, gs in idx.free_now.items()}, idx.node_rank)
     fairshare = FairShare(
         state.usage,
         {j.group for j in state.pending} | {r.group for r in state.running},

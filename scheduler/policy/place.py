@@ -151,9 +151,15 @@ def find_node(
     everywhere = len(view.uniform) == len(idx.gpus_by_node)
     for count in counts:
         bucket = ledger.by_count[count]
-        cands = bucket if everywhere else bucket & view.uniform
-        if special:
-            cands = cands - special
+        if everywhere and not special and ledger.rank is idx.node_rank:
+            first = ledger.first(count)  # the common case: no scan of the bucket
+            if first is None:
+                continue
+            cands = {first}
+        else:
+            cands = bucket if everywhere else bucket & view.uniform
+            if special:
+                cands = cands - special
         if cands:
             node_id = min(cands, key=idx.node_rank.__getitem__)
             rank = -count if spread else count

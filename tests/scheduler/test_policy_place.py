@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.policy import NodeView, Placement, Reason, Start, decide
+from scheduler.policy.ledger import Ledger
 from tests.scheduler.test_policy_support import (
     GPULAB,
     SLURM,
@@ -162,3 +163,22 @@ def test_no_gpu_is_given_twice_and_jobs_get_distinct_gpus(config):
     ]
     assert len(taken) == len(set(taken))
     assert len(taken) <= 20
+
+
+def test_ledger_first_follows_nodes_in_and_out_of_buckets():
+    """``Ledger.first``: the bucket's first node in rank order, after takes and
+    gives move nodes between buckets (lazy deletion must not return a stale one)."""
+    gpus = {n: list(node_gpus(n, 2)) for n in (1, 2, 3)}
+    rank = {3: 0, 1: 1, 2: 2}  # node 3 comes first
+    ledger = Ledger({n: list(g) for n, g in gpus.items()}, rank)
+    assert ledger.first(2) == 3
+    ledger.take(3, [300])
+    assert ledger.first(2) == 1
+    assert ledger.first(1) == 3
+    ledger.take(1, [100, 101])
+    assert ledger.first(2) == 2
+    ledger.give(3, [gpus[3][0]])
+    assert ledger.first(2) == 3
+    assert ledger.first(1) is None
+    assert ledger.copy().first(2) == 3
+    assert Ledger({n: list(g) for n, g in gpus.items()}).first(2) == 1  # no rank
