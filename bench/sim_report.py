@@ -24,6 +24,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,15 @@ def run_one(
     scenario: str, policy: str, out_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any] | None:
     out = out_dir / f"sim_{scenario}_{policy}.json"
+    if args.reuse and out.is_file():
+        try:
+            kept: dict[str, Any] = json.loads(out.read_text())
+        except ValueError:
+            pass
+        else:
+            if kept.get("seed") == args.seed and kept.get("policy") == policy:
+                sys.stdout.write(f"-- {scenario}/{policy}: reusing {out}\n")
+                return kept
     cmd = [
         sys.executable, "-m", "scheduler.sim", *SCENARIOS[scenario][1],
         "--policy", policy, "--seed", str(args.seed), "--out", str(out), "--quiet",
@@ -133,6 +143,35 @@ def run_one(
     return result
 
 
+def goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's goal, checked: ``gpulab`` beats ``slurm`` on average JCT without
+    a worse p99 JCT, nor a size class's average JCT worse by more than 10%."""
+    g, s = by_policy.get("gpulab"), by_policy.get("slurm")
+    if not g or not s or not g.get("avg_jct_s") or not s.get("avg_jct_s"):
+        return []
+
+    def delta(a: float | None, b: float | None) -> str:
+        return "-" if not a or not b else f"{(a / b - 1) * 100:+.1f}%"
+
+    parts = [
+        f"avg JCT {delta(g['avg_jct_s'], s['avg_jct_s'])}",
+        f"p99 JCT {delta(g['p99_jct_s'], s['p99_jct_s'])}",
+    ]
+    worst = 0.0
+    for bucket in ("1", "2-4", "5-8", "9+"):
+        a, b = g["jct_by_size"].get(bucket), s["jct_by_size"].get(bucket)
+        if a and b:
+            parts.append(f"{bucket} GPU {delta(a, b)}")
+            worst = max(worst, a / b - 1)
+    met = (
+        g["avg_jct_s"] < s["avg_jct_s"]
+        and g["p99_jct_s"] <= s["p99_jct_s"]
+        and worst <= 0.10
+    )
+    verdict = "met" if met else "NOT met"
+    return [f"`gpulab` vs `slurm`: {', '.join(parts)}. Goal {verdict}."]
+
+
 def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["# Simulator: policy comparison", ""]
     for scenario, by_policy in results.items():
@@ -159,6 +198,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             lines.append(f"| avg JCT {bucket} GPU (h) | " + " | ".join(cells) + " |")
         cells = [str(r.get("unfinished") or "-") for r in by_policy.values()]
         lines.append("| never started (last reason) | " + " | ".join(cells) + " |")
+        lines += ["", *goal_lines(by_policy)]
         lines += ["", "Assumptions: " + "; ".join(first["assumptions"]), ""]
     return "\n".join(lines) + "\n"
 
@@ -223,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-jobs", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="per run, s")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep results already in --out-dir (same seed) instead of re-running",
+    )
+    p.add_argument("--parallel", type=int, default=1, help="runs at once")
     args = p.parse_args(argv)
     scenarios = [s for s in args.only.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -236,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    for scenario in scenarios:
-        results[scenario] = {}
-        for policy in policies:
-            r = run_one(scenario, policy, out_dir, args)
-            if r is not None:
-                results[scenario][policy] = r
+    pairs = [(sc, pol) for sc in scenarios for pol in policies]
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        done = list(pool.map(lambda sp: run_one(*sp, out_dir, args), pairs))
+    for (scenario, policy), r in zip(pairs, done, strict=True):
+        results.setdefault(scenario, {})
+        if r is not None:
+            results[scenario][policy] = r
     slim = {
         s: {
             pol: {k: v for k, v in r.items() if k not in ("jct_cdf_s", "timeseries")}
