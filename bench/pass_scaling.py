@@ -8,7 +8,10 @@ pending between repetitions. A first, separately reported pass stores every job'
 reason; the timed ones are the steady state (only changed reasons are written).
 Prints, per size, the median pass and its parts (state load, decide, starts,
 preemptions, storing the waits' reasons), the client's CPU time (steadier than wall
-time on a busy machine) and the queries; writes ``pass_scaling.json``.
+time on a busy machine) and the queries; writes ``pass_scaling.json``. The figures
+measured on our 2-core machine are in the README (Benchmarks): 0.31-0.57 s at
+10,000 pending on 4,096 GPUs with 24 queries (1.3-2.6 s and 1,112 before the
+starts were batched and the state read once).
 
 Run through ``make bench`` (it provides DATABASE_URL / REDIS_URL), or:
 ``python -m portal.stack.run -- python bench/pass_scaling.py``.
