@@ -6,7 +6,6 @@ Starts (``starts.py``), Preempts and Waits in one transaction.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -33,9 +32,6 @@ from scheduler.services.starts import start_jobs
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
-
-
-log = logging.getLogger(__name__)
 
 
 def policy_config() -> policy.PolicyConfig:

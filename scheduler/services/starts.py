@@ -42,17 +42,15 @@ def start_jobs(starts: Sequence[policy.Start]) -> int:
         return 0
     try:
         return _start_batch(starts)
-    except IntegrityError:
-        log.warning("batched start lost a race for a GPU slot; starting one by one")
-    except _Unlaunchable as exc:
-        log.warning("batched start: job %s cannot be launched; one by one", exc.job_id)
+    except (IntegrityError, _Unlaunchable) as exc:
+        log.warning("batched start failed (%s); starting one by one", exc)
     started = 0
     for decision in starts:
         try:
             started += _start_batch([decision])
-        except IntegrityError:
+        except IntegrityError as exc:
             # Another pass took one of these slots first: the constraint held.
-            log.warning("start of job %s lost a race for its GPUs", decision.job_id)
+            log.warning("start of job %s skipped: %s", decision.job_id, exc)
         except _Unlaunchable as exc:
             # Its savepoint is rolled back (no attempt, no allocation): fail the job.
             _fail_unlaunchable(exc.job_id, exc.problem)
