@@ -365,15 +365,31 @@ class Attempt(models.Model):
     ``started_at`` / ``ended_at`` are the agent-reported times (authoritative for
     accounting). An attempt is live until ``ended_at`` is set; a job has at most one
     live attempt (a PostgreSQL constraint).
+
+    Its launch, one per rank: each rank's start is in ``rank_starts`` (the first one
+    is also ``started_at`` / ``pid``); launches no start came back for are re-sent
+    in rounds (``launch_resends``, the last at ``launch_resent_at``) by
+    ``services.resend_launches``, which gives the attempt up (``launch_lost``)
+    after ``GPULAB_LAUNCH_RESENDS`` rounds.
     """
 
     class Outcome(models.TextChoices):
+        # The agent's exit reasons (agents.protocol.ExitReason) ...
         EXITED = "exited", "exited"
         KILLED = "killed", "killed"
         NEVER_STARTED = "never_started", "never started"
         LAUNCH_FAILED = "launch_failed", "launch failed"
         LOST = "lost", "lost"
+        TIMEOUT = "timeout", "timeout"
+        PORT_BUSY = "port_busy", "rendezvous port busy"
+        # ... and the portal's own.
         NODE_LOST = "node_lost", "node lost"
+        LAUNCH_LOST = "launch_lost", "launch lost"
+
+    # Ended without the job having run (a rank never started although its launch
+    # was re-sent, or rank 0's rendezvous port was busy): the job is relaunched, at
+    # most ``GPULAB_RELAUNCH_MAX`` times.
+    UNLAUNCHED: ClassVar = (Outcome.PORT_BUSY, Outcome.LAUNCH_LOST)
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempt_set")
     number = models.PositiveIntegerField()
@@ -391,6 +407,13 @@ class Attempt(models.Model):
     # The attempt ends when every rank has exited. Empty for single-node attempts.
     ranks = models.JSONField(default=list, blank=True)
     rank_exits = models.JSONField(default=dict, blank=True)
+    # Each rank's start as its agent reported it, single-node attempts too:
+    # {"<node id>": {"started_at": epoch seconds, "pid": int}}.
+    rank_starts = models.JSONField(default=dict, blank=True)
+    # Rounds of re-sent launches (each re-sends every rank still silent) and when
+    # the last one went; null: only the launch at ``created_at``.
+    launch_resends = models.PositiveSmallIntegerField(default=0)
+    launch_resent_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ("job", "number")
@@ -416,6 +439,15 @@ class Attempt(models.Model):
     def node_ids(self) -> list[int]:
         """Every node the attempt runs on, in rank order."""
         return [int(n) for n in self.ranks] or [self.node_id]
+
+    def rank_started(self, node_id: int) -> bool:
+        """Whether the rank on ``node_id`` has reported its start. A single-node
+        attempt's one start is also its ``started_at``: one started before
+        ``rank_starts`` existed (or by a portal process not yet restarted at
+        deploy) has only that."""
+        if str(node_id) in self.rank_starts:
+            return True
+        return not self.ranks and self.started_at is not None
 
 
 class Allocation(models.Model):

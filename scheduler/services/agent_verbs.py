@@ -6,10 +6,8 @@ nodes), log chunks, and the stored output read back.
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, cast, get_args
+from typing import Any, NamedTuple, cast, get_args
 
 from django.conf import settings
 from django.db import transaction
@@ -39,16 +37,7 @@ from scheduler.services.common import (
 )
 from scheduler.services.starts import launch_frame
 
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
 log = logging.getLogger(__name__)
-
-# Outcomes of attempts that ended without their job having run: the rendezvous
-# port was busy on rank 0's node (reported by its agent), or a rank never reported
-# a start although its launch was re-sent (``liveness.resend_launches``). Such a job
-# is relaunched, at most ``GPULAB_RELAUNCH_MAX`` times.
-UNLAUNCHED = ("port_busy", "launch_lost")
 
 
 def authenticate_node(token: str) -> Node | None:
@@ -199,15 +188,9 @@ def rank_launch(attempt: Attempt, node_id: int) -> dict[str, Any]:
     return launch_frame(attempt.job, attempt, unique)
 
 
-# Each rank's start (of a job spanning nodes) and each re-sent launch is a job event
-# whose message starts "attempt N rank R: " ("attempt N: " for the re-sends of a
-# single-node attempt): the job's history, and what ``launch_progress`` reads back.
-_LAUNCH_EVENT = re.compile(
-    r"^attempt (\d+)(?: rank (\d+))?: (running on|launch re-sent) "
-)
-_LAUNCH_EVENT_SQL = r"^attempt [0-9]+( rank [0-9]+)?: (running on|launch re-sent) "
-
-
+# Each rank's start (of a job spanning nodes) and each re-sent launch is also a job
+# event: the job's timeline for its owner. Nothing reads them back; the state is
+# ``Attempt.rank_starts`` / ``launch_resends`` / ``launch_resent_at``.
 def rank_started_message(attempt: Attempt, rank: int, node: str, pid: int) -> str:
     return f"attempt {attempt.number} rank {rank}: running on {node} (pid {pid})"
 
@@ -219,48 +202,12 @@ def launch_resent_message(attempt: Attempt, rank: int, node: str, detail: str) -
     return f"{who}: launch re-sent to {node} ({detail})"
 
 
-@dataclass
-class RankLaunch:
-    """What the job's events say of one rank's launch."""
-
-    started: bool = False
-    resends: int = 0
-    last_resend: datetime | None = None
-
-
-def launch_progress(attempts: Iterable[Attempt]) -> dict[tuple[int, int], RankLaunch]:
-    """``(attempt id, rank) -> RankLaunch`` for the given attempts, in one query.
-    A single-node attempt's start is its ``started_at``, not an event."""
-    number_to_id = {(a.job_id, a.number): a.pk for a in attempts}
-    progress: dict[tuple[int, int], RankLaunch] = {}
-    if not number_to_id:
-        return progress
-    rows = JobEvent.objects.filter(
-        job_id__in={job_id for job_id, _ in number_to_id},
-        message__regex=_LAUNCH_EVENT_SQL,
-    ).values_list("job_id", "message", "at")
-    for job_id, message, at in rows:
-        match = _LAUNCH_EVENT.match(message)
-        if match is None:
-            continue
-        attempt_id = number_to_id.get((job_id, int(match[1])))
-        if attempt_id is None:
-            continue
-        rank = progress.setdefault((attempt_id, int(match[2] or 0)), RankLaunch())
-        if match[3] == "running on":
-            rank.started = True
-        else:
-            rank.resends += 1
-            if rank.last_resend is None or at > rank.last_resend:
-                rank.last_resend = at
-    return progress
-
-
 def relaunch_or_fail(job: Job, what: str) -> str:
-    """The job (locked; an attempt of it just ended ``UNLAUNCHED``) goes back to
-    PENDING, with its age kept, or FAILED once more than ``GPULAB_RELAUNCH_MAX`` of
-    its attempts ended so. Sets ``job.status``; returns the event's message."""
-    count = Attempt.objects.filter(job=job, outcome__in=UNLAUNCHED).count()
+    """The job (locked; an attempt of it just ended ``Attempt.UNLAUNCHED``) goes
+    back to PENDING, with its age kept, or FAILED once more than
+    ``GPULAB_RELAUNCH_MAX`` of its attempts ended so. Sets ``job.status``; returns
+    the event's message."""
+    count = Attempt.objects.filter(job=job, outcome__in=Attempt.UNLAUNCHED).count()
     limit = settings.GPULAB_RELAUNCH_MAX
     if count <= limit:
         job.status = Job.Status.PENDING
@@ -328,30 +275,36 @@ def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | No
 
 
 def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
-    """The agent started the attempt (a rank of it, for a job spanning nodes): the
-    first start moves the job STARTING -> RUNNING; each rank's start is a job event
-    (what ``liveness.resend_launches`` reads). Idempotent: a replay changes nothing.
+    """The agent started the attempt (a rank of it, for a job spanning nodes).
+
+    1. Lock the attempt (it must belong to this node and job, and be live); a rank
+       already in ``rank_starts`` is a replay: nothing changes.
+    2. Record the rank's start in ``rank_starts`` (what ``liveness.resend_launches``
+       reads); the first rank's is also the attempt's ``started_at`` / ``pid`` and
+       moves the job STARTING -> RUNNING.
+    3. A job event says so (the timeline; never read back).
     """
     with transaction.atomic():
         attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
         if attempt is None or attempt.ended_at is not None:
             return False
+        if attempt.rank_started(node_id):
+            return False  # a replay of this rank's start
         spans = len(attempt.node_ids) > 1
         rank = attempt.node_ids.index(node_id)
-        if spans:
-            seen = launch_progress([attempt]).get((attempt.pk, rank))
-            if seen is not None and seen.started:
-                return False  # a replay of this rank's start
-        elif attempt.started_at is not None:
-            return False  # a replay
         job = Job.objects.select_for_update().get(pk=attempt.job_id)
         started = _ts(data.started_at)
         old = job.status
         first = attempt.started_at is None
+        attempt.rank_starts = {
+            **attempt.rank_starts,
+            str(node_id): {"started_at": data.started_at, "pid": data.pid},
+        }
         if first:
             attempt.started_at = started
             attempt.pid = data.pid
-            attempt.save(update_fields=["started_at", "pid"])
+        attempt.save(update_fields=["rank_starts", "started_at", "pid"])
+        if first:
             if job.status == Job.Status.STARTING:
                 job.status = Job.Status.RUNNING
             if job.started_at is None:

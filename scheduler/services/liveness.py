@@ -17,9 +17,7 @@ from django.utils import timezone
 from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent, Node
 from scheduler.services.agent_verbs import (
-    RankLaunch,
     _end_attempt,
-    launch_progress,
     launch_resent_message,
     rank_launch,
     relaunch_or_fail,
@@ -142,13 +140,16 @@ def resend_launches(now: datetime | None = None) -> list[int]:
     reconnect), which would leave the job STARTING, or the other ranks of a job
     spanning nodes waiting at the rendezvous, forever.
 
-    1. A rank of a live attempt (not being stopped or cancelled) whose node is UP
-       and connected, that has reported neither a start nor an exit
-       ``GPULAB_LAUNCH_RESEND_AFTER`` s after its launch or its last re-send, gets
-       its ``job.launch`` again (the agent ignores a launch it already has), with
-       a job event saying so: at most once per that delay, whatever the beat.
-    2. A rank still silent that long after ``GPULAB_LAUNCH_RESENDS`` re-sends:
-       the attempt is given up (``_give_up``).
+    1. A live attempt (not being stopped or cancelled) whose launch or last round
+       of re-sends (``launch_resent_at``) is ``GPULAB_LAUNCH_RESEND_AFTER`` s old
+       and that has ranks on UP, connected nodes with neither a start
+       (``rank_starts``) nor an exit (``rank_exits``): each such rank gets its
+       ``job.launch`` again (the agent ignores a launch it already has, answering
+       with its start or exit), with a job event saying so; the round is counted
+       in ``launch_resends``. At most one round per that delay, whatever the beat.
+    2. Still silent that long after ``GPULAB_LAUNCH_RESENDS`` rounds: the attempt
+       is given up (``_give_up``).
+    Only the attempt's fields decide; the job events are its timeline, never read.
     A disconnected node's ranks wait: its hello re-sends their launches.
     Returns the ids of the attempts acted on.
     """
@@ -160,11 +161,12 @@ def resend_launches(now: datetime | None = None) -> list[int]:
             kill_reason="",
             created_at__lte=now - delay,
             job__cancel_requested_at__isnull=True,
-        ).filter(Q(started_at__isnull=True) | ~Q(ranks=[]))
+        )
+        .filter(Q(launch_resent_at__isnull=True) | Q(launch_resent_at__lte=now - delay))
+        .filter(Q(started_at__isnull=True) | ~Q(ranks=[]))
     )
     if not candidates:
         return []
-    progress = launch_progress(candidates)
     connected = set(
         Node.objects.filter(
             pk__in={n for a in candidates for n in a.node_ids},
@@ -174,7 +176,7 @@ def resend_launches(now: datetime | None = None) -> list[int]:
     )
     acted = []
     for attempt in candidates:
-        if _silent_ranks(attempt, progress, connected, now, delay) and (
+        if _silent_ranks(attempt, connected, now, delay) and (
             _resend_or_give_up(attempt.pk, now, delay)
         ):
             acted.append(attempt.pk)
@@ -182,26 +184,24 @@ def resend_launches(now: datetime | None = None) -> list[int]:
 
 
 def _silent_ranks(
-    attempt: Attempt,
-    progress: dict[tuple[int, int], RankLaunch],
-    connected: set[int],
-    now: datetime,
-    delay: timedelta,
+    attempt: Attempt, connected: set[int], now: datetime, delay: timedelta
 ) -> list[int]:
-    """Ranks of the attempt on connected nodes with neither a start nor an exit
-    ``delay`` after their launch or last re-send."""
-    spans = len(attempt.node_ids) > 1
-    silent = []
-    for rank, node_id in enumerate(attempt.node_ids):
-        if node_id not in connected or str(node_id) in attempt.rank_exits:
-            continue
-        launch = progress.get((attempt.pk, rank), RankLaunch())
-        if launch.started if spans else attempt.started_at is not None:
-            continue
-        since = max(attempt.created_at, launch.last_resend or attempt.created_at)
-        if now - since >= delay:
-            silent.append(rank)
-    return silent
+    """Ranks of the attempt on connected nodes with neither a start nor an exit,
+    if its launch or last round of re-sends is ``delay`` old (else none).
+
+    A spanning attempt already live at migration 0007 has empty ``rank_starts``
+    (its ranks' starts were only job events): each of its ranks gets one re-send,
+    which is harmless, as the agent answers a launch of an attempt it runs with
+    its start (then recorded) and never starts a second process."""
+    if now - (attempt.launch_resent_at or attempt.created_at) < delay:
+        return []
+    return [
+        rank
+        for rank, node_id in enumerate(attempt.node_ids)
+        if node_id in connected
+        and str(node_id) not in attempt.rank_exits
+        and not attempt.rank_started(node_id)
+    ]
 
 
 def _resend_or_give_up(attempt_id: int, now: datetime, delay: timedelta) -> bool:
@@ -225,19 +225,19 @@ def _resend_or_give_up(attempt_id: int, now: datetime, delay: timedelta) -> bool
             for pk, node in nodes.items()
             if node.status == Node.Status.UP and node.connected
         }
-        progress = launch_progress([attempt])
-        silent = _silent_ranks(attempt, progress, connected, now, delay)
+        silent = _silent_ranks(attempt, connected, now, delay)
         if not silent:
             return False
         limit = settings.GPULAB_LAUNCH_RESENDS
-        for rank in silent:
-            if progress.get((attempt.pk, rank), RankLaunch()).resends >= limit:
-                _give_up(attempt, job, rank, nodes[attempt.node_ids[rank]], now)
-                return True
+        if attempt.launch_resends >= limit:
+            _give_up(attempt, job, silent[0], nodes[attempt.node_ids[silent[0]]], now)
+            return True
+        attempt.launch_resends += 1
+        attempt.launch_resent_at = now
+        attempt.save(update_fields=["launch_resends", "launch_resent_at"])
         waited = int((now - attempt.created_at).total_seconds())
         for rank in silent:
             node = nodes[attempt.node_ids[rank]]
-            sent = progress.get((attempt.pk, rank), RankLaunch()).resends + 1
             _event(
                 job,
                 launch_resent_message(
@@ -245,7 +245,7 @@ def _resend_or_give_up(attempt_id: int, now: datetime, delay: timedelta) -> bool
                     rank,
                     node.name,
                     f"no start reported {waited} s after the launch; "
-                    f"re-send {sent} of {limit}",
+                    f"re-send {attempt.launch_resends} of {limit}",
                 ),
                 source=JobEvent.Source.SYSTEM,
                 at=now,
@@ -258,7 +258,7 @@ def _resend_or_give_up(attempt_id: int, now: datetime, delay: timedelta) -> bool
                 attempt.pk,
                 rank,
                 node.name,
-                sent,
+                attempt.launch_resends,
                 limit,
             )
     return True
@@ -270,7 +270,12 @@ def _give_up(attempt: Attempt, job: Job, rank: int, node: Node, now: datetime) -
     and relaunch the job, or fail it past ``GPULAB_RELAUNCH_MAX`` (attempt and job
     locked)."""
     _send_kill_on_commit(attempt, "stale", job.kill_grace_s)
-    _end_attempt(attempt, max(now, attempt.started_at or now), "launch_lost", None)
+    _end_attempt(
+        attempt,
+        max(now, attempt.started_at or now),
+        Attempt.Outcome.LAUNCH_LOST,
+        None,
+    )
     old = job.status
     if old not in Job.ON_NODE:  # the job moved on already: nothing to relaunch
         return
@@ -278,7 +283,7 @@ def _give_up(attempt: Attempt, job: Job, rank: int, node: Node, now: datetime) -
     message = relaunch_or_fail(
         job,
         f"{who} {attempt.number} on {node.name} reported no start after "
-        f"{settings.GPULAB_LAUNCH_RESENDS} re-sent launches",
+        f"{attempt.launch_resends} re-sent launches",
     )
     if job.status != Job.Status.PENDING:
         job.finished_at = now

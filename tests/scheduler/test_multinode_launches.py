@@ -4,23 +4,22 @@ rendezvous ports found busy on rank 0's node (the job is relaunched with a new p
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+import importlib
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, get_args
 from unittest import mock
 
 import pytest
+from django.apps import apps as django_apps
 
+from agents import protocol
 from scheduler import policy, services, tasks
 from scheduler.models import Allocation, Attempt, Job, JobEvent, Node
 from tests.conftest import hello_data
 from tests.factories import JobFactory, exited_data, start_job, started_data
 
 if TYPE_CHECKING:
-    from datetime import datetime
-
     from django.contrib.auth.models import User
-
-    from agents import protocol
 
 pytestmark = pytest.mark.django_db
 
@@ -122,6 +121,9 @@ def test_a_rank_not_started_after_the_delay_gets_its_launch_again_once_per_perio
 
     [(node, kind, data)] = sent(send)
     assert (node, kind) == (b.pk, "job.launch")
+    attempt.refresh_from_db()
+    assert attempt.launch_resends == 1
+    assert attempt.launch_resent_at == after(attempt, DELAY)
     assert data["attempt_id"] == attempt.pk
     assert data["env"]["PET_NODE_RANK"] == "1"
     assert data["gpu_uuids"] == [g.uuid for g in b.gpus.order_by("index")]
@@ -136,10 +138,16 @@ def test_a_rank_not_started_after_the_delay_gets_its_launch_again_once_per_perio
             assert services.resend_launches(after(attempt, seconds)) == []
     assert send.call_count == 1
 
+    attempt.refresh_from_db()
+    assert attempt.launch_resends == 1
+
     with commit():
         assert services.resend_launches(after(attempt, 2 * DELAY)) == [attempt.pk]
     assert send.call_count == 2
     assert "re-send 2 of 3" in messages(job)[-1]
+    attempt.refresh_from_db()
+    assert attempt.launch_resends == 2
+    assert attempt.launch_resent_at == after(attempt, 2 * DELAY)
 
 
 def test_a_rank_that_started_or_exited_gets_nothing(
@@ -152,6 +160,8 @@ def test_a_rank_that_started_or_exited_gets_nothing(
 
     assert services.mark_started(b.pk, started_data(attempt, T0 + 40))
 
+    attempt.refresh_from_db()
+    assert attempt.rank_starts[str(b.pk)] == {"started_at": T0 + 40, "pid": 4242}
     with commit():
         assert services.resend_launches(after(attempt, 10 * DELAY)) == []
     assert send.call_count == 1
@@ -179,11 +189,19 @@ def test_a_replayed_rank_start_is_recorded_once(
     spanning: tuple[Job, Attempt, Node, Node],
 ) -> None:
     job, attempt, a, b = spanning
+    rank0 = attempt.created_at.timestamp() + 1  # the fixture's start of rank 0
 
     assert services.mark_started(b.pk, started_data(attempt, T0 + 1))
-    assert not services.mark_started(b.pk, started_data(attempt, T0 + 1))
+    assert not services.mark_started(b.pk, started_data(attempt, T0 + 2))
     assert not services.mark_started(a.pk, started_data(attempt, T0))
 
+    attempt.refresh_from_db()
+    assert attempt.rank_starts == {
+        str(a.pk): {"started_at": rank0, "pid": 4242},
+        str(b.pk): {"started_at": T0 + 1, "pid": 4242},
+    }
+    # The attempt's own start is its first rank's.
+    assert attempt.started_at == after(attempt, 1)
     starts = [m for m in messages(job) if ": running on " in m]
     assert starts == [
         "attempt 1 rank 0: running on node-a (pid 4242)",
@@ -253,7 +271,8 @@ def test_after_its_resends_the_attempt_is_given_up_and_the_job_relaunched(
     attempt.refresh_from_db()
     job.refresh_from_db()
     assert attempt.ended_at == after(attempt, 4 * DELAY)
-    assert attempt.outcome == "launch_lost"
+    assert attempt.outcome == Attempt.Outcome.LAUNCH_LOST
+    assert attempt.launch_resends == 3
     assert job.status == Job.Status.PENDING
     assert not Allocation.objects.filter(attempt=attempt, released_at__isnull=True)
     # Every rank that may run is told to stop; no launch goes out any more.
@@ -317,6 +336,9 @@ def test_a_single_node_attempt_never_started_gets_its_launch_again(
     assert messages(job)[-1].startswith("attempt 1: launch re-sent to node-b (")
 
     services.mark_started(node.pk, started_data(attempt, T0))
+    attempt.refresh_from_db()
+    assert attempt.rank_starts == {str(node.pk): {"started_at": T0, "pid": 4242}}
+    assert attempt.started_at == datetime.fromtimestamp(T0, tz=UTC)
     with commit():
         assert services.resend_launches(after(attempt, 10 * DELAY)) == []
     assert send.call_count == 1
@@ -335,6 +357,155 @@ def test_the_node_check_task_resends_launches(
 
     assert result["launches_resent"] == [attempt.pk]
     assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+
+
+# ------------------------------------------------------------------ state in the attempt
+
+
+def fake_events(job: Job, *messages: str) -> None:
+    """Job events as the timeline words them, but saying what did not happen."""
+    JobEvent.objects.bulk_create(
+        [JobEvent(job=job, message=m, source=JobEvent.Source.SYSTEM) for m in messages]
+    )
+
+
+def test_a_rank_start_in_the_attempt_alone_stops_its_resends(
+    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+) -> None:
+    """No job event at all: the decisions come from ``rank_starts``."""
+    job, attempt, a, b = spanning
+    JobEvent.objects.filter(job=job).delete()
+
+    with commit():
+        assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
+    # Only rank 1: rank 0's start is in the attempt, though its event is gone.
+    assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+
+    attempt.refresh_from_db()
+    Attempt.objects.filter(pk=attempt.pk).update(
+        rank_starts={
+            **attempt.rank_starts,
+            str(b.pk): {"started_at": T0, "pid": 7},
+        }
+    )
+    with commit():
+        assert services.resend_launches(after(attempt, 10 * DELAY)) == []
+    assert send.call_count == 1
+    # ... and a start reported again is a replay, events or not.
+    assert not services.mark_started(b.pk, started_data(attempt, T0 + 5))
+    assert not services.mark_started(a.pk, started_data(attempt, T0 + 5))
+
+
+def test_the_resend_count_in_the_attempt_alone_decides_when_to_give_up(
+    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+) -> None:
+    job, attempt, _, _ = spanning
+    JobEvent.objects.filter(job=job).delete()
+    Attempt.objects.filter(pk=attempt.pk).update(
+        launch_resends=3, launch_resent_at=after(attempt, 5 * DELAY)
+    )
+
+    with commit():
+        # The delay runs from the last round, not from the launch.
+        assert services.resend_launches(after(attempt, 6 * DELAY - 1)) == []
+        assert services.resend_launches(after(attempt, 6 * DELAY)) == [attempt.pk]
+
+    attempt.refresh_from_db()
+    assert attempt.outcome == Attempt.Outcome.LAUNCH_LOST
+    assert "job.launch" not in {k for _, k, _ in sent(send)}
+    assert messages(job)[-1].startswith(
+        "rank 1 of attempt 1 on node-b reported no start after 3 re-sent launches; "
+    )
+
+
+def test_job_event_text_cannot_change_a_decision(
+    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+) -> None:
+    """Events that say rank 1 started and was re-sent three times (what the job
+    timeline would show) neither stop its re-send nor give the attempt up, nor make
+    its real start a replay: only the attempt's fields count."""
+    job, attempt, _, b = spanning
+    resent = "attempt 1 rank 1: launch re-sent to node-b (re-send {} of 3)"
+    fake_events(
+        job,
+        "attempt 1 rank 1: running on node-b (pid 1)",
+        *(resent.format(k) for k in (1, 2, 3)),
+    )
+
+    with commit():
+        assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
+
+    assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+    attempt.refresh_from_db()
+    assert (attempt.ended_at, attempt.launch_resends) == (None, 1)
+    assert services.mark_started(b.pk, started_data(attempt, T0 + 40))
+    attempt.refresh_from_db()
+    assert str(b.pk) in attempt.rank_starts
+
+
+def test_every_way_an_attempt_ends_is_an_outcome_choice() -> None:
+    """What ``finish_attempt`` stores (the agent's exit reason) and what the portal
+    ends attempts with are all ``Attempt.Outcome`` values, so the admin's filter and
+    ``full_clean`` know them."""
+    field = Attempt._meta.get_field("outcome")
+    portal_own = {Attempt.Outcome.NODE_LOST, Attempt.Outcome.LAUNCH_LOST}
+    reasons = set(get_args(protocol.ExitReason))
+
+    assert set(Attempt.Outcome.values) == reasons | portal_own
+    assert set(Attempt.UNLAUNCHED) <= set(Attempt.Outcome.values)
+    for value in Attempt.Outcome.values:
+        field.clean(value, None)
+
+
+def test_the_migration_gives_single_node_attempts_their_start_and_leaves_spans_empty(
+    alice: User, cluster: list[Node], send: Any, commit: Any
+) -> None:
+    """Attempts live at deploy (0007): a single-node attempt's ``started_at`` is its
+    one rank's start; a spanning attempt's is only its first rank's (which one is
+    unknown), so its ranks get one re-send each, which a running rank answers with
+    its start: recorded, with no second transition."""
+    a, b = cluster
+    gpus_a = list(a.gpus.order_by("index"))
+    single = start_job(JobFactory(owner=alice, gpus=1), a, gpus_a[:1])
+    assert services.mark_started(a.pk, started_data(single, T0))
+    spans_job = JobFactory(owner=alice, gpus=5)
+    start = policy.Start(
+        spans_job.pk,
+        (
+            policy.Placement(a.pk, tuple(g.pk for g in gpus_a[1:])),
+            policy.Placement(b.pk, tuple(g.pk for g in b.gpus.order_by("index"))),
+        ),
+    )
+    with commit():
+        assert services.apply_decisions([start]).started == 1
+    spans = Attempt.objects.get(job=spans_job, ended_at__isnull=True)
+    assert services.mark_started(b.pk, started_data(spans, T0))  # rank 1 first
+    Attempt.objects.update(rank_starts={})  # as they were before 0007
+    send.reset_mock()
+
+    migration = importlib.import_module(
+        "scheduler.migrations.0007_attempt_launch_state"
+    )
+    migration.record_single_node_starts(django_apps, None)
+
+    single.refresh_from_db()
+    spans.refresh_from_db()
+    assert single.rank_starts == {str(a.pk): {"started_at": T0, "pid": 4242}}
+    assert spans.rank_starts == {}
+    with commit():
+        assert services.resend_launches(after(spans, DELAY)) == [spans.pk]
+    assert sorted((n, k) for n, k, _ in sent(send)) == [
+        (a.pk, "job.launch"),
+        (b.pk, "job.launch"),
+    ]
+    # Rank 1's agent runs it: it answers the repeated launch with its start.
+    assert services.mark_started(b.pk, started_data(spans, T0))
+    spans.refresh_from_db()
+    spans_job.refresh_from_db()
+    assert spans.rank_starts == {str(b.pk): {"started_at": T0, "pid": 4242}}
+    assert spans_job.status == Job.Status.RUNNING
+    running = JobEvent.objects.filter(job=spans_job, to_status=Job.Status.RUNNING)
+    assert running.count() == 1
 
 
 # ------------------------------------------------------------------ busy rendezvous port
@@ -379,7 +550,7 @@ def test_a_busy_rendezvous_port_relaunches_the_job_with_a_new_attempt_and_port(
 
     job.refresh_from_db()
     attempt.refresh_from_db()
-    assert attempt.outcome == "port_busy"
+    assert attempt.outcome == Attempt.Outcome.PORT_BUSY
     assert job.status == Job.Status.PENDING
     assert job.finished_at is None and job.end_reason == ""
     assert messages(job)[-1] == (
