@@ -13,9 +13,14 @@ parts are kept as the breakdown ``sprio`` would show, and their sum is the prior
 - fairshare: ``fairshare.FairShare.of(group, user)``;
 - runtime (``gpulab`` only; Slurm has no such factor): shorter planned run times
   (``PendingJob.planned_s``: min(limit, prediction)) first, on a log scale
-  (``runtime_factor``). Ordering short jobs first cuts the average completion time
-  (shortest-job-first); age still saturates at ``max_age_s``, so a long job is not
-  starved: the whole runtime weight (default 500) is what a week's age makes up;
+  (``runtime_factor``), times ``1 - age factor``: a head start for short jobs that
+  age takes over; a job that has waited ``max_age_s`` gets the whole
+  ``weight_runtime``, as if it were the shortest job. Ordering short jobs first cuts
+  the average completion time (shortest-job-first); the step at ``max_age_s`` keeps
+  the crossings above whatever the run times: with the defaults a max-aged job
+  (age 500 + runtime 500) passes every newer job of its class and of the class
+  just above (whose runtime part is below 500 unless it is planned to take no
+  time), and never one two classes up (``gpulab`` breaks exact ties by class);
 - size: ``gpus / all GPUs of the cluster`` (capped at 1). Like Slurm's default
   (PriorityFavorSmall=NO) it favours larger jobs: small jobs already win through
   backfill and best fit, large ones need the push so they are not starved by a
@@ -86,8 +91,11 @@ def breakdown(
         "size": config.weight_size * size_factor(job.gpus, total_gpus),
     }
     if runtime and config.weight_runtime:
-        out["runtime"] = config.weight_runtime * runtime_factor(
-            job.planned_s, config.runtime_ref_s
+        x = age_factor(now, job.submitted_at, config.max_age_s)
+        out["runtime"] = config.weight_runtime * (
+            runtime_factor(job.planned_s, config.runtime_ref_s) * (1.0 - x)
+            if x < 1.0
+            else 1.0
         )
     return out
 
@@ -129,14 +137,17 @@ def breakdowns(
         if z is None:
             z = size_part[gpus] = config.weight_size * size_factor(gpus, total_gpus)
         if max_age > 0:
-            a = (now - job.submitted_at) / max_age
-            a = w_age * (0.0 if a < 0.0 else 1.0 if a > 1.0 else a)
+            x = (now - job.submitted_at) / max_age
+            x = 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
         else:
-            a = w_age
+            x = 1.0
+        a = w_age * x
         if w_run:
             r = run_part.get(job.planned_s)
             if r is None:
                 r = run_part[job.planned_s] = w_run * runtime_factor(job.planned_s, ref)
+            # a head start that age takes over; at max age, the shortest job's
+            r = r * (1.0 - x) if x < 1.0 else w_run
             out[job.id] = {
                 "class": c, "age": a, "fairshare": f, "size": z, "runtime": r
             }  # fmt: skip

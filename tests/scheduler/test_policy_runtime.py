@@ -13,9 +13,12 @@ from __future__ import annotations
 import pytest
 
 from scheduler.policy import PolicyConfig, Reason, decide
+from scheduler.policy.fairshare import FairShare
 from scheduler.policy.predict import predict
-from scheduler.policy.priority import runtime_factor
+from scheduler.policy.priority import breakdown, runtime_factor
+from scheduler.policy.state import Usage
 from tests.scheduler.test_policy_support import (
+    CLASSES,
     GPULAB,
     NOW,
     SLURM,
@@ -142,3 +145,59 @@ def test_runtime_weight_is_a_setting():
 )
 def test_predict_is_the_longest_recent_run(runs, expected):
     assert predict(runs) == expected
+
+
+@pytest.mark.parametrize(
+    ("age", "share"),
+    [
+        (0.0, 1.0),
+        (WEEK / 4, 0.75),
+        (WEEK / 2, 0.5),
+        (WEEK - 60.0, 60.0 / WEEK),
+        (WEEK, None),  # max age: the whole weight, as if the job were the shortest
+        (2 * WEEK, None),
+    ],
+)
+def test_the_runtime_part_fades_as_age_takes_over(age, share):
+    job = pending(2, planned=600.0, age=age)
+    ws = waits(decide(cluster(node_gpus(1, 1, busy=(0,)), [job])))
+    full = 500 * runtime_factor(600.0, WEEK)
+    expected = 500.0 if share is None else full * share
+    assert ws[2].breakdown["runtime"] == pytest.approx(expected)
+    # the same numbers as the one-job breakdown
+    one = breakdown(
+        job,
+        now=NOW,
+        config=GPULAB,
+        classes=CLASSES,
+        fairshare=FairShare(Usage(), {"g"}, {("g", "u")}),
+        total_gpus=1,
+        runtime=True,
+    )
+    assert one == pytest.approx(dict(ws[2].breakdown))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "old_first"),
+    [
+        # one class up: a max-aged job passes new ones, however short they are
+        (("normal", WEEK), ("high", 60.0), True),
+        (("best-effort", 4 * WEEK), ("normal", 1.0), True),
+        # two classes up: never, even against a job longer than the reference
+        (("best-effort", 4 * WEEK), ("high", 4 * WEEK), False),
+    ],
+)
+def test_age_crosses_one_class_step_whatever_the_run_times(old, new, old_first):
+    """At max age, and not a day before it."""
+    old_cls, old_planned = old
+    new_cls, new_planned = new
+    for age, expected in (
+        (WEEK, old_first),
+        (WEEK - DAY, False),
+        (52 * WEEK, old_first),
+    ):
+        jobs = [
+            pending(1, cls=old_cls, planned=old_planned, age=age),
+            pending(2, cls=new_cls, planned=new_planned),
+        ]
+        assert (order_of(jobs)[0] == 1) is expected, (old, new, age)
