@@ -366,12 +366,17 @@ class Agent:
     def _reap(self, job: Job) -> None:
         if job.exit_seq is not None:
             return
+        # Poll before looking for ``pgid``: the shim writes ``pgid`` before
+        # ``exit_code``, so an exit seen here always finds the start reported first.
+        outcome = self.launcher.poll(job)
         if not job.started and job.pgid is not None:
             self._report_started(job)
-        outcome = self.launcher.poll(job)
         if outcome is None:
-            self._enforce_time_limit(job)
-            self._ship_log(job, final=False)
+            # The command writes output.log before the shim has written ``pgid``:
+            # no job.log goes out ahead of job.started.
+            if job.started:
+                self._enforce_time_limit(job)
+                self._ship_log(job, final=False)
             return
         job.outcome = outcome
         self._ship_log(job, final=True)

@@ -364,3 +364,25 @@ def test_log_chunks_never_split_a_utf8_character(tmp_path: Path) -> None:
     agent._ship_log(job, final=True)
     last = json.loads(agent.spool.pending()[-1][1])["data"]
     assert (last["offset"], last["data"]) == (len(raw), "€")
+
+
+def test_no_log_ships_before_the_start_is_reported(tmp_path: Path) -> None:
+    """The command writes output.log before its shim writes ``pgid``: the reaper
+    holds the output back until job.started is spooled, so it comes first."""
+    from agents.launcher import Job
+    from agents.statedir import proc_start_time
+
+    agent = make_agent("ws://127.0.0.1:9", tmp_path / "state")
+    job_dir = tmp_path / "state/jobs/4"
+    job_dir.mkdir(parents=True)
+    (job_dir / "output.log").write_bytes(b"early\n")
+    # A live "shim" (this process) that has not written pgid yet.
+    me = os.getpid()
+    job = Job(4, 1004, job_dir, [], {}, shim_pid=me, shim_start=proc_start_time(me))
+    agent._reap(job)
+    assert agent.spool.pending() == []
+
+    (job_dir / "pgid").write_text(f"{me}\n")
+    agent._reap(job)
+    types = [json.loads(f)["type"] for _, f in agent.spool.pending()]
+    assert types == ["job.started", "job.log"]
