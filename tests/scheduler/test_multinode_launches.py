@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, get_args
-from unittest import mock
 
 import pytest
 from django.apps import apps as django_apps
@@ -21,7 +20,7 @@ from tests.factories import JobFactory, exited_data, start_job, started_data
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet")]
 
 T0 = 1_800_000_000.0
 DELAY = 30  # GPULAB_LAUNCH_RESEND_AFTER in these tests
@@ -32,21 +31,6 @@ def _settings(settings: Any) -> None:
     settings.GPULAB_LAUNCH_RESEND_AFTER = DELAY
     settings.GPULAB_LAUNCH_RESENDS = 3
     settings.GPULAB_RELAUNCH_MAX = 3
-
-
-@pytest.fixture
-def send() -> Any:
-    with mock.patch("scheduler.events.send_to_agent", autospec=True) as send:
-        yield send
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with (
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 import time_machine
@@ -24,20 +23,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-
-@pytest.fixture
-def send() -> Any:
-    with mock.patch("scheduler.events.send_to_agent", autospec=True) as send:
-        yield send
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with (
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield
+pytestmark = pytest.mark.usefixtures("quiet")
 
 
 def running(job: Job, node: Node, at: float) -> Attempt:

@@ -4,7 +4,7 @@ cycle collector paused and leaves the collector as it found it."""
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import pytest
@@ -19,17 +19,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with (
-        mock.patch("scheduler.events.send_to_agent", autospec=True),
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
 
 
 @pytest.fixture

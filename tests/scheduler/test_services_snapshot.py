@@ -5,8 +5,7 @@ which ``apply_decisions`` compares with the new ones instead of reading them aga
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
-from unittest import mock
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -20,17 +19,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with (
-        mock.patch("scheduler.events.send_to_agent", autospec=True),
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
 
 
 def test_the_snapshot_lists_jobs_and_gpus_in_the_models_orders(

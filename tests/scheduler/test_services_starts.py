@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 from django.db import connection
@@ -23,22 +22,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def send() -> Any:
-    with mock.patch("scheduler.events.send_to_agent", autospec=True) as send:
-        yield send
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with (
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet")]
 
 
 def assert_consistent() -> None:
