@@ -31,6 +31,7 @@ from scheduler.services.common import (
     _after_commit_state_change,
     _event,
     _pass_after_commit,
+    _record_transition,
     _send_kill_on_commit,
     _ts,
     kill_frame,
@@ -454,20 +455,15 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             else:
                 job.status = Job.Status.FAILED
                 message = f"failed: {what} on {attempt.node.name}"
-        if job.status != Job.Status.PENDING:
-            job.finished_at = ended
-            job.exit_code = code
-            job.end_reason = message
-        job.save(update_fields=["status", "finished_at", "exit_code", "end_reason"])
-        _event(
+        _record_transition(
             job,
+            old,
             message,
             source=JobEvent.Source.AGENT,
-            from_status=old,
-            to_status=job.status,
             at=ended,
+            exit_code=code,
+            with_exit_code=True,
         )
-        _after_commit_state_change(job, message)
         _pass_after_commit()
     return True
 

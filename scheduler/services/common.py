@@ -54,6 +54,32 @@ def _after_commit_state_change(job: Job, message: str) -> None:
     )
 
 
+def _record_transition(
+    job: Job,
+    old: str,
+    message: str,
+    *,
+    source: str,
+    at: datetime,
+    exit_code: int | None = None,
+    with_exit_code: bool = False,
+) -> None:
+    """Save a job whose new status the caller just set (it was ``old``): a status
+    other than PENDING ends the job (end time ``at``, ``message`` as its reason and,
+    ``with_exit_code``, its exit code); one JobEvent; browsers told on commit."""
+    fields = ["status", "finished_at", "end_reason"]
+    if with_exit_code:
+        fields.append("exit_code")
+    if job.status != Job.Status.PENDING:
+        job.finished_at = at
+        job.end_reason = message
+        if with_exit_code:
+            job.exit_code = exit_code
+    job.save(update_fields=fields)
+    _event(job, message, source=source, from_status=old, to_status=job.status, at=at)
+    _after_commit_state_change(job, message)
+
+
 def _pass_after_commit() -> None:
     """Ask for a scheduling pass once the current transaction commits."""
     from scheduler.tasks import schedule_pass

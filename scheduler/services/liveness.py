@@ -23,9 +23,9 @@ from scheduler.services.agent_verbs import (
     relaunch_or_fail,
 )
 from scheduler.services.common import (
-    _after_commit_state_change,
     _event,
     _pass_after_commit,
+    _record_transition,
     _send_kill_on_commit,
 )
 
@@ -78,18 +78,9 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
                 else:
                     job.status = Job.Status.FAILED
                 message = f"node {node.name} lost; job {job.status}"
-                if job.status != Job.Status.PENDING:
-                    job.finished_at = now
-                    job.end_reason = message
-                job.save(update_fields=["status", "finished_at", "end_reason"])
-                _event(
-                    job,
-                    message,
-                    source=JobEvent.Source.SYSTEM,
-                    from_status=old,
-                    to_status=job.status,
+                _record_transition(
+                    job, old, message, source=JobEvent.Source.SYSTEM, at=now
                 )
-                _after_commit_state_change(job, message)
             _pass_after_commit()
             lost.append(node.pk)
             log.warning("node %s marked lost (last seen %s)", node.name, ended)
@@ -285,18 +276,6 @@ def _give_up(attempt: Attempt, job: Job, rank: int, node: Node, now: datetime) -
         f"{who} {attempt.number} on {node.name} reported no start after "
         f"{attempt.launch_resends} re-sent launches",
     )
-    if job.status != Job.Status.PENDING:
-        job.finished_at = now
-        job.end_reason = message
-    job.save(update_fields=["status", "finished_at", "end_reason"])
-    _event(
-        job,
-        message,
-        source=JobEvent.Source.SYSTEM,
-        from_status=old,
-        to_status=job.status,
-        at=now,
-    )
-    _after_commit_state_change(job, message)
+    _record_transition(job, old, message, source=JobEvent.Source.SYSTEM, at=now)
     _pass_after_commit()
     log.warning("job %d: %s", job.pk, message)
