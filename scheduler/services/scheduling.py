@@ -386,16 +386,28 @@ WAIT_FIELDS = (
 )
 
 
+# Rows another transaction holds (a job being started, cancelled or moved by a
+# concurrent pass) are skipped, not waited for: their reason is moot or stale
+# anyway, and an UPDATE that waits on rows in no set order can deadlock with a pass
+# that locks jobs in id order (two passes raced in tests/scheduler/test_concurrency).
 _UPDATE_WAITS = """
+WITH v AS (
+    SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::text[],
+                         %s::timestamptz[])
+        AS v(id, reason, message, position, breakdown, est_start)
+), mine AS (
+    SELECT j.id FROM scheduler_job AS j JOIN v ON v.id = j.id
+    WHERE j.status = 'pending'
+    FOR UPDATE OF j SKIP LOCKED
+)
 UPDATE scheduler_job AS j SET
     pending_reason = v.reason,
     pending_message = v.message,
     queue_position = v.position,
     priority_breakdown = v.breakdown::jsonb,
     est_start = v.est_start
-FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::text[],
-            %s::timestamptz[]) AS v(id, reason, message, position, breakdown, est_start)
-WHERE j.id = v.id AND j.status = 'pending'
+FROM v JOIN mine ON mine.id = v.id
+WHERE j.id = v.id
 """
 
 _STORED_WAITS = """

@@ -4,10 +4,12 @@ which ``apply_decisions`` compares with the new ones instead of reading them aga
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import pytest
+from django.db import connection, transaction
 
 from scheduler import policy, services, tasks
 from scheduler.models import Gpu, Job
@@ -93,3 +95,42 @@ def test_a_job_that_left_pending_after_the_snapshot_keeps_its_fields(
     job.refresh_from_db()
     assert result.updated_reasons == 0
     assert (job.status, job.pending_message) == ("cancelled", "")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_storing_waits_skips_a_job_another_transaction_holds(
+    alice: User, cluster: list[Node]
+) -> None:
+    """A concurrent pass holding a job (starting it) must not make this pass wait
+    on it: waiting on rows in no set order deadlocked two racing passes."""
+    held, free = JobFactory(owner=alice), JobFactory(owner=alice)
+    snap = services.snapshot()
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                Job.objects.select_for_update().get(pk=held.pk)
+                locked.set()
+                release.wait(timeout=60)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(timeout=30)
+        result = services.apply_decisions(
+            [
+                policy.Wait(held.pk, policy.Reason.RESOURCES, "for the held job"),
+                policy.Wait(free.pk, policy.Reason.RESOURCES, "for the free job"),
+            ],
+            snap.stored_waits,
+        )
+    finally:
+        release.set()
+        holder.join(timeout=30)
+    assert result.updated_reasons == 1
+    assert Job.objects.get(pk=free.pk).pending_message == "for the free job"
+    assert Job.objects.get(pk=held.pk).pending_message != "for the held job"
