@@ -102,7 +102,10 @@ def run_one(
     scenario: str, policy: str, out_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any] | None:
     out = out_dir / f"sim_{scenario}_{policy}.json"
-    if args.reuse and out.is_file():
+    if args.report_only and not out.is_file():
+        sys.stdout.write(f"-- {scenario}/{policy}: no result in {out_dir}\n")
+        return None
+    if (args.reuse or args.report_only) and out.is_file():
         try:
             kept: dict[str, Any] = json.loads(out.read_text())
         except ValueError:
@@ -269,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep results already in --out-dir (same seed) instead of re-running",
     )
     p.add_argument("--parallel", type=int, default=1, help="runs at once")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: report the results already in --out-dir",
+    )
     args = p.parse_args(argv)
     scenarios = [s for s in args.only.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
