@@ -228,8 +228,8 @@ async def test_tiny_spool_cap_keeps_the_exit_and_the_newest_samples(
                 14, f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 5", tmp_path
             ),
         )
-        await await_until(lambda: portal.of("job.started", attempt_id=14))
-        await asyncio.sleep(0.3)  # job.started acked
+        [started] = await await_until(lambda: portal.of("job.started", attempt_id=14))
+        await await_until(lambda: started["seq"] not in agent.spool.entries)  # acked
         await portal.stop()
         first = (await await_until(lambda: list(agent.spool.droppable)))[0]
         await await_until(lambda: agent.spool.dropped >= 10, 15)
