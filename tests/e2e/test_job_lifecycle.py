@@ -106,7 +106,9 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
             lambda: pgid_file.exists() and pgid_file.read_text().strip(), what="pgid"
         )
     )
-    assert len(live_processes_in_group(pgid)) >= 2  # sh, and its background sleep
+    # sh, and its background sleep: pgid is written as soon as sh is exec'd, before
+    # it has necessarily forked anything.
+    wait_until(lambda: len(live_processes_in_group(pgid)) >= 2, what="the group")
 
     # An outsider cannot cancel it (404, nothing changes).
     outsider = login(stack.base_url, "charlie", "pw-charlie")
