@@ -81,6 +81,7 @@ def test_a_job_survives_its_agent_being_killed_and_reports_its_true_exit(
 def test_a_job_ignoring_sigterm_is_killed_after_its_grace(
     stack: Stack, alice: User
 ) -> None:
+    from scheduler import services
     from scheduler.models import Attempt, Job
 
     connect_node(stack, "stubborn")
@@ -105,6 +106,9 @@ def test_a_job_ignoring_sigterm_is_killed_after_its_grace(
     attempt = Attempt.objects.get(job_id=job_id)
     pgid_file = stack.tmp / "agent-stubborn" / "jobs" / str(attempt.pk) / "pgid"
     pgid = int(wait_until(lambda: pgid_file.exists() and pgid_file.read_text().strip()))
+    # "ready" is printed after the trap: a SIGTERM before it would end the job (143).
+    job = Job.objects.get(pk=job_id)
+    wait_until(lambda: "ready" in services.log_tail(job), what="the trap set")
 
     t0 = time.monotonic()
     assert csrf_post(client, f"/jobs/{job_id}/cancel/", {}).status_code == 302
