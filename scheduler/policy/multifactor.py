@@ -78,19 +78,19 @@ def decide_multifactor(
 
     # 4. stable order (tuples compare in C; the position breaks nothing: ids are unique)
     pending = state.pending
-    if predictions:
-        # gpulab: at equal priority the higher class first (a max-aged job's whole
-        # runtime part may tie a new job one class up: see priority.py), then older
-        keyed = sorted(
-            (-prio[j.id], -breakdowns[j.id]["class"], j.submitted_at, j.id, i)
-            for i, j in enumerate(pending)
+    # gpulab: at equal priority the higher class first (a max-aged job's whole
+    # runtime part may tie a new job one class up: see priority.py), then older
+    keyed = sorted(
+        (
+            -prio[j.id],
+            -breakdowns[j.id]["class"] if predictions else 0.0,
+            j.submitted_at,
+            j.id,
+            i,
         )
-        order = [pending[k[4]] for k in keyed]
-    else:
-        keyed3 = sorted(
-            (-prio[j.id], j.submitted_at, j.id, i) for i, j in enumerate(pending)
-        )
-        order = [pending[k[3]] for k in keyed3]
+        for i, j in enumerate(pending)
+    )
+    order = [pending[k[4]] for k in keyed]
 
     decisions: list[Decision] = []
     started: list[RunningJob] = []

@@ -13,7 +13,7 @@ import heapq
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -191,16 +191,7 @@ class Simulator:
                     nvlink_peers=peers,
                 )
                 self.free_view[gid] = view
-                self.busy_view[gid] = GpuView(
-                    id=gid,
-                    node_id=node_id,
-                    index=index,
-                    memory_total_mib=spec.memory_mib,
-                    slots=1,
-                    free_slots=0,
-                    model=spec.model,
-                    nvlink_peers=peers,
-                )
+                self.busy_view[gid] = replace(view, free_slots=0)
                 self.gpu_node[gid] = node_id
                 self.gpu_model[gid] = spec.model
                 self.gpu_mem[gid] = spec.memory_mib
