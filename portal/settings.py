@@ -17,6 +17,7 @@ import django_stubs_ext
 from agents.protocol import MAX_COMMAND_CHARS
 from portal.settings_env import (
     envbool,
+    envchoice,
     envfloat,
     envint,
     envlist,
@@ -223,7 +224,7 @@ GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
 GPULAB_DEFAULT_CLASS = "normal"
 # The scheduling policy (scheduler.policy.PolicyConfig): name and weights.
 GPULAB_POLICY: dict[str, Any] = {
-    "name": envstr("GPULAB_POLICY", "gpulab"),
+    "name": envchoice("GPULAB_POLICY", "gpulab", ("fifo", "slurm", "gpulab")),
     "weight_class": envfloat("GPULAB_WEIGHT_CLASS", 1000.0, minimum=0),
     "weight_age": envfloat("GPULAB_WEIGHT_AGE", 500.0, minimum=0),
     "weight_fairshare": envfloat("GPULAB_WEIGHT_FAIRSHARE", 1000.0, minimum=0),
@@ -232,6 +233,10 @@ GPULAB_POLICY: dict[str, Any] = {
     "runtime_ref_s": envfloat("GPULAB_RUNTIME_REF", 7 * 86400.0, minimum=3600),
     "max_age_s": envfloat("GPULAB_MAX_AGE", 7 * 86400.0, minimum=60),
     "backfill": envbool("GPULAB_BACKFILL", default=True),
+    # gpulab: plan backfill with time limits (default) or min(limit, prediction)
+    "backfill_plan": envchoice(
+        "GPULAB_BACKFILL_PLAN", "limit", ("limit", "prediction")
+    ),
     "preempt_max_per_hour": envint("GPULAB_PREEMPT_MAX_PER_HOUR", 2, minimum=0),
 }
 # Half-life of past usage in fair share, seconds (Slurm's PriorityDecayHalfLife).

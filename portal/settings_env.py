@@ -25,6 +25,16 @@ def envstr(name: str, default: str | None = None) -> str:
     return value
 
 
+def envchoice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (case-sensitive, as the code compares it)."""
+    value = envstr(name, default).strip()
+    if value not in choices:
+        raise ImproperlyConfigured(
+            f"{name}={value!r} is not one of: {', '.join(choices)}"
+        )
+    return value
+
+
 def envbool(name: str, *, default: bool) -> bool:
     value = os.environ.get(name)
     if value is None:

@@ -247,8 +247,9 @@ class Job(models.Model):
     # A required GPU model (case-insensitive part of the GPU's name), e.g. "A100".
     gpu_model = models.CharField(max_length=64, blank=True)
     time_limit_s = models.PositiveIntegerField()
-    # Run time predicted at submit from similar past jobs (backfill plans with
-    # min(limit, prediction)); shown to the owner.
+    # Run time predicted at submit from similar past jobs; min(limit, prediction)
+    # orders the queue (run-time factor) and, with GPULAB_BACKFILL_PLAN=prediction,
+    # is what backfill plans with. Shown to the owner.
     predicted_runtime_s = models.PositiveIntegerField(null=True, blank=True)
     priority_class = models.CharField(max_length=32, default="normal")
     shareable = models.BooleanField(default=False)
@@ -333,7 +334,8 @@ class Job(models.Model):
 
     @property
     def planned_runtime_s(self) -> int:
-        """What backfill plans with: min(limit, prediction)."""
+        """min(limit, prediction): what the run-time factor reads, and what backfill
+        plans with when ``GPULAB_BACKFILL_PLAN`` is "prediction"."""
         if self.predicted_runtime_s is None:
             return self.time_limit_s
         return min(self.time_limit_s, self.predicted_runtime_s)

@@ -123,6 +123,7 @@ def _job_context(job: Job) -> dict[str, object]:
         "log_tail": services.log_tail(job),
         "queue_position": job.queue_position,
         "ahead": ahead,
+        "plans_with_prediction": services.policy_config().plans_with_prediction,
     }
 
 

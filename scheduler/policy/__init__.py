@@ -48,6 +48,7 @@ from scheduler.policy.state import (
 )
 
 POLICIES = ("fifo", "slurm", "gpulab")
+BACKFILL_PLANS = ("limit", "prediction")
 
 
 def decide(state: ClusterState) -> list[Decision]:
@@ -73,16 +74,27 @@ def _decide(state: ClusterState) -> list[Decision]:
         return decide_fifo(state)
     if name == "slurm":
         return decide_multifactor(
-            state, preemption=False, topology=False, predictions=False
+            state, preemption=False, topology=False, predictions=False, runtime=False
         )
     if name == "gpulab":
+        plan = state.config.backfill_plan
+        if plan not in BACKFILL_PLANS:
+            raise ValueError(
+                f"unknown backfill plan {plan!r}; choose one of"
+                f" {', '.join(BACKFILL_PLANS)}"
+            )
         return decide_multifactor(
-            state, preemption=True, topology=True, predictions=True
+            state,
+            preemption=True,
+            topology=True,
+            predictions=state.config.plans_with_prediction,
+            runtime=True,
         )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
 __all__ = [
+    "BACKFILL_PLANS",
     "POLICIES",
     "ClassSpec",
     "ClusterState",

@@ -48,8 +48,15 @@ INF = 1 << 62
 
 
 def decide_multifactor(
-    state: ClusterState, *, preemption: bool, topology: bool, predictions: bool
+    state: ClusterState,
+    *,
+    preemption: bool,
+    topology: bool,
+    predictions: bool,
+    runtime: bool,
 ) -> list[Decision]:
+    """``predictions``: backfill plans jobs with min(limit, prediction), not their
+    limits; ``runtime``: the run-time priority factor (and class tie-break)."""
     cfg = state.config
     spread = cfg.placement == "spread"
     now = state.now
@@ -73,7 +80,7 @@ def decide_multifactor(
         classes=state.classes,
         fairshare=fairshare,
         total_gpus=idx.total_gpus,
-        runtime=predictions,
+        runtime=runtime,
     )
 
     # 4. stable order (tuples compare in C; the position breaks nothing: ids are unique)
@@ -83,7 +90,7 @@ def decide_multifactor(
     keyed = sorted(
         (
             -prio[j.id],
-            -breakdowns[j.id]["class"] if predictions else 0.0,
+            -breakdowns[j.id]["class"] if runtime else 0.0,
             j.submitted_at,
             j.id,
             i,

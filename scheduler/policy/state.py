@@ -45,11 +45,20 @@ class PolicyConfig:
     runtime_ref_s: float = 7 * 86400.0  # the run time whose factor is 0
     max_age_s: float = 7 * 86400.0  # the age factor saturates here
     backfill: bool = True
+    # ``gpulab``: how backfill plans a job's end: "limit" (its time limit, as Slurm
+    # does) or "prediction" (min(limit, predicted run time)); ``slurm`` always
+    # plans with limits. The run-time factor reads the prediction either way.
+    backfill_plan: str = "limit"
     backfill_max_tested: int = 500
     # Preemption: a job is preempted at most this many times per hour.
     preempt_max_per_hour: int = 2
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
+
+    @property
+    def plans_with_prediction(self) -> bool:
+        """Backfill plans jobs with min(limit, prediction), not their limits."""
+        return self.name == "gpulab" and self.backfill_plan == "prediction"
 
 
 # ------------------------------------------------------------------ cluster

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.spec import SpecError, parse_cluster_spec
-from scheduler.policy import POLICIES, PolicyConfig
+from scheduler.policy import BACKFILL_PLANS, POLICIES, PolicyConfig
 from scheduler.policy.predict import HISTORY
 from scheduler.sim.engine import (
     InvariantError,
@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", required=True, help="e.g. 16x4:p100 or 8x4:p100+4x8:k80"
     )
     p.add_argument("--policy", choices=POLICIES, default="gpulab")
+    p.add_argument(
+        "--backfill-plan",
+        choices=BACKFILL_PLANS,
+        default=PolicyConfig.backfill_plan,
+        help="gpulab: backfill plans with time limits or min(limit, prediction)",
+    )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
     p.add_argument("--colocation", help="pairwise co-location table (recorded only)")
     p.add_argument("--seed", type=int, default=0)
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sim = Simulator(
         prepared.jobs,
         nodes,
-        PolicyConfig(name=args.policy),
+        PolicyConfig(name=args.policy, backfill_plan=args.backfill_plan),
         SimOptions(
             period_s=args.period,
             half_life_s=args.half_life_days * 86400.0,
@@ -151,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "options": {
                 "vc": args.vc,
+                "backfill_plan": args.backfill_plan,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,
                 "period_s": args.period,

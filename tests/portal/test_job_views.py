@@ -127,20 +127,23 @@ def test_it_shows_the_owner_her_job(alice: User, alice_job: Job) -> None:
 
 
 @pytest.mark.parametrize(
-    ("limit", "predicted", "shown"),
+    ("plan", "limit", "predicted", "shown"),
     [
-        (600, 1319, "plans 10m: the smaller of the limit and 21m 59s"),
-        (7200, 1319, "plans 21m 59s: the smaller of the limit and 21m 59s"),
+        ("prediction", 600, 1319, "plans 10m: the smaller of the limit and the"),
+        ("prediction", 7200, 1319, "plans 21m 59s: the smaller of the limit and"),
+        ("limit", 7200, 1319, "(21m 59s counts); backfill plans with the limit"),
     ],
 )
 def test_it_says_what_the_scheduler_plans_with(
-    alice: User, limit: int, predicted: int, shown: str
+    settings, alice: User, plan: str, limit: int, predicted: int, shown: str
 ) -> None:
+    settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "backfill_plan": plan}
     job = JobFactory(owner=alice, time_limit_s=limit, predicted_runtime_s=predicted)
 
-    page = client_for(alice).get(f"/jobs/{job.pk}/").content.decode()
+    page = " ".join(client_for(alice).get(f"/jobs/{job.pk}/").content.decode().split())
 
-    assert shown in " ".join(page.split())
+    assert "predicted run time 21m 59s, the longest of the owner's" in page
+    assert shown in page
 
 
 @pytest.mark.parametrize("persona", ["bob", "charlie"])

@@ -10,6 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from portal.settings_env import (
     envbool,
+    envchoice,
     envfloat,
     envint,
     envlist,
@@ -123,6 +124,24 @@ def test_it_refuses_a_float_below_the_minimum(monkeypatch: pytest.MonkeyPatch) -
 
     with pytest.raises(ImproperlyConfigured, match=f"{VAR}=0.1 must be at least 0.5"):
         envfloat(VAR, 5.0, minimum=0.5)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", "a"), ("b", "b"), (" b ", "b")])
+def test_it_takes_one_of_the_choices(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: str
+) -> None:
+    monkeypatch.setenv(VAR, value)
+
+    assert envchoice(VAR, "a", ("a", "b")) == expected
+
+
+def test_it_refuses_a_value_outside_the_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(VAR, "B")
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}='B' is not one of: a, b"):
+        envchoice(VAR, "a", ("a", "b"))
 
 
 def test_it_splits_a_list_dropping_empty_items(

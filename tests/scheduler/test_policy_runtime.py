@@ -1,8 +1,8 @@
 """What ``gpulab`` knows that ``slurm`` does not: predicted run times.
 
-- ``slurm`` plans backfill with time limits, as Slurm does; ``gpulab`` with
-  min(limit, prediction), and a running job that outlived its prediction with its
-  limit from then on;
+- ``slurm`` plans backfill with time limits, as Slurm does; so does ``gpulab`` by
+  default, and with min(limit, prediction) when ``backfill_plan`` is "prediction"
+  (a running job that outlived its prediction is then planned to its limit);
 - ``gpulab`` ranks shorter planned jobs higher (the ``runtime`` factor), bounded by
   age so a long job is not starved;
 - the prediction rule (``policy.predict``) shared by the pass and the simulator.
@@ -20,6 +20,7 @@ from scheduler.policy.state import Usage
 from tests.scheduler.test_policy_support import (
     CLASSES,
     GPULAB,
+    GPULAB_PREDICT,
     NOW,
     SLURM,
     cluster,
@@ -48,9 +49,11 @@ def blocked(later, *, run_limit: float | None = None, run_started_ago=600.0):
 
 @pytest.mark.parametrize(
     ("config", "backfilled"),
-    [(GPULAB, True), (SLURM, False)],
+    [(GPULAB_PREDICT, True), (GPULAB, False), (SLURM, False)],
 )
-def test_slurm_plans_with_limits_and_gpulab_with_predictions(config, backfilled):
+def test_backfill_plans_with_limits_unless_told_to_plan_with_predictions(
+    config, backfilled
+):
     # predicted 30 min, limit 8 h: fits before the +1 h shadow only by prediction
     gpus, run, jobs = blocked(pending(2, 2, planned=HOUR / 2, limit=8 * HOUR))
     ds = decide(cluster(gpus, jobs, run=run, config=config))
@@ -63,7 +66,11 @@ def test_slurm_plans_with_limits_and_gpulab_with_predictions(config, backfilled)
 
 @pytest.mark.parametrize(
     ("config", "shadow"),
-    [(GPULAB, NOW + HOUR), (SLURM, NOW - 600.0 + DAY)],
+    [
+        (GPULAB_PREDICT, NOW + HOUR),
+        (GPULAB, NOW - 600.0 + DAY),
+        (SLURM, NOW - 600.0 + DAY),
+    ],
 )
 def test_the_shadow_time_follows_what_each_policy_plans_with(config, shadow):
     gpus, run, jobs = blocked(pending(2, 1), run_limit=DAY)
@@ -77,11 +84,29 @@ def test_a_job_past_its_prediction_is_planned_to_its_limit():
     # so the reservation plans with its limit (6 h after its start), not "now"
     run = [running(90, (100, 101), ends_in=-HOUR, started_ago=2 * HOUR, limit=6 * HOUR)]
     jobs = [pending(1, 4, cls="high"), pending(2, 2, planned=3 * HOUR)]
-    ds = decide(cluster(node_gpus(1, 4), jobs, run=run))
+    ds = decide(cluster(node_gpus(1, 4), jobs, run=run, config=GPULAB_PREDICT))
     assert waits(ds)[1].est_start == pytest.approx(NOW + 4 * HOUR)
     # a 3 h job ends before that shadow: backfilled (planning with the violated
     # prediction would put the shadow at now and hold it back)
     assert starts(ds)[2].backfilled
+
+
+def test_an_unknown_backfill_plan_is_refused_by_name():
+    gpus, run, jobs = blocked(pending(2, 1))
+    bad = PolicyConfig(name="gpulab", backfill_plan="oracle")
+    with pytest.raises(ValueError, match="unknown backfill plan 'oracle'"):
+        decide(cluster(gpus, jobs, run=run, config=bad))
+
+
+def test_the_runtime_factor_orders_the_queue_whatever_backfill_plans_with():
+    # job 2, predicted 1 h (limit a week), goes before the older 1-day job under
+    # both plans: the plan changes what backfill protects, not the order
+    jobs = [
+        pending(1, 1, planned=DAY, age=60.0),
+        pending(2, 1, planned=HOUR, limit=WEEK),
+    ]
+    for config in (GPULAB, GPULAB_PREDICT):
+        assert order_of(jobs, config) == [2, 1]
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,8 @@ CLASSES = MappingProxyType(
         "best-effort": ClassSpec("best-effort", 0.0, preemptible=True),
     }
 )
-GPULAB = PolicyConfig(name="gpulab")
+GPULAB = PolicyConfig(name="gpulab")  # backfill plans with limits (the default)
+GPULAB_PREDICT = PolicyConfig(name="gpulab", backfill_plan="prediction")
 SLURM = PolicyConfig(name="slurm")
 
 
@@ -81,8 +82,8 @@ def pending(
     mem: int | None = None,
     model: str = "",
 ) -> PendingJob:
-    """``limit`` defaults to ``planned``: ``slurm`` plans with the limit and
-    ``gpulab`` with the prediction, so by default both plan alike."""
+    """``limit`` defaults to ``planned``: backfill plans with the limit, or with
+    the prediction (``GPULAB_PREDICT``), so by default every policy plans alike."""
     return PendingJob(
         id=job_id,
         gpus=gpus,

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from agents.spec import parse_cluster_spec
+from scheduler.policy import decide
+from scheduler.sim import cli as sim_cli
 from scheduler.sim.cli import main
+from scheduler.sim.engine import Simulator
 from scheduler.sim.trace import (
     PrepareOptions,
     TraceError,
@@ -279,3 +282,24 @@ def test_module_runs_without_django(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "o.json").read_text())["jobs"] == 1
+
+
+@pytest.mark.parametrize("plan", ["limit", "prediction"])
+def test_cli_passes_the_backfill_plan_to_the_policy(tmp_path, plan, monkeypatch):
+    seen: list[str] = []
+
+    def spy(state):
+        seen.append(state.config.backfill_plan)
+        return decide(state)
+
+    def simulator(*args, **kwargs):
+        return Simulator(*args, **kwargs, decide_fn=spy)
+
+    monkeypatch.setattr(sim_cli, "Simulator", simulator)
+    path = write(tmp_path, "t.csv", "job_id,submit_time,num_gpus,duration\na,0,1,10\n")
+    out = tmp_path / "o.json"
+    args = ["--trace", path, "--cluster", "1x1:p100", "--policy", "gpulab"]
+    code = main([*args, "--backfill-plan", plan, "--quiet", "--out", str(out)])
+    assert code == 0
+    assert seen and set(seen) == {plan}
+    assert json.loads(out.read_text())["options"]["backfill_plan"] == plan
