@@ -54,6 +54,16 @@ class PolicyConfig:
     preempt_max_per_hour: int = 2
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
+    # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.
+    colocation: bool = True
+    colo_headroom_mib: int = 512  # added to each job's memory need
+    colo_gain_margin: float = 0.05  # 1/r_AB + 1/r_BA must reach 1 + this
+    colo_min_confidence: float = 0.5  # below: the pair is unknown (a trial)
+    colo_trials_per_pair_hour: int = 1
+    colo_trials_per_hour: int = 10
+    # "exclusive-first": share only when no free GPU fits; "pack": share first,
+    # leaving whole GPUs free for large jobs
+    colo_packing: str = "exclusive-first"
 
     @property
     def plans_with_prediction(self) -> bool:

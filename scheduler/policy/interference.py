@@ -1,0 +1,221 @@
+"""The interference model: predicted slowdowns r_AB for two jobs sharing one GPU.
+
+r_AB is A's slowdown when it shares a GPU with B: its time shared over its time
+alone (>= 1). The model predicts log r_AB (slowdowns multiply, and measurement
+noise is multiplicative) by shrinking three levels of knowledge into one another,
+each level's mean weighted by how much evidence it has:
+
+1. structure (no evidence needed): kernels of two processes are time-sliced, so A
+   is slowed while B keeps the GPU busy. With u the fraction of its solo time a job
+   keeps the GPU busy (its solo SM activity, measured by the agents; ``DEFAULT_BUSY``
+   when never measured) and m its size (declared GPU memory), the prior is
+   r_AB = 1 + u_A * u_B * 2 m_B / (m_A + m_B): the smaller job suffers more (seed
+   finding 4), a job that mostly waits on its input barely notices a partner.
+   Plus ``offset``: the mean residual log slowdown over every pair observed on this
+   GPU model (contention on copies and caches the busy fractions cannot see, seed
+   finding 5), which is what makes the prior learn too;
+2. family pair: what was observed for the same model families (``parse_label``:
+   "ResNet-50 (batch size 64)" is family "resnet-50"), counted at ``FAMILY_WEIGHT``
+   per observation: a ResNet-50 at batch 32 tells something about one at batch 64;
+3. the exact workload pair (label and batch size), counted fully.
+
+``confidence`` = evidence / (evidence + ``PRIOR_STRENGTH``), evidence being the
+exact observations plus the discounted family ones: 0 for a pair never seen, 0.5
+after two exact observations with the defaults. The admission rule treats a pair
+below its confidence threshold as unknown: it may only be tried as an exploration
+trial within the budget (``colocate``).
+
+One observation is one sharing episode's measured slowdown: the job's progress rate
+while it shared over its workload's solo rate (the agents' progress reports), the
+loader's job in production and the simulator's. Pure: no Django, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+DEFAULT_BUSY = 0.8  # solo GPU busy fraction assumed for a never-measured workload
+PRIOR_STRENGTH = 2.0  # pseudo-observations the structural prior is worth
+FAMILY_WEIGHT = 0.5  # an observation of the family pair, in exact observations
+MAX_LOG_R = math.log(64.0)  # clamp: a measured slowdown beyond 64x is an outlier
+
+_BATCH = re.compile(r"(?:batch[\s_-]*size|bs)[\s=:_-]*(\d+)", re.IGNORECASE)
+_PAREN = re.compile(r"\([^)]*\)")
+
+
+def parse_label(label: str) -> tuple[str, int | None]:
+    """(family, batch size) of a workload label: "ResNet-50 (batch size 64)" ->
+    ("resnet-50", 64); "bert-base bs=32" -> ("bert-base", 32); "" -> ("", None).
+    The family is the label without the batch size, lower-cased, spaces squeezed."""
+    m = _BATCH.search(label)
+    batch = int(m.group(1)) if m else None
+    rest = _BATCH.sub(" ", label)
+    rest = _PAREN.sub(" ", rest) if batch is not None else rest
+    family = " ".join(rest.replace("_", " ").split()).strip(" -=:,").lower()
+    return family, batch
+
+
+@dataclass(frozen=True)
+class Observations:
+    """Log slowdowns observed for one ordered pair (A's slowdown beside B):
+    count, mean and sum of squared deviations (Welford), so they merge cheaply."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, log_r: float) -> Observations:
+        x = min(max(log_r, 0.0), MAX_LOG_R)
+        n = self.n + 1
+        delta = x - self.mean
+        mean = self.mean + delta / n
+        return Observations(n, mean, self.m2 + delta * (x - mean))
+
+    @classmethod
+    def of(cls, log_rs: Iterable[float]) -> Observations:
+        obs = cls()
+        for x in log_rs:
+            obs = obs.add(x)
+        return obs
+
+    @property
+    def slowdown(self) -> float:
+        return math.exp(self.mean)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the portal knows of a job before it shares: its label, declared GPU
+    memory and its workload's solo busy fraction (None: never measured)."""
+
+    workload: str = ""
+    memory_mib: int | None = None
+    busy: float | None = None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted ordered-pair slowdown r_AB with its confidence in [0, 1] and
+    where it came from ("pair", "family" or "prior": the strongest level that had
+    evidence)."""
+
+    slowdown: float
+    confidence: float
+    source: str
+    observations: int = 0
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    """Everything learned so far, as plain data (loaded by the pass from the
+    database, kept by the simulator from its own measurements).
+
+    ``pairs``: observations per ordered workload pair (A's label, B's label);
+    ``busy``: solo busy fraction per workload label, from the agents' samples of
+    jobs that ran alone."""
+
+    pairs: Mapping[tuple[str, str], Observations] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    busy: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class Model:
+    """Predicts r_AB from ``Knowledge``; built once per pass (the family pools and
+    the offset are aggregated here, not per query)."""
+
+    def __init__(self, knowledge: Knowledge) -> None:
+        self.knowledge = knowledge
+        families: dict[tuple[str, str], list[Observations]] = {}
+        residual_sum = 0.0
+        residual_n = 0
+        for (a, b), obs in knowledge.pairs.items():
+            if obs.n <= 0:
+                continue
+            fa, fb = parse_label(a)[0], parse_label(b)[0]
+            families.setdefault((fa, fb), []).append(obs)
+            base = self._structural(
+                Profile(a, None, knowledge.busy.get(a)),
+                Profile(b, None, knowledge.busy.get(b)),
+            )
+            residual_sum += (obs.mean - base) * obs.n
+            residual_n += obs.n
+        self.family: dict[tuple[str, str], tuple[float, float]] = {
+            k: (
+                sum(o.n for o in v),
+                sum(o.mean * o.n for o in v) / sum(o.n for o in v),
+            )
+            for k, v in families.items()
+        }
+        # the residual every pair shares (copy and cache contention), shrunk to 0
+        # while few pairs were seen
+        self.offset = residual_sum / (residual_n + PRIOR_STRENGTH)
+        self._cache: dict[tuple[Profile, Profile], Estimate] = {}
+
+    def _busy(self, p: Profile) -> float:
+        if p.busy is not None:
+            return min(max(p.busy, 0.0), 1.0)
+        return self.knowledge.busy.get(p.workload, DEFAULT_BUSY)
+
+    def _structural(self, a: Profile, b: Profile) -> float:
+        """log r_AB from the time-slicing model alone (no offset)."""
+        ua = a.busy if a.busy is not None else DEFAULT_BUSY
+        ub = b.busy if b.busy is not None else DEFAULT_BUSY
+        ma, mb = a.memory_mib, b.memory_mib
+        size = 2.0 * mb / (ma + mb) if ma and mb else 1.0
+        return math.log1p(ua * ub * size)
+
+    def estimate(self, a: Profile, b: Profile) -> Estimate:
+        """r_AB: A's predicted slowdown beside B."""
+        key = (a, b)
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        pa = Profile(a.workload, a.memory_mib, self._busy(a))
+        pb = Profile(b.workload, b.memory_mib, self._busy(b))
+        mean = self._structural(pa, pb) + self.offset
+        weight = PRIOR_STRENGTH
+        source = "prior"
+        fam = self.family.get((parse_label(a.workload)[0], parse_label(b.workload)[0]))
+        exact = self.knowledge.pairs.get((a.workload, b.workload))
+        n_exact = exact.n if exact is not None and a.workload and b.workload else 0
+        if fam is not None and a.workload and b.workload:
+            # the family pool includes the exact pair: count only the others
+            n_fam, fam_mean = fam
+            n_other = n_fam - n_exact
+            if n_other > 0:
+                other_mean = (
+                    (fam_mean * n_fam - exact.mean * n_exact) / n_other
+                    if exact is not None and n_exact
+                    else fam_mean
+                )
+                w = FAMILY_WEIGHT * n_other
+                mean = (mean * weight + other_mean * w) / (weight + w)
+                weight += w
+                source = "family"
+        if exact is not None and n_exact:
+            mean = (mean * weight + exact.mean * n_exact) / (weight + n_exact)
+            weight += n_exact
+            source = "pair"
+        evidence = weight - PRIOR_STRENGTH
+        got = Estimate(
+            slowdown=math.exp(max(mean, 0.0)),
+            confidence=evidence / weight,
+            source=source,
+            observations=n_exact,
+        )
+        self._cache[key] = got
+        return got
+
+
+def gain(r_ab: float, r_ba: float) -> float:
+    """Combined normalised throughput of a pair: 1/r_AB + 1/r_BA. Sharing beats
+    taking turns exactly when it is above 1, i.e. r_AB * r_BA < r_AB + r_BA (P2)."""
+    return 1.0 / r_ab + 1.0 / r_ba

@@ -1,0 +1,305 @@
+"""Co-location, pure side: the interference model and the admission rule
+(``policy.interference``, ``policy.colocate``; SEEDS.md P1-P3)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from scheduler.policy import PolicyConfig
+from scheduler.policy.colocate import Budget, Sharer, admit, rank
+from scheduler.policy.interference import (
+    DEFAULT_BUSY,
+    Estimate,
+    Knowledge,
+    Model,
+    Observations,
+    Profile,
+    gain,
+    parse_label,
+)
+
+GIB = 1024
+CFG = PolicyConfig(colo_headroom_mib=0, colo_gain_margin=0.0)
+
+
+# ------------------------------------------------------------------ labels
+
+
+@pytest.mark.parametrize(
+    ("label", "family", "batch"),
+    [
+        ("ResNet-50 (batch size 64)", "resnet-50", 64),
+        ("Transformer (batch size 16)", "transformer", 16),
+        ("bert-base bs=32", "bert-base", 32),
+        ("bert_base_bs32", "bert base", 32),
+        ("A3C", "a3c", None),
+        ("CycleGAN", "cyclegan", None),
+        ("LM (batch size 5)", "lm", 5),
+        ("", "", None),
+    ],
+)
+def test_a_label_gives_the_family_and_batch_size(label, family, batch):
+    assert parse_label(label) == (family, batch)
+
+
+# ------------------------------------------------------------------ model
+
+
+def test_observations_keep_the_mean_and_variance_of_what_they_saw():
+    xs = [0.1, 0.3, 0.2, 0.25, 0.4]
+    obs = Observations.of(xs)
+    assert obs.n == 5
+    assert obs.mean == pytest.approx(statistics.mean(xs))
+    assert obs.m2 / (obs.n - 1) == pytest.approx(statistics.variance(xs))
+
+
+def test_observations_clamp_speedups_and_outliers():
+    assert Observations.of([-0.5]).mean == 0.0  # sharing never speeds a job up
+    assert Observations.of([100.0]).slowdown == pytest.approx(64.0)
+
+
+def test_the_prior_without_evidence_is_the_time_slicing_model():
+    model = Model(Knowledge())
+    e = model.estimate(Profile("a"), Profile("b"))
+    assert e.slowdown == pytest.approx(1 + DEFAULT_BUSY**2)
+    assert (e.confidence, e.source, e.observations) == (0.0, "prior", 0)
+
+
+def test_the_prior_says_the_smaller_job_suffers_more():
+    model = Model(Knowledge())
+    small, big = Profile("s", 2 * GIB), Profile("b", 14 * GIB)
+    assert model.estimate(small, big).slowdown > model.estimate(big, small).slowdown
+
+
+def test_a_job_that_barely_uses_the_gpu_barely_slows_its_partner():
+    model = Model(Knowledge(busy={"loader-bound": 0.1, "compute": 0.95}))
+    idle, busy = Profile("loader-bound"), Profile("compute")
+    assert model.estimate(busy, idle).slowdown < 1.1
+    assert model.estimate(busy, Profile("compute")).slowdown > 1.8
+
+
+def test_the_estimate_converges_to_the_true_slowdown_and_grows_surer():
+    true_r = 1.3
+    rng = random.Random(5)
+    obs = Observations()
+    confidences = []
+    for _ in range(40):
+        obs = obs.add(math.log(true_r) + rng.gauss(0.0, 0.05))
+        e = Model(Knowledge(pairs={("a", "b"): obs})).estimate(
+            Profile("a"), Profile("b")
+        )
+        confidences.append(e.confidence)
+    assert e.source == "pair" and e.observations == 40
+    # within the noise: 5 % sigma over 40 samples, plus the prior's pull (2 of 42)
+    assert e.slowdown == pytest.approx(true_r, rel=0.04)
+    assert confidences == sorted(confidences)
+    assert confidences[1] == pytest.approx(0.5)  # two observations: half sure
+
+
+def test_the_family_informs_an_untried_batch_size():
+    seen = Observations.of([math.log(1.1)] * 6)
+    knowledge = Knowledge(
+        pairs={("ResNet-18 (batch size 32)", "LM (batch size 5)"): seen}
+    )
+    e = Model(knowledge).estimate(
+        Profile("ResNet-18 (batch size 64)"), Profile("LM (batch size 10)")
+    )
+    prior = Model(Knowledge()).estimate(Profile("x"), Profile("y"))
+    assert e.source == "family"
+    assert 1.1 < e.slowdown < prior.slowdown
+    assert 0.0 < e.confidence < 0.75  # discounted: 6 family runs = 3 exact ones
+
+
+def test_pairs_worse_than_the_structure_raise_the_prior_of_unseen_pairs():
+    bad = Observations.of([math.log(2.5)] * 10)
+    knowledge = Knowledge(pairs={("p", "q"): bad, ("q", "p"): bad})
+    unseen = Model(knowledge).estimate(Profile("x"), Profile("y"))
+    assert unseen.source == "prior"
+    assert (
+        unseen.slowdown
+        > Model(Knowledge()).estimate(Profile("x"), Profile("y")).slowdown
+    )
+
+
+def test_gain_is_the_combined_normalised_throughput():
+    assert gain(2.0, 2.0) == pytest.approx(1.0)
+    assert gain(1.25, 1.25) == pytest.approx(1.6)
+
+
+# ------------------------------------------------------------------ admission
+
+
+class Table:
+    """A model with given slowdowns (r_AB per ordered label pair), fully sure
+    unless listed in ``unsure``: the rule is tested apart from the estimates."""
+
+    def __init__(self, r: dict[tuple[str, str], float], unsure=()):
+        self.r = r
+        self.unsure = set(unsure)
+
+    def estimate(self, a: Profile, b: Profile) -> Estimate:
+        key = (a.workload, b.workload)
+        conf = 0.0 if key in self.unsure else 1.0
+        return Estimate(self.r[key], conf, "pair", 10)
+
+
+def job(i, label, mem=4 * GIB, *, cap=1.5, peak=None, shareable=True):
+    return Sharer(i, Profile(label, mem), shareable, peak, cap)
+
+
+def run(candidate, residents, model, *, cfg=CFG, mem=16 * GIB, slots=2, budget=None):
+    return admit(
+        candidate,
+        residents,
+        gpu_id=7,
+        memory_total_mib=mem,
+        slots=slots,
+        model=model,
+        config=cfg,
+        budget=budget or Budget(per_pair=1, total=10),
+    )
+
+
+SYM = Table({("a", "b"): 1.2, ("b", "a"): 1.3})
+
+
+def test_a_pair_that_gains_within_the_caps_is_admitted_with_its_numbers():
+    got = run(job(1, "a"), [job(2, "b")], SYM)
+    assert (got.admitted, got.rule, got.trial) == (True, "ok", False)
+    assert dict(got.slowdowns) == {1: 1.2, 2: 1.3}
+    assert got.gain == pytest.approx(1 / 1.2 + 1 / 1.3)
+    assert got.partners == (2,)
+    assert "predicted gain 1.60" in got.message
+
+
+@pytest.mark.parametrize(
+    ("r_ab", "r_ba", "admitted"),
+    [
+        (2.0, 2.0, False),  # r_AB * r_BA == r_AB + r_BA: no gain, refused
+        (1.99, 2.0, True),  # just inside
+        (3.0, 1.5, False),  # 1/3 + 2/3 == 1: refused
+        (2.9, 1.5, True),
+        (4.0, 1.4, False),  # 0.25 + 0.71 < 1
+    ],
+)
+def test_rule_2_at_its_boundary_with_caps_of_2_or_more(r_ab, r_ba, admitted):
+    model = Table({("a", "b"): r_ab, ("b", "a"): r_ba})
+    got = run(job(1, "a", cap=None), [job(2, "b", cap=4.0)], model)
+    assert got.admitted is admitted
+    if not admitted:
+        assert got.rule == "gain"
+        assert "not over the 1.00" in got.message
+
+
+def test_the_gain_margin_is_configurable():
+    cfg = PolicyConfig(colo_headroom_mib=0, colo_gain_margin=0.7)
+    got = run(job(1, "a"), [job(2, "b")], SYM, cfg=cfg)  # gain 1.60 < 1.70
+    assert (got.admitted, got.rule) == (False, "gain")
+
+
+@pytest.mark.parametrize(
+    ("cap_a", "cap_b", "admitted", "who"),
+    [
+        (1.5, 1.5, True, None),
+        (1.1, 1.5, False, 1),  # the candidate asked for a tighter cap
+        (1.5, 1.25, False, 2),  # the resident is protected too
+        (None, None, True, None),  # best-effort: unbounded
+    ],
+)
+def test_rule_3_protects_every_job_on_the_gpu(cap_a, cap_b, admitted, who):
+    got = run(job(1, "a", cap=cap_a), [job(2, "b", cap=cap_b)], SYM)
+    assert got.admitted is admitted
+    if who is not None:
+        assert got.rule == "protection"
+        assert f"job {who} would run" in got.message
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "peak", "headroom", "admitted"),
+    [
+        (8, 8, None, 0, True),  # 16 GiB fits 16 GiB
+        (8, 8, None, 1, False),  # with 1 MiB headroom each it does not
+        (8, 4, 9, 0, False),  # the resident measured more than it declared
+        (4, 4, 6, 0, True),
+    ],
+)
+def test_rule_1_counts_declared_or_measured_memory_plus_headroom(
+    mine, theirs, peak, headroom, admitted
+):
+    cfg = PolicyConfig(colo_headroom_mib=headroom, colo_gain_margin=0.0)
+    resident = job(2, "b", theirs * GIB, peak=None if peak is None else peak * GIB)
+    got = run(job(1, "a", mine * GIB), [resident], SYM, cfg=cfg)
+    assert got.admitted is admitted
+    if not admitted:
+        assert got.rule == "memory"
+        assert "over the GPU's 16.0 GiB" in got.message
+
+
+def test_a_job_with_no_known_memory_need_cannot_share():
+    got = run(job(1, "a", None), [job(2, "b")], SYM)
+    assert (got.admitted, got.rule) == (False, "memory")
+    assert "job 1 declares no GPU memory" in got.message
+
+
+def test_rule_4_counts_the_jobs_on_the_gpu():
+    model = Table({(x, y): 1.1 for x in "abc" for y in "abc" if x != y})
+    two = [job(2, "b"), job(3, "c")]
+    assert run(job(1, "a"), two, model).rule == "count"
+    got = run(job(1, "a"), two, model, cfg=CFG, mem=32 * GIB, slots=3)
+    assert got.admitted
+    assert dict(got.slowdowns) == pytest.approx({1: 1.21, 2: 1.21, 3: 1.21})
+
+
+@pytest.mark.parametrize("who", ["candidate", "resident"])
+def test_a_job_that_asked_for_its_own_gpu_never_shares(who):
+    got = run(
+        job(1, "a", shareable=who != "candidate"),
+        [job(2, "b", shareable=who != "resident")],
+        SYM,
+    )
+    assert (got.admitted, got.rule) == (False, "exclusive")
+
+
+def test_an_unknown_pair_is_a_trial_within_the_budget_then_refused():
+    model = Table({("a", "b"): 1.7, ("b", "a"): 1.7}, unsure={("a", "b")})
+    budget = Budget(per_pair=1, total=10)
+    got = run(job(1, "a"), [job(2, "b")], model, budget=budget)
+    # over the 1.5 cap by the prior, but a trial is judged on gain only
+    assert (got.admitted, got.rule, got.trial) == (True, "trial", True)
+    assert "exploration trial" in got.message
+    budget.spend(frozenset(("a", "b")))
+    again = run(job(3, "a"), [job(2, "b")], model, budget=budget)
+    assert (again.admitted, again.rule) == (False, "budget")
+    other = Table({("a", "c"): 1.2, ("c", "a"): 1.2}, unsure={("a", "c")})
+    assert run(job(3, "a"), [job(4, "c")], other, budget=budget).admitted
+
+
+def test_the_cluster_wide_trial_budget_caps_all_pairs():
+    model = Table({("a", "b"): 1.2, ("b", "a"): 1.2}, unsure={("a", "b")})
+    got = run(job(1, "a"), [job(2, "b")], model, budget=Budget(per_pair=5, total=0))
+    assert got.rule == "budget"
+
+
+def test_a_trial_the_prior_says_loses_is_not_tried():
+    model = Table({("a", "b"): 2.5, ("b", "a"): 2.5}, unsure={("a", "b")})
+    got = run(job(1, "a"), [job(2, "b")], model)
+    assert (got.admitted, got.rule) == (False, "gain")
+    assert "prior, untried pair" in got.message
+
+
+def test_rank_prefers_known_pairs_then_gain_then_similar_size():
+    me = job(1, "a", 4 * GIB)
+    near, far = [job(2, "b", 5 * GIB)], [job(3, "b", 15 * GIB)]
+    good = run(me, near, SYM)
+    trial_model = Table({("a", "b"): 1.05, ("b", "a"): 1.05}, unsure={("a", "b")})
+    trial = run(me, near, trial_model)
+    assert rank(good, me, near) < rank(trial, me, near)
+    same_far = run(me, far, SYM, mem=32 * GIB)
+    assert same_far.admitted
+    assert rank(good, me, near) < rank(same_far, me, far)
+    better = run(me, far, Table({("a", "b"): 1.1, ("b", "a"): 1.1}), mem=32 * GIB)
+    assert rank(better, me, far) < rank(good, me, near)
