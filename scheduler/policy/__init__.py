@@ -33,6 +33,7 @@ from scheduler.policy.state import (
     ClassSpec,
     ClusterState,
     Decision,
+    Evict,
     GpuView,
     NodeView,
     PassStats,
@@ -47,7 +48,10 @@ from scheduler.policy.state import (
     Wait,
 )
 
-POLICIES = ("fifo", "slurm", "gpulab")
+# ``gpulab-exclusive``: gpulab that never shares a GPU; ``pack-by-memory``: gpulab
+# that shares whenever memory and the job count allow (fraction-based sharing as
+# elsewhere): both are co-location baselines. The simulator adds ``oracle``.
+POLICIES = ("fifo", "slurm", "gpulab", "gpulab-exclusive", "pack-by-memory")
 BACKFILL_PLANS = ("limit", "prediction")
 
 
@@ -74,9 +78,14 @@ def _decide(state: ClusterState) -> list[Decision]:
         return decide_fifo(state)
     if name == "slurm":
         return decide_multifactor(
-            state, preemption=False, topology=False, predictions=False, runtime=False
+            state,
+            preemption=False,
+            topology=False,
+            predictions=False,
+            runtime=False,
+            colocation=None,
         )
-    if name == "gpulab":
+    if name in ("gpulab", "gpulab-exclusive", "pack-by-memory"):
         plan = state.config.backfill_plan
         if plan not in BACKFILL_PLANS:
             raise ValueError(
@@ -89,6 +98,13 @@ def _decide(state: ClusterState) -> list[Decision]:
             topology=True,
             predictions=state.config.plans_with_prediction,
             runtime=True,
+            colocation=(
+                None
+                if name == "gpulab-exclusive" or not state.config.colocation
+                else "memory"
+                if name == "pack-by-memory"
+                else state.config.colo_rule
+            ),
         )
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
@@ -99,6 +115,7 @@ __all__ = [
     "ClassSpec",
     "ClusterState",
     "Decision",
+    "Evict",
     "GpuView",
     "NodeView",
     "PassStats",

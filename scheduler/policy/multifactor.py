@@ -41,6 +41,7 @@ from scheduler.policy.state import (
 
 if TYPE_CHECKING:
     from scheduler.policy.backfill import Reservation
+    from scheduler.policy.colocate import Estimator
     from scheduler.policy.index import Constraint
     from scheduler.policy.state import ClusterState, Decision, PendingJob
 
@@ -54,9 +55,14 @@ def decide_multifactor(
     topology: bool,
     predictions: bool,
     runtime: bool,
+    colocation: str | None = None,
+    estimator: Estimator | None = None,
 ) -> list[Decision]:
     """``predictions``: backfill plans jobs with min(limit, prediction), not their
-    limits; ``runtime``: the run-time priority factor (and class tie-break)."""
+    limits; ``runtime``: the run-time priority factor (and class tie-break);
+    ``colocation``: None (never share), "full" (rules 1-4) or "memory" (memory and
+    count only); ``estimator``: predicts slowdowns (default: ``interference.Model``
+    over ``state.knowledge``; the simulator's oracle reads the true table)."""
     cfg = state.config
     spread = cfg.placement == "spread"
     now = state.now

@@ -14,8 +14,12 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from scheduler.policy.interference import Knowledge
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
+    from scheduler.policy.colocate import Admission
 
 # ------------------------------------------------------------------ configuration
 
@@ -64,11 +68,20 @@ class PolicyConfig:
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
     colo_packing: str = "exclusive-first"
+    # "full": rules 1-4 (gpulab); "memory": memory and count only (pack-by-memory)
+    colo_rule: str = "full"
+    # a shared job measured over its cap this long is evicted (if it is the later
+    # job and its owner allows it)
+    colo_detect_window_s: float = 600.0
 
     @property
     def plans_with_prediction(self) -> bool:
         """Backfill plans jobs with min(limit, prediction), not their limits."""
-        return self.name == "gpulab" and self.backfill_plan == "prediction"
+        return (
+            self.name != "slurm"
+            and self.name != "fifo"
+            and (self.backfill_plan == "prediction")
+        )
 
 
 # ------------------------------------------------------------------ cluster
@@ -114,6 +127,11 @@ class PendingJob:
     # Planned run time: min(limit, prediction from similar past jobs).
     planned_s: float = 86400.0
     shareable: bool = False
+    # Co-location (``colocate``): the workload label ("ResNet-50 (batch size 64)")
+    # and the slowdown cap (class cap, or the tighter one the owner asked for;
+    # None: unbounded).
+    workload: str = ""
+    slowdown_cap: float | None = 1.5
 
 
 @dataclass(frozen=True)
@@ -133,6 +151,21 @@ class RunningJob:
     # waiting for a preemption is not given a second, extra set of victims while
     # the first set is still in its grace period.
     stopping: bool = False
+    # Co-location. A shareable single-GPU job may have partners on its GPU;
+    # ``joined_at`` is set on the job that joined a busy GPU (the later job).
+    shareable: bool = False
+    workload: str = ""
+    gpu_memory_mib: int | None = None  # declared
+    peak_memory_mib: int | None = None  # measured by the agents
+    slowdown_cap: float | None = 1.5
+    joined_at: float | None = None
+    trial: bool = False  # admitted as an exploration trial
+    # Its slowdown measured over the current sharing episode (progress rate shared
+    # over its workload's solo rate) and for how long it has been measured.
+    measured_slowdown: float | None = None
+    measured_for_s: float = 0.0
+    # The owner allows a harmful pair's later job to be sent back to the queue.
+    evictable: bool = True
 
     @property
     def planned_end(self) -> float:
@@ -161,6 +194,12 @@ class ClusterState:
         default_factory=lambda: MappingProxyType({})
     )
     config: PolicyConfig = field(default_factory=PolicyConfig)
+    # Co-location: what was learned about pairs, and the exploration trials
+    # started in the last hour per unordered workload pair.
+    knowledge: Knowledge = field(default_factory=Knowledge)
+    trials_last_hour: Mapping[frozenset[str], int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
 
 # ------------------------------------------------------------------ decisions
@@ -197,6 +236,9 @@ class Start:
     job_id: int
     placements: tuple[Placement, ...]
     backfilled: bool = False
+    # Set when the job joins a GPU that already runs jobs (one slot of it): the
+    # admission record (rule, predicted slowdowns, partners), shown on its page.
+    admission: Admission | None = None
 
     @property
     def gpu_ids(self) -> tuple[int, ...]:
@@ -219,6 +261,18 @@ class Preempt:
 
 
 @dataclass(frozen=True)
+class Evict:
+    """Stop ``job_id``, the later job of a shared GPU whose measured slowdown is
+    over a cap for the detection window, and return it to the queue (age kept);
+    ``pair`` (its workload, its partner's) is refused from then on."""
+
+    job_id: int
+    partner_id: int
+    reason: str
+    pair: tuple[str, str] = ("", "")
+
+
+@dataclass(frozen=True)
 class Wait:
     """``job_id`` stays pending for ``reason``; ``message`` explains it to a person."""
 
@@ -238,4 +292,4 @@ class PassStats:
     backfilled: int = 0
 
 
-Decision = Start | Preempt | Wait
+Decision = Start | Preempt | Evict | Wait
