@@ -5,7 +5,9 @@
   (base 1 s, cap 60 s, reset after the link stayed up 30 s). It retries forever: the
   jobs keep running, and the server's ``node_lost_after`` decides when they are lost.
 - ``reaper``: watches job directories; spools ``job.started``, ``job.log``,
-  ``job.exited`` (durable: on disk until the server acks them). It also stops a job at
+  ``job.exited`` (durable: on disk until the server acks them) and ``job.progress``
+  (the job's ``GPULAB_PROGRESS`` lines, ``agents.progress``: at most one per job
+  every 10 s and a last one before the exit; droppable like metric samples). It also stops a job at
   its time limit (``time_limit_s`` after the start reported in ``job.started``, read
   back from the job directory after a restart; reported as reason ``timeout``), and,
   with ``kill_after_disconnect_s``, every job once the link has been down that long.
@@ -357,11 +359,51 @@ class Agent:
                         data=text,
                     ),
                 )
+                self._warn_bad_progress(job, job.progress.feed(text, time.time()))
                 offset += used
                 atomic_write(job.dir / "log_offset", f"{offset}\n")
                 job.log_offset = offset
                 if not final:
                     return
+
+    @staticmethod
+    def _warn_bad_progress(job: Job, bad_line: str | None) -> None:
+        if bad_line is not None:
+            log.warning(
+                "attempt %d: ignoring %r: a progress line is 'GPULAB_PROGRESS <step>'"
+                " or 'GPULAB_PROGRESS <step>/<total>' (further bad ones are ignored"
+                " silently)",
+                job.attempt_id,
+                bad_line,
+            )
+
+    def _send_progress(
+        self, job: Job, *, final: bool = False, now: float | None = None
+    ) -> None:
+        """Spool the job's latest progress if it is due (``ProgressTracker.take``).
+
+        Always through the spool, droppable like metric samples: a report is worth
+        keeping across a dropped connection, but never at the cost of an exit.
+        """
+        if final:
+            self._warn_bad_progress(job, job.progress.finish(time.time()))
+        reading = job.progress.take(
+            time.monotonic() if now is None else now, final=final
+        )
+        if reading is None:
+            return
+        seq, frame = self._frame(
+            p.JobProgress,
+            p.JobProgressData(
+                attempt_id=job.attempt_id,
+                job_id=job.job_id,
+                at=reading.at,
+                step=reading.step,
+                total=reading.total,
+            ),
+        )
+        self.spool.append(seq, frame, droppable=True)
+        self._wake.set()
 
     def _reap(self, job: Job) -> None:
         if job.exit_seq is not None:
@@ -377,9 +419,11 @@ class Agent:
             if job.started:
                 self._enforce_time_limit(job)
                 self._ship_log(job, final=False)
+                self._send_progress(job)
             return
         job.outcome = outcome
         self._ship_log(job, final=True)
+        self._send_progress(job, final=True)  # ahead of the exit, so it is not lost
         self._report_exit(job, outcome)
 
     def _enforce_time_limit(self, job: Job) -> None:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents.progress import ProgressTracker
 from agents.protocol import ExitReason, JobLaunchData
 from agents.rendezvous import port_busy, rank0_rendezvous
 from agents.shim import LaunchError, check_workdir, resolve_user
@@ -78,6 +79,9 @@ class Job:
     seen_started: bool = field(default=False, repr=False)
     log_offset: int | None = field(default=None, repr=False)
     alive_checked: float = field(default=0.0, repr=False)
+    # GPULAB_PROGRESS lines read from the output shipped so far (memory only: after
+    # an agent restart the output already shipped is not read again).
+    progress: ProgressTracker = field(default_factory=ProgressTracker, repr=False)
 
     @property
     def pgid(self) -> int | None:

@@ -149,6 +149,23 @@ class JobLogData(_Model):
     data: Annotated[str, Field(max_length=256 * 1024)]
 
 
+# Largest step or total a job may report: PostgreSQL's bigint.
+ProgressCount = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+class JobProgressData(_Model):
+    """The latest progress a job reported in its output (a ``GPULAB_PROGRESS
+    <step>[/<total>]`` line, ``agents.progress``); ``at`` is when the agent read
+    that line (wall clock). At most one per job every 10 s, and a last one before
+    its ``job.exited``."""
+
+    attempt_id: PosInt
+    job_id: PosInt
+    at: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    step: ProgressCount
+    total: ProgressCount | None = None
+
+
 class JobLaunchData(_Model):
     attempt_id: PosInt
     attempt: PosInt  # attempt number of the job (1, 2, ...)
@@ -232,6 +249,11 @@ class JobLog(_Envelope):
     data: JobLogData
 
 
+class JobProgress(_Envelope):
+    type: Literal["job.progress"] = "job.progress"
+    data: JobProgressData
+
+
 class JobLaunch(_Envelope):
     type: Literal["job.launch"] = "job.launch"
     data: JobLaunchData
@@ -258,7 +280,7 @@ class Error(_Envelope):
 
 
 AgentMessage = Annotated[
-    Hello | Heartbeat | Metrics | JobStarted | JobExited | JobLog,
+    Hello | Heartbeat | Metrics | JobStarted | JobExited | JobLog | JobProgress,
     Field(discriminator="type"),
 ]
 ServerMessage = Annotated[
@@ -266,11 +288,17 @@ ServerMessage = Annotated[
     Field(discriminator="type"),
 ]
 
-# Messages the agent must never lose: spooled to disk, acked by the server (each
-# with its own seq; the agent clears by send order). Metrics are spooled only while
-# the agent is disconnected (downsampled, oldest dropped first when the spool is full)
-# and replayed with their original ``sampled_at``; the server stores a sample once.
-DURABLE_TYPES = frozenset({"job.started", "job.exited", "job.log", "metrics"})
+# Messages the agent spools to disk, acked by the server (each with its own seq; the
+# agent clears by send order). Job lifecycle and logs are never lost. Metrics are
+# spooled only while the agent is disconnected (downsampled) and replayed with their
+# original ``sampled_at``; the server stores a sample once. Progress always goes
+# through the spool (one frame per job per 10 s at most), so the latest step
+# survives a dropped connection; the server ignores a report not newer than the one
+# it has. Both are DROPPABLE: the oldest go first when the spool is full.
+DURABLE_TYPES = frozenset(
+    {"job.started", "job.exited", "job.log", "metrics", "job.progress"}
+)
+DROPPABLE_TYPES = frozenset({"metrics", "job.progress"})
 
 _agent_adapter: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)

@@ -5,8 +5,9 @@
   restarted agent starts above anything it may have sent; gaps are fine.
 - ``Spool``: ``spool.jsonl`` holds one envelope a line, appended and fsynced before the
   frame is sent; ``spool.jsonl.acked`` lists acked seqs until the next compaction.
-  Metric samples (spooled only while disconnected) are the only frames dropped when
-  the spool reaches its size cap, oldest first.
+  Metric samples (spooled only while disconnected) and job progress reports are the
+  only frames dropped when the spool reaches its size cap, oldest first
+  (``protocol.DROPPABLE_TYPES``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from agents.protocol import DROPPABLE_TYPES
 from agents.statedir import atomic_write, read_text
 
 if TYPE_CHECKING:
@@ -62,7 +64,7 @@ class Spool:
       de-duplicates), and the file is compacted (rewritten atomically) when it is
       empty or mostly acked, so a long replay costs no rewrite per ack.
     - ``max_bytes`` caps the file: to make room the oldest *droppable* frames
-      (metric samples) go first, down to 90 % of the cap so one rewrite makes room for
+      (metric samples, progress reports) go first, down to 90 % of the cap so one rewrite makes room for
       many appends; a droppable frame that still does not fit is not stored. Job
       lifecycle and log frames are never dropped (they may exceed the cap).
     """
@@ -73,7 +75,7 @@ class Spool:
         self.max_bytes = max_bytes
         self.entries: dict[int, str] = {}
         self.sizes: dict[int, int] = {}  # seq -> bytes on disk
-        self.droppable: dict[int, None] = {}  # metric seqs, oldest first
+        self.droppable: dict[int, None] = {}  # droppable seqs, oldest first
         self.bytes = 0
         self.garbage = 0  # bytes of acked frames still in the file
         self.dropped = 0  # droppable frames evicted or refused for lack of room
@@ -89,7 +91,7 @@ class Spool:
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line from a crash mid-append
             if seq not in acked:
-                loaded.append((seq, line, msg.get("type") == "metrics"))
+                loaded.append((seq, line, msg.get("type") in DROPPABLE_TYPES))
         for seq, line, droppable in sorted(loaded):
             self._add(seq, line, droppable=droppable)
         # Rewrite now so a torn line never sits in front of new appends.
@@ -140,7 +142,8 @@ class Spool:
         if evicted:
             self.dropped += evicted
             log.warning(
-                "spool over %d bytes: dropped the %d oldest metric samples",
+                "spool over %d bytes: dropped the %d oldest metric samples"
+                " and progress reports",
                 self.max_bytes,
                 evicted,
             )

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from agents.agent import Agent
 
 DURABLE = {"job.started", "job.exited", "job.log"}
-# What the portal acks: the durable frames and metrics (spooled while disconnected).
-ACKED = DURABLE | {"metrics"}
+# What the portal acks: the durable frames, metrics and progress (droppable ones).
+ACKED = DURABLE | {"metrics", "job.progress"}
 
 
 def wait_until(
