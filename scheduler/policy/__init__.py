@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 
 from scheduler.policy.fifo import decide_fifo, order_key
+from scheduler.policy.interference import Knowledge, Observations
 from scheduler.policy.multifactor import decide_multifactor
 from scheduler.policy.state import (
     ClassSpec,
@@ -117,7 +118,9 @@ __all__ = [
     "Decision",
     "Evict",
     "GpuView",
+    "Knowledge",
     "NodeView",
+    "Observations",
     "PassStats",
     "PendingJob",
     "Placement",

@@ -13,8 +13,9 @@ first that fails is the refusal's rule, and an admission records its numbers:
   trial, allowed while the pair's and the cluster's trial budgets for the last hour
   last (``colo_trials_per_pair_hour``, ``colo_trials_per_hour``): without trials
   nothing is learned, without a budget users pay for it. A trial is judged on its
-  predicted gain only (rule 2 with the prior); the cap is enforced by watching it
-  (the pass ends a trial whose measured slowdown is over a cap);
+  predicted gain only (rule 2 with the prior) while the pair was never observed
+  together; the cap is enforced by watching it (the pass evicts a job measured over
+  its cap for ``colo_detect_window_s``), and once observed, rule 3 applies too;
 - ``gain`` (rule 2, P2): for every pair on the GPU, 1/r_AB + 1/r_BA > 1 +
   ``colo_gain_margin`` (at margin 0 exactly r_AB * r_BA < r_AB + r_BA: sharing beats
   taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more;
@@ -30,22 +31,34 @@ Pure: no Django, no I/O.
 from __future__ import annotations
 
 import math
+from bisect import insort
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy.interference import Estimate, Profile, gain
+from scheduler.policy.state import Evict
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from scheduler.policy.state import PolicyConfig
+    from scheduler.policy.index import Constraint, PassIndex
+    from scheduler.policy.state import (
+        ClusterState,
+        PendingJob,
+        PolicyConfig,
+        RunningJob,
+    )
 
 
 class Estimator(Protocol):
     """``interference.Model``, or anything that predicts r_AB the same way."""
 
     def estimate(self, a: Profile, b: Profile) -> Estimate: ...
+
+    def harmful(self, a: str, b: str) -> bool:
+        """Workloads ``a`` and ``b`` were seen to hurt each other over a cap."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -116,9 +129,11 @@ def admit(
     model: Estimator,
     config: PolicyConfig,
     budget: Budget,
+    rules: str = "full",
 ) -> Admission:
     """Whether ``job`` may join ``residents`` on one GPU (it does not spend the
-    budget: the caller does, for the admission it keeps)."""
+    budget: the caller does, for the admission it keeps). ``rules``: "full", or
+    "memory" for count, exclusive and memory only (``pack-by-memory``)."""
 
     def refuse(rule: str, message: str, *, numbers: bool = False) -> Admission:
         if not numbers:
@@ -164,6 +179,25 @@ def admit(
             f" {_gib(memory_total_mib)}",
         )
 
+    if rules == "memory":
+        return Admission(
+            job.id,
+            gpu_id,
+            admitted=True,
+            rule="memory-only",
+            message="memory and job count allow it (pack-by-memory)",
+            partners=partners,
+        )
+
+    for r in residents:
+        if model.harmful(job.profile.workload, r.profile.workload):
+            return refuse(
+                "protection",
+                f"this pair of workloads ({job.profile.workload or 'unlabelled'},"
+                f" {r.profile.workload or 'unlabelled'}) ran over a cap when it"
+                " shared before: it is not admitted again until an admin resets it",
+            )
+
     # predicted slowdowns, pair by pair
     group = (job, *residents)
     est: dict[tuple[int, int], Estimate] = {}
@@ -208,7 +242,10 @@ def admit(
             + (" (prior, untried pair)" if trial else ""),
             numbers=True,
         )
-    if not trial:
+    # a trial is judged on gain alone only while its pair was never seen together:
+    # once observed, the observation speaks for the caps
+    seen = not trial or any(e.observations > 0 for e in est.values())
+    if seen:
         for s in group:
             if s.cap is not None and slowdowns[s.id] > s.cap:
                 return refuse(
@@ -256,3 +293,238 @@ def rank(
         closeness,
         admission.gpu_id,
     )
+
+
+# ------------------------------------------------------------------ the pass's side
+
+_RULE_RANK = {"protection": 5, "gain": 4, "budget": 3, "memory": 2, "exclusive": 1}
+
+
+class Sharing:
+    """Stage 6 state for one pass: the GPUs a shareable single-GPU job may join
+    (those whose every job is a shareable single-GPU one, not stopping, below the
+    GPU's slots, on a schedulable node), grouped by what runs on them so that a
+    job is judged once per kind of GPU, not once per GPU."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        idx: PassIndex,
+        model: Estimator,
+        rules: str,
+        evicted: frozenset[int] = frozenset(),
+    ) -> None:
+        cfg = state.config
+        self.config = cfg
+        self.idx = idx
+        self.model = model
+        self.rules = rules
+        used = dict(state.trials_last_hour)
+        self.budget = Budget(
+            cfg.colo_trials_per_pair_hour,
+            cfg.colo_trials_per_hour - sum(used.values()),
+            used,
+        )
+        self.residents: dict[int, list[Sharer]] = {}
+        blocked: set[int] = set()
+        for r in state.running:
+            if len(r.gpu_ids) != 1 or not r.shareable or r.stopping or r.id in evicted:
+                blocked.update(r.gpu_ids)
+                continue
+            self.residents.setdefault(r.gpu_ids[0], []).append(
+                Sharer(
+                    r.id,
+                    Profile(r.workload, r.gpu_memory_mib),
+                    peak_memory_mib=r.peak_memory_mib,
+                    cap=r.slowdown_cap,
+                )
+            )
+        self.free: dict[int, int] = {}  # slots left, by GPU
+        self.groups: dict[tuple[object, ...], list[int]] = {}
+        self.sig_of: dict[int, tuple[object, ...]] = {}
+        for gid, rs in self.residents.items():
+            gpu = idx.gpu_by_id.get(gid)
+            if gid in blocked or gpu is None or not gpu.schedulable:
+                continue
+            if gpu.node_id not in idx.schedulable_nodes:
+                continue
+            free = min(gpu.free_slots, gpu.slots - len(rs))
+            if free > 0:
+                self.free[gid] = free
+                self._file(gid)
+        self._cache: dict[tuple[object, ...], Admission] = {}
+
+    def _signature(self, gid: int) -> tuple[object, ...]:
+        gpu = self.idx.gpu_by_id[gid]
+        rs = self.residents[gid]
+        return (
+            gpu.memory_total_mib,
+            gpu.model,
+            gpu.slots,
+            self.free[gid],
+            tuple(
+                sorted(
+                    (
+                        s.profile.workload,
+                        s.profile.memory_mib or -1,
+                        s.peak_memory_mib or -1,
+                        -1.0 if s.cap is None else s.cap,
+                    )
+                    for s in rs
+                )
+            ),
+        )
+
+    def _file(self, gid: int) -> None:
+        sig = self._signature(gid)
+        self.sig_of[gid] = sig
+        insort(self.groups.setdefault(sig, []), gid)
+
+    def _unfile(self, gid: int) -> None:
+        sig = self.sig_of.pop(gid, None)
+        if sig is None:
+            return
+        gids = self.groups[sig]
+        gids.remove(gid)
+        if not gids:
+            del self.groups[sig]
+
+    def _admit(self, job: Sharer, gid: int) -> Admission:
+        gpu = self.idx.gpu_by_id[gid]
+        return admit(
+            job,
+            self.residents[gid],
+            gpu_id=gid,
+            memory_total_mib=gpu.memory_total_mib,
+            slots=len(self.residents[gid]) + self.free[gid],
+            model=self.model,
+            config=self.config,
+            budget=self.budget,
+            rules=self.rules,
+        )
+
+    def try_share(
+        self, job: PendingJob, c: Constraint, exclude: frozenset[int]
+    ) -> tuple[Admission | None, Admission | None]:
+        """(the admission to apply, else None; the most telling refusal, if any).
+        An admission is kept: the caller must start the job on its GPU."""
+        if job.gpus != 1 or not self.groups:
+            return None, None
+        me = Sharer(
+            job.id,
+            Profile(job.workload, job.gpu_memory_mib),
+            shareable=job.shareable,
+            cap=job.slowdown_cap,
+        )
+        jkey = (job.workload, job.gpu_memory_mib, job.shareable, job.slowdown_cap)
+        matching = self.idx.view(c).matching
+        best: tuple[tuple[bool, float, float, int], int] | None = None
+        refusal: Admission | None = None
+        for sig, gids in self.groups.items():
+            gid = next((g for g in gids if g not in exclude and g in matching), None)
+            if gid is None:
+                continue
+            key = (jkey, sig)
+            got = self._cache.get(key)
+            if got is None or got.trial or got.rule == "budget":
+                got = self._admit(me, gid)
+                if not got.trial and got.rule != "budget":
+                    self._cache[key] = got
+            if got.admitted:
+                k = rank(got, me, self.residents[gid])
+                k = (k[0], k[1], k[2], gid)
+                if best is None or k < best[0]:
+                    best = (k, gid)
+            elif refusal is None or _RULE_RANK.get(got.rule, 0) > _RULE_RANK.get(
+                refusal.rule, 0
+            ):
+                refusal = got
+        if best is None:
+            if refusal is not None:
+                # name this job and the GPU's jobs, not the cached twin's
+                refusal = self._admit(me, refusal.gpu_id)
+            return None, refusal
+        gid = best[1]
+        adm = self._admit(me, gid)
+        if not adm.admitted:  # pragma: no cover - the cached twin admitted
+            return None, adm
+        if adm.trial:
+            for r in self.residents[gid]:
+                self.budget.spend(frozenset((job.workload, r.profile.workload)))
+        self.join(gid, me)
+        return adm, None
+
+    def join(self, gid: int, sharer: Sharer) -> None:
+        """``sharer`` now runs on ``gid`` (a shared start, or a shareable job
+        started alone this pass on a GPU with ``free`` slots left)."""
+        self._unfile(gid)
+        self.residents.setdefault(gid, []).append(sharer)
+        left = self.free.get(gid, 0) - 1
+        if left > 0:
+            self.free[gid] = left
+            self._file(gid)
+        else:
+            self.free.pop(gid, None)
+
+    def started_alone(self, job: PendingJob, gid: int) -> None:
+        """A shareable single-GPU job started on a free GPU this pass: a later job
+        of the pass may join it."""
+        gpu = self.idx.gpu_by_id.get(gid)
+        if gpu is None or gpu.slots < 2 or not job.shareable:
+            return
+        self.residents[gid] = [
+            Sharer(
+                job.id,
+                Profile(job.workload, job.gpu_memory_mib),
+                cap=job.slowdown_cap,
+            )
+        ]
+        self.free[gid] = gpu.slots - 1
+        self._file(gid)
+
+
+def evictions(state: ClusterState) -> list[Evict]:
+    """The later job of each shared GPU on which a job was measured over its cap
+    for ``colo_detect_window_s`` or more (if its owner allows it to be requeued)."""
+    window = state.config.colo_detect_window_s
+    by_gpu: dict[int, list[RunningJob]] = {}
+    for r in state.running:
+        if len(r.gpu_ids) == 1 and r.shareable and not r.stopping:
+            by_gpu.setdefault(r.gpu_ids[0], []).append(r)
+    out: list[Evict] = []
+    for rs in by_gpu.values():
+        if len(rs) < 2:
+            continue
+        over = [
+            r
+            for r in rs
+            if r.measured_slowdown is not None
+            and r.measured_for_s >= window
+            and r.slowdown_cap is not None
+            and r.measured_slowdown > r.slowdown_cap
+        ]
+        if not over:
+            continue
+        joined = [r for r in rs if r.joined_at is not None]
+        if not joined:
+            continue
+        later = max(joined, key=lambda r: (r.joined_at or 0.0, r.id))
+        if not later.evictable:
+            continue
+        hurt = next((r for r in over if r.id != later.id), over[0])
+        partner = hurt if hurt.id != later.id else next(r for r in rs if r is not later)
+        assert hurt.measured_slowdown is not None
+        who = "it" if hurt.id == later.id else f"job {hurt.id}"
+        out.append(
+            Evict(
+                later.id,
+                partner.id,
+                f"sharing a GPU with job {partner.id}: {who} ran"
+                f" {hurt.measured_slowdown:.2f}x slower than alone for"
+                f" {hurt.measured_for_s / 60:.0f} min, over its cap of"
+                f" {hurt.slowdown_cap:g}x; sent back to the queue, and this pair is"
+                " not admitted again",
+                (later.workload, partner.workload),
+            )
+        )
+    return out

@@ -119,12 +119,15 @@ class Knowledge:
 
     ``pairs``: observations per ordered workload pair (A's label, B's label);
     ``busy``: solo busy fraction per workload label, from the agents' samples of
-    jobs that ran alone."""
+    jobs that ran alone; ``harmful``: pairs the pass evicted a job for."""
 
     pairs: Mapping[tuple[str, str], Observations] = field(
         default_factory=lambda: MappingProxyType({})
     )
     busy: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # unordered workload pairs a job was evicted for (measured over a cap): never
+    # admitted again until an admin resets the pair
+    harmful: frozenset[frozenset[str]] = frozenset()
 
 
 class Model:
@@ -158,6 +161,9 @@ class Model:
         # while few pairs were seen
         self.offset = residual_sum / (residual_n + PRIOR_STRENGTH)
         self._cache: dict[tuple[Profile, Profile], Estimate] = {}
+
+    def harmful(self, a: str, b: str) -> bool:
+        return frozenset((a, b)) in self.knowledge.harmful
 
     def _busy(self, p: Profile) -> float:
         if p.busy is not None:

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.policy import backfill, index, place, preempt, priority
+from scheduler.policy import backfill, colocate, index, place, preempt, priority
 from scheduler.policy.fairshare import FairShare
+from scheduler.policy.interference import Model
 from scheduler.policy.ledger import Ledger
 from scheduler.policy.reasons import Messages, duration, gpus_word, when
 from scheduler.policy.state import (
+    Evict,
     Placement,
     Preempt,
     Reason,
@@ -78,6 +80,22 @@ def decide_multifactor(
     )
     messages = Messages(idx)
 
+    # 6 (set-up). co-location: first the later jobs of pairs measured over a cap
+    # go back to the queue, then the GPUs others may join
+    evicts: list[Decision] = []
+    sharing: colocate.Sharing | None = None
+    if colocation is not None and cfg.colocation:
+        if colocation == "full":
+            evicts = list(colocate.evictions(state))
+        sharing = colocate.Sharing(
+            state,
+            idx,
+            estimator or Model(state.knowledge),
+            colocation,
+            frozenset(e.job_id for e in evicts if isinstance(e, Evict)),
+        )
+    pack_first = cfg.colo_packing == "pack"
+
     # 3. priority breakdown
     breakdowns, prio = priority.breakdowns(
         state.pending,
@@ -105,7 +123,7 @@ def decide_multifactor(
     )
     order = [pending[k[4]] for k in keyed]
 
-    decisions: list[Decision] = []
+    decisions: list[Decision] = evicts
     started: list[RunningJob] = []
     failed: dict[tuple[bool, bool, Constraint], int] = {}
     reservation: Reservation | None = None
@@ -138,6 +156,39 @@ def decide_multifactor(
             RunningJob(job.id, gpu_ids, now, job.planned_s, job.time_limit_s)
         )
         decisions.append(Start(job.id, placements, backfilled=bf))
+        if sharing is not None and job.shareable and len(gpu_ids) == 1:
+            sharing.started_alone(job, gpu_ids[0])
+
+    refusals: dict[int, str] = {}
+
+    def share(job: PendingJob, c: Constraint, *, bf: bool, avoid: bool) -> bool:
+        """Stage 6: start ``job`` on a GPU it shares, if one admits it; ``avoid``:
+        not on GPUs the reservation holds."""
+        if sharing is None or job.gpus != 1 or not job.shareable:
+            return False
+        exclude = (
+            reservation.gpu_ids
+            if avoid and reservation is not None
+            else place.NO_EXCLUSION
+        )
+        adm, refusal = sharing.try_share(job, c, exclude)
+        if adm is None:
+            if refusal is not None:
+                refusals[job.id] = f"; sharing a GPU refused: {refusal.message}"
+            return False
+        gpu = idx.gpu_by_id[adm.gpu_id]
+        started.append(
+            RunningJob(job.id, (adm.gpu_id,), now, job.planned_s, job.time_limit_s)
+        )
+        decisions.append(
+            Start(
+                job.id,
+                (Placement(gpu.node_id, (adm.gpu_id,)),),
+                backfilled=bf,
+                admission=adm,
+            )
+        )
+        return True
 
     # 9. reasons are rendered after the last start, against the final ledger
     later: list[
@@ -176,11 +227,16 @@ def decide_multifactor(
             wait(job, Reason.NO_SUCH_SHAPE, messages.no_such_shape(c, job.gpus))
             continue
 
-        # 5. place in order until the first job that does not fit
+        # 5. place in order until the first job that does not fit (6: a shareable
+        # job shares a GPU when none is free, or first when packing)
         if top is None:
+            if pack_first and share(job, c, bf=False, avoid=False):
+                continue
             got = try_place(job, c, avoid_reserved=False)
             if got is not None:
                 start(job, got, bf=False)
+                continue
+            if not pack_first and share(job, c, bf=False, avoid=False):
                 continue
             # 7/8. the top blocked job: preemption plan or shadow-time reservation
             top = job
@@ -281,8 +337,12 @@ def decide_multifactor(
             later.append((job, not_tested_reason, not_tested, None, None))
             continue
         tested += 1
+        if pack_first and share(job, c, bf=True, avoid=True):
+            continue
         got = try_place(job, c, avoid_reserved=False)
         if got is None:
+            if not pack_first and share(job, c, bf=True, avoid=True):
+                continue
             wait(
                 job,
                 Reason.RESOURCES,
@@ -300,6 +360,8 @@ def decide_multifactor(
         got = try_place(job, c, avoid_reserved=True)
         if got is not None:
             start(job, got, bf=True)
+            continue
+        if not pack_first and share(job, c, bf=True, avoid=True):
             continue
         if reservation.victims:
             msg = (
@@ -324,6 +386,8 @@ def decide_multifactor(
     for position, (job, reason, message, est, res) in enumerate(later, 1):
         if res is not None:
             message = f"{messages.resources(*res, ledger)}{message}"
+        if refusals and job.id in refusals:
+            message += refusals[job.id]
         w = new(Wait)
         fields = w.__dict__  # frozen: set the fields as dataclasses' __init__ does
         fields["job_id"] = job.id

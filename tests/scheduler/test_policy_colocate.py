@@ -141,10 +141,14 @@ class Table:
         self.r = r
         self.unsure = set(unsure)
 
+    def harmful(self, a: str, b: str) -> bool:
+        return False
+
     def estimate(self, a: Profile, b: Profile) -> Estimate:
         key = (a.workload, b.workload)
-        conf = 0.0 if key in self.unsure else 1.0
-        return Estimate(self.r[key], conf, "pair", 10)
+        if key in self.unsure:  # never seen together: the prior, unsure
+            return Estimate(self.r[key], 0.0, "prior", 0)
+        return Estimate(self.r[key], 1.0, "pair", 10)
 
 
 def job(i, label, mem=4 * GIB, *, cap=1.5, peak=None, shareable=True):
@@ -282,6 +286,15 @@ def test_the_cluster_wide_trial_budget_caps_all_pairs():
     model = Table({("a", "b"): 1.2, ("b", "a"): 1.2}, unsure={("a", "b")})
     got = run(job(1, "a"), [job(2, "b")], model, budget=Budget(per_pair=5, total=0))
     assert got.rule == "budget"
+
+
+def test_a_pair_seen_once_is_held_to_the_caps_even_while_unsure():
+    class SeenOnce(Table):
+        def estimate(self, a, b):
+            return Estimate(1.7, 0.33, "pair", 1)
+
+    got = run(job(1, "a"), [job(2, "b")], SeenOnce({}))
+    assert (got.admitted, got.rule) == (False, "protection")
 
 
 def test_a_trial_the_prior_says_loses_is_not_tried():

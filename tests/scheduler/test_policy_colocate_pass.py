@@ -1,0 +1,227 @@
+"""Co-location inside the pass (stage 6 of ``multifactor``): when a shareable job
+joins a busy GPU, when it does not, and the evictions of harmful pairs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from scheduler.policy import Evict, GpuView, Knowledge, PolicyConfig, Reason, decide
+from scheduler.policy.interference import Observations
+from tests.scheduler.test_policy_support import (
+    NOW,
+    cluster,
+    pending,
+    running,
+    starts,
+    waits,
+)
+
+GIB = 1024
+GOOD = Observations.of([math.log(1.2)] * 20)  # each keeps 83 %: gain 1.67
+BAD = Observations.of([math.log(2.4)] * 20)  # gain 0.83
+KNOWN_GOOD = Knowledge(pairs={("a", "b"): GOOD, ("b", "a"): GOOD})
+KNOWN_BAD = Knowledge(pairs={("a", "b"): BAD, ("b", "a"): BAD})
+
+
+def gpus(node_id: int, count: int, *, busy: dict[int, int] | None = None):
+    """Two-slot 16 GiB GPUs; ``busy``: index -> slots in use."""
+    return tuple(
+        GpuView(
+            id=node_id * 100 + i,
+            node_id=node_id,
+            index=i,
+            memory_total_mib=16 * GIB,
+            slots=2,
+            free_slots=2 - (busy or {}).get(i, 0),
+            model="p100",
+        )
+        for i in range(count)
+    )
+
+
+def resident(job_id, gpu_id, workload="b", *, mem=4 * GIB, ends_in=3600.0, **kw):
+    return replace(
+        running(job_id, (gpu_id,), ends_in=ends_in),
+        shareable=True,
+        workload=workload,
+        gpu_memory_mib=mem,
+        **kw,
+    )
+
+
+def sharer(job_id, workload="a", *, mem=4 * GIB, gpus_=1, **kw):
+    return replace(
+        pending(job_id, gpus_, **kw), shareable=True, workload=workload,
+        gpu_memory_mib=mem,
+    )  # fmt: skip
+
+
+def state(gpu_views, jobs, run, *, knowledge=KNOWN_GOOD, trials=None, **cfg):
+    s = cluster(gpu_views, jobs, run=[], **cfg)
+    # ``cluster`` marks GPUs of ``run`` as fully busy: keep the slots given here
+    return replace(
+        s,
+        running=tuple(run),
+        knowledge=knowledge,
+        trials_last_hour=trials or {},
+    )
+
+
+def test_a_free_gpu_comes_first():
+    ds = decide(state(gpus(1, 2, busy={0: 1}), [sharer(1)], [resident(9, 100)]))
+    got = starts(ds)[1]
+    assert got.gpu_ids == (101,)
+    assert got.admission is None
+
+
+def test_with_no_free_gpu_a_gaining_pair_shares_and_says_why():
+    ds = decide(state(gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)]))
+    got = starts(ds)[1]
+    assert got.gpu_ids == (100,)
+    adm = got.admission
+    assert adm is not None
+    assert (adm.rule, adm.partners, adm.trial) == ("ok", (9,), False)
+    assert adm.gain == pytest.approx(2 / 1.2, rel=0.02)
+    assert "predicted gain 1.6" in adm.message
+
+
+def test_packing_shares_before_taking_a_free_gpu():
+    s = state(
+        gpus(1, 2, busy={0: 1}), [sharer(1)], [resident(9, 100)],
+        colo_packing="pack",
+    )  # fmt: skip
+    assert starts(decide(s))[1].gpu_ids == (100,)
+
+
+def test_a_losing_pair_waits_with_the_refusal_in_its_reason():
+    s = state(
+        gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)], knowledge=KNOWN_BAD
+    )
+    ds = decide(s)
+    assert 1 not in starts(ds)
+    w = waits(ds)[1]
+    assert w.reason is Reason.RESOURCES
+    assert "sharing a GPU refused: jobs 1 and 9 together would do 0.8" in w.message
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        replace(sharer(1), shareable=False),  # asked for its own GPU
+        sharer(1, gpus_=2),  # multi-GPU jobs never share
+    ],
+)
+def test_jobs_that_may_not_share_never_join_a_busy_gpu(job):
+    ds = decide(state(gpus(1, 2, busy={0: 1, 1: 1}), [job], [
+        resident(8, 100), resident(9, 101),
+    ]))  # fmt: skip
+    assert 1 not in starts(ds)
+
+
+def test_a_non_shareable_resident_keeps_its_gpu():
+    r = replace(resident(9, 100), shareable=False)
+    ds = decide(state(gpus(1, 1, busy={0: 1}), [sharer(1)], [r]))
+    assert 1 not in starts(ds)
+
+
+@pytest.mark.parametrize(
+    ("name", "knowledge", "shared"),
+    [
+        ("gpulab", KNOWN_BAD, False),
+        ("pack-by-memory", KNOWN_BAD, True),  # blind to interference
+        ("gpulab-exclusive", KNOWN_GOOD, False),
+        ("slurm", KNOWN_GOOD, False),
+    ],
+)
+def test_the_baselines(name, knowledge, shared):
+    s = state(
+        gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)],
+        knowledge=knowledge, config=PolicyConfig(name=name),
+    )  # fmt: skip
+    got = starts(decide(s)).get(1)
+    assert (got is not None) is shared
+    if shared:
+        assert got.admission is not None and got.admission.rule == "memory-only"
+
+
+def test_one_free_slot_takes_one_job_per_pass():
+    s = state(gpus(1, 1, busy={0: 1}), [sharer(1), sharer(2)], [resident(9, 100)])
+    assert set(starts(decide(s))) == {1}
+
+
+def test_a_job_started_alone_this_pass_may_take_a_partner_in_the_same_pass():
+    s = state(gpus(1, 1), [sharer(1, "b"), sharer(2, "a")], [])
+    ds = starts(decide(s))
+    assert ds[1].admission is None and ds[1].gpu_ids == (100,)
+    assert ds[2].admission is not None and ds[2].admission.partners == (1,)
+
+
+def test_an_unknown_pair_is_tried_once_within_the_hours_budget():
+    unknown = Knowledge()
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)])
+    first = starts(decide(state(*base, knowledge=unknown)))[1]
+    assert first.admission is not None and first.admission.trial
+    spent = {frozenset(("a", "b")): 1}
+    ds = decide(state(*base, knowledge=unknown, trials=spent))
+    assert 1 not in starts(ds)
+    assert "exploration budget for this hour is spent" in waits(ds)[1].message
+
+
+def test_a_harmful_pair_is_never_admitted_again():
+    k = replace(KNOWN_GOOD, harmful=frozenset({frozenset(("a", "b"))}))
+    ds = decide(state(gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)],
+                      knowledge=k))  # fmt: skip
+    assert 1 not in starts(ds)
+    assert "not admitted again until an admin resets it" in waits(ds)[1].message
+
+
+def test_sharing_never_takes_gpus_held_by_the_reservation():
+    # node 1: two GPUs, each with one shareable resident (one slot free); job 1
+    # needs both GPUs (top, reserved); job 2 could share but must not, since the
+    # residents' ends are what the reservation waits for
+    run = [resident(8, 100, ends_in=3600.0), resident(9, 101, ends_in=3600.0)]
+    jobs = [pending(1, 2, cls="high"), sharer(2)]
+    ds = decide(state(gpus(1, 2, busy={0: 1, 1: 1}), jobs, run))
+    assert 2 not in starts(ds)
+    assert waits(ds)[1].est_start is not None
+
+
+# ------------------------------------------------------------------ evictions
+
+
+def over(job_id, gpu_id, workload, *, slowdown=2.0, for_s=900.0, joined=None, **kw):
+    return resident(
+        job_id, gpu_id, workload, measured_slowdown=slowdown, measured_for_s=for_s,
+        joined_at=joined, **kw,
+    )  # fmt: skip
+
+
+def test_the_later_job_of_a_pair_over_its_cap_is_sent_back():
+    run = [over(8, 100, "b", slowdown=1.9), over(9, 100, "a", slowdown=1.2,
+                                                   joined=NOW - 900)]  # fmt: skip
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [sharer(1, "c")], run))
+    (ev,) = [d for d in ds if isinstance(d, Evict)]
+    assert (ev.job_id, ev.partner_id, ev.pair) == (9, 8, ("a", "b"))
+    assert "job 8 ran 1.90x slower than alone for 15 min" in ev.reason
+    assert 1 not in starts(ds)  # the evicted job's slot is not offered this pass
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"for_s": 300.0},  # not for the whole window yet
+        {"slowdown": 1.4},  # within the 1.5 cap
+        {"evictable": False},  # the owner did not allow a requeue
+    ],
+)
+def test_no_eviction_short_of_the_rule(change):
+    evictable = change.pop("evictable", True)
+    run = [
+        over(8, 100, "b", **change),
+        over(9, 100, "a", slowdown=1.0, joined=NOW - 900, evictable=evictable),
+    ]
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    assert not [d for d in ds if isinstance(d, Evict)]
