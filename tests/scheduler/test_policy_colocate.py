@@ -146,7 +146,7 @@ class Table:
 
     def estimate(self, a: Profile, b: Profile) -> Estimate:
         key = (a.workload, b.workload)
-        if key in self.unsure:  # never seen together: the prior, unsure
+        if key in self.unsure or key[::-1] in self.unsure:  # never seen together
             return Estimate(self.r[key], 0.0, "prior", 0)
         return Estimate(self.r[key], 1.0, "pair", 10)
 
