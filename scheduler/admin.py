@@ -20,6 +20,7 @@ from scheduler.models import (
     Membership,
     Node,
     Profile,
+    ProgressSample,
     UsageRecord,
 )
 
@@ -218,6 +219,13 @@ class JobEventAdmin(admin.ModelAdmin[JobEvent]):
 @admin.register(JobLogChunk)
 class JobLogChunkAdmin(admin.ModelAdmin[JobLogChunk]):
     list_display = ("attempt", "offset")
+
+
+@admin.register(ProgressSample)
+class ProgressSampleAdmin(admin.ModelAdmin[ProgressSample]):
+    list_display = ("attempt", "at", "step")
+    list_select_related = ("attempt",)
+    readonly_fields = tuple(f.name for f in ProgressSample._meta.fields)
 
 
 @admin.register(UsageRecord)

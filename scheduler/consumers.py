@@ -29,7 +29,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
     ``connect`` authenticates the node by the token in ``Authorization: Bearer``
     (never a browser session) and joins ``agent.<node_id>`` to receive commands.
     Every frame is validated once by ``agents.protocol``; a bad frame gets an
-    ``error`` reply and is logged, never crashes the consumer. Durable messages are
+    ``error`` reply and is logged, never crashes the consumer; so does a valid one
+    the node may not send (``services.FrameRefused``), which is acked all the same. Durable messages are
     acked by seq after they are stored; the services are idempotent, so a replayed
     message changes nothing.
     """
@@ -98,6 +99,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         try:
             await self._dispatch(message)
+        except services.FrameRefused as exc:
+            # Well-formed but not this node's to send: say why, and still ack it
+            # below so that the agent does not replay it.
+            log.warning("node %s: %s refused: %s", self.node_name, message.type, exc)
+            await self._send_error("refused", str(exc))
         except Exception:
             # One bad message must not take the node's connection down.
             log.exception("node %s: %s handling failed", self.node_name, message.type)
@@ -133,6 +139,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await database_sync_to_async(services.finish_attempt)(node_id, message.data)
         elif isinstance(message, protocol.JobLog):
             await database_sync_to_async(services.append_log)(node_id, message.data)
+        elif isinstance(message, protocol.JobProgress):
+            await database_sync_to_async(services.record_progress)(
+                node_id, message.data
+            )
 
     async def agent_replaced(self, event: dict[str, Any]) -> None:
         """Another connection authenticated as this node: this one is stale."""

@@ -416,6 +416,15 @@ class Attempt(models.Model):
     # the last one went; null: only the launch at ``created_at``.
     launch_resends = models.PositiveSmallIntegerField(default=0)
     launch_resent_at = models.DateTimeField(null=True, blank=True)
+    # Progress the job reports (``GPULAB_PROGRESS`` lines; rank 0's node only for a
+    # job spanning nodes): the latest step, total and when its line was read, and
+    # where the rate window starts: the first report, or the latest one whose step
+    # went backwards (the script restarted from a checkpoint). ``progress_rate()``.
+    progress_step = models.BigIntegerField(null=True, blank=True)
+    progress_total = models.BigIntegerField(null=True, blank=True)
+    progress_at = models.DateTimeField(null=True, blank=True)
+    progress_first_step = models.BigIntegerField(null=True, blank=True)
+    progress_first_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ("job", "number")
@@ -442,6 +451,18 @@ class Attempt(models.Model):
         """Every node the attempt runs on, in rank order."""
         return [int(n) for n in self.ranks] or [self.node_id]
 
+    def progress_rate(self) -> float | None:
+        """Steps per second over the rate window: (latest step - first step) /
+        (latest time - first time); None until two reports some time apart."""
+        step, first_step = self.progress_step, self.progress_first_step
+        at, first_at = self.progress_at, self.progress_first_at
+        if step is None or first_step is None or at is None or first_at is None:
+            return None
+        seconds = (at - first_at).total_seconds()
+        if seconds <= 0:
+            return None
+        return (step - first_step) / seconds
+
     def rank_started(self, node_id: int) -> bool:
         """Whether the rank on ``node_id`` has reported its start. A single-node
         attempt's one start is also its ``started_at``: one started before
@@ -450,6 +471,31 @@ class Attempt(models.Model):
         if str(node_id) in self.rank_starts:
             return True
         return not self.ranks and self.started_at is not None
+
+
+class ProgressSample(models.Model):
+    """A job's reported step over time, at most one row per attempt per ``EVERY``:
+    the history a later analysis of co-location reads (speed alone versus shared).
+    The latest report is on the ``Attempt`` itself."""
+
+    EVERY: ClassVar = timedelta(seconds=60)
+
+    attempt = models.ForeignKey(
+        Attempt, on_delete=models.CASCADE, related_name="progress_samples"
+    )
+    at = models.DateTimeField()
+    step = models.BigIntegerField()
+
+    class Meta:
+        ordering = ("attempt", "at")
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["attempt", "at"], name="%(app_label)s_%(class)s_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.attempt} step {self.step} at {self.at:%Y-%m-%d %H:%M:%S}"
 
 
 class Allocation(models.Model):

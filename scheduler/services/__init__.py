@@ -11,7 +11,7 @@ and management commands are adapters around these functions: they call
   (``apply_decisions``: starts, preemptions, waits);
 - ``starts``: the starts of a pass (batched) and the ``job.launch`` frames;
 - ``agent_verbs``: what agents report (hello, heartbeats, metrics, starts, exits,
-  logs) and the stored output read back;
+  logs, progress) and the stored output read back;
 - ``liveness``: lost nodes, time limits and lost launches (beat);
 - ``nodes``: admin verbs on nodes and headline counts;
 - ``common``: events, after-commit helpers and kill frames the others share.
@@ -20,6 +20,7 @@ and management commands are adapters around these functions: they call
 from __future__ import annotations
 
 from scheduler.services.agent_verbs import (
+    FrameRefused,
     HelloResult,
     append_log,
     authenticate_node,
@@ -30,6 +31,7 @@ from scheduler.services.agent_verbs import (
     record_heartbeat,
     record_hello,
     record_metrics,
+    record_progress,
 )
 from scheduler.services.common import JobStateError, kill_frame
 from scheduler.services.jobs import (
@@ -92,6 +94,7 @@ __all__ = [
     "TIME_LIMIT_MARGIN",
     "WAIT_FIELDS",
     "ApplyResult",
+    "FrameRefused",
     "HelloResult",
     "JobRequest",
     "JobStateError",
@@ -124,6 +127,7 @@ __all__ = [
     "record_heartbeat",
     "record_hello",
     "record_metrics",
+    "record_progress",
     "resend_launches",
     "rotate_node_token",
     "set_draining",

@@ -1,11 +1,12 @@
 """What node agents report: authentication, hello (facts and reconciliation),
 heartbeats, metrics, job starts and exits (one rank at a time for jobs spanning
-nodes), log chunks, and the stored output read back.
+nodes), log chunks, progress reports, and the stored output read back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, cast, get_args
 
@@ -24,6 +25,7 @@ from scheduler.models import (
     JobEvent,
     JobLogChunk,
     Node,
+    ProgressSample,
     UsageRecord,
     hash_token,
 )
@@ -39,6 +41,15 @@ from scheduler.services.common import (
 from scheduler.services.starts import launch_frame
 
 log = logging.getLogger(__name__)
+
+# A progress report read this far ahead of the portal's clock is refused: it would
+# hide every later report (older than it) from the attempt.
+PROGRESS_AHEAD_S = 3600.0
+
+
+class FrameRefused(Exception):
+    """A valid frame this node may not send (e.g. about another node's job); the
+    consumer answers with an ``error`` frame saying ``str()``, and acks it."""
 
 
 def authenticate_node(token: str) -> Node | None:
@@ -555,6 +566,67 @@ def append_log(node_id: int, data: protocol.JobLogData) -> bool:
         [JobLogChunk(attempt=attempt, node_id=node_id, offset=data.offset, data=text)],
         ignore_conflicts=True,
     )
+    return True
+
+
+def record_progress(node_id: int, data: protocol.JobProgressData) -> bool:
+    """Keep a job's latest reported progress on its attempt; True if stored.
+
+    1. Lock the attempt: it must be this node's (same rule as ``job.log``), else
+       ``FrameRefused``. For a job spanning nodes only rank 0's node is kept (its
+       ranks report the same steps; mixing them would look like steps going back);
+       the other ranks' reports are ignored.
+    2. A report not newer than the stored one (a replay after a lost ack, or an
+       older one) changes nothing.
+    3. Store the latest step, total and time. The rate window starts at the first
+       report and starts again when the step goes backwards (the script restarted
+       from a checkpoint: its earlier speed says nothing about the new run).
+    4. Add a ``ProgressSample`` if the attempt's last one is ``EVERY`` (60 s) older.
+    """
+    if data.at > time.time() + PROGRESS_AHEAD_S:
+        raise FrameRefused(
+            f"job.progress of attempt {data.attempt_id}: read at {data.at:.0f},"
+            " over an hour ahead of the portal's clock"
+        )
+    at = _ts(data.at)
+    with transaction.atomic():
+        attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
+        if attempt is None:
+            raise FrameRefused(
+                f"job.progress: attempt {data.attempt_id} of job {data.job_id}"
+                " does not run on this node"
+            )
+        if node_id != attempt.node_id:
+            return False  # not rank 0: rank 0 speaks for the job
+        if attempt.progress_at is not None and at <= attempt.progress_at:
+            return False
+        previous = attempt.progress_step
+        if previous is None or data.step < previous:
+            attempt.progress_first_step = data.step
+            attempt.progress_first_at = at
+        attempt.progress_step = data.step
+        attempt.progress_total = data.total
+        attempt.progress_at = at
+        attempt.save(
+            update_fields=[
+                "progress_step",
+                "progress_total",
+                "progress_at",
+                "progress_first_step",
+                "progress_first_at",
+            ]
+        )
+        last = (
+            ProgressSample.objects.filter(attempt=attempt)
+            .order_by("-at")
+            .values_list("at", flat=True)
+            .first()
+        )
+        if last is None or at - last >= ProgressSample.EVERY:
+            ProgressSample.objects.bulk_create(
+                [ProgressSample(attempt=attempt, at=at, step=data.step)],
+                ignore_conflicts=True,
+            )
     return True
 
 

@@ -26,6 +26,7 @@ from scheduler.models import (
     Job,
     JobEvent,
     Node,
+    ProgressSample,
     UsageRecord,
 )
 from tests.conftest import hello_data, make_node
@@ -183,6 +184,19 @@ BAD_FRAMES = [
         "pid",
         id="wrong-type",
     ),
+    pytest.param(
+        '{"type": "job.progress", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        ' {"attempt_id": 1, "job_id": 1, "at": 1.0, "step": -3}}',
+        "step",
+        id="negative-step",
+    ),
+    pytest.param(
+        '{"type": "job.progress", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        ' {"attempt_id": 1, "job_id": 1, "at": 1.0, "step": 1,'
+        ' "total": 9223372036854775808}}',
+        "total",
+        id="step-past-bigint",
+    ),
     pytest.param('["hello"]', "", id="not-an-object"),
 ]
 
@@ -293,6 +307,61 @@ async def test_it_stores_a_log_chunk_and_acks_it(
     assert ack["data"] == {"seq": 3}
     job = await fetch(Job, starting.job_id)
     assert await db(services.log_tail)(job) == "epoch 1\n"
+    await comm.disconnect()
+
+
+def progress(attempt: Attempt, step: int, at: float) -> protocol.JobProgressData:
+    return protocol.JobProgressData(
+        attempt_id=attempt.pk, job_id=attempt.job_id, at=at, step=step, total=50
+    )
+
+
+async def test_it_stores_progress_once_when_it_is_replayed(
+    nodes: dict[str, tuple[Node, str]], starting: Attempt
+) -> None:
+    _, token = nodes["a"]
+    comm = await agent(token)
+    now = time.time()
+    first = agent_frame(protocol.JobProgress, progress(starting, 10, now - 20), 4)
+    second = agent_frame(protocol.JobProgress, progress(starting, 30, now - 10), 5)
+
+    acks = []
+    for frame in (first, second, first, second):  # then a replay of both
+        await comm.send_to(text_data=frame)
+        acks.append((await receive(comm))["data"]["seq"])
+
+    assert acks == [4, 5, 4, 5]
+    attempt = await fetch(Attempt, starting.pk)
+    assert (attempt.progress_step, attempt.progress_total) == (30, 50)
+    assert attempt.progress_rate() == pytest.approx(2.0)
+    samples = ProgressSample.objects.filter(attempt_id=starting.pk)
+    assert await db(samples.count)() == 1
+    await comm.disconnect()
+
+
+async def test_it_refuses_progress_of_another_nodes_attempt_with_an_error(
+    nodes: dict[str, tuple[Node, str]], starting: Attempt
+) -> None:
+    _, token_b = nodes["b"]
+    comm = await agent(token_b)
+
+    await comm.send_to(
+        text_data=agent_frame(
+            protocol.JobProgress, progress(starting, 10, time.time()), 9
+        )
+    )
+    error = await receive(comm)
+    ack = await receive(comm)
+
+    assert error["type"] == "error"
+    assert error["data"]["code"] == "refused"
+    assert f"attempt {starting.pk}" in error["data"]["detail"]
+    assert ack["type"] == "ack"  # handled: the agent need not replay it
+    assert ack["data"] == {"seq": 9}
+    attempt = await fetch(Attempt, starting.pk)
+    assert attempt.progress_step is None
+    assert not await db(ProgressSample.objects.exists)()
+    await send_durable(comm, 10)  # the connection is still usable
     await comm.disconnect()
 
 
