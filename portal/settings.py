@@ -224,7 +224,11 @@ GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
 GPULAB_DEFAULT_CLASS = "normal"
 # The scheduling policy (scheduler.policy.PolicyConfig): name and weights.
 GPULAB_POLICY: dict[str, Any] = {
-    "name": envchoice("GPULAB_POLICY", "gpulab", ("fifo", "slurm", "gpulab")),
+    "name": envchoice(
+        "GPULAB_POLICY",
+        "gpulab",
+        ("fifo", "slurm", "gpulab", "gpulab-exclusive", "pack-by-memory"),
+    ),
     "weight_class": envfloat("GPULAB_WEIGHT_CLASS", 1000.0, minimum=0),
     "weight_age": envfloat("GPULAB_WEIGHT_AGE", 500.0, minimum=0),
     "weight_fairshare": envfloat("GPULAB_WEIGHT_FAIRSHARE", 1000.0, minimum=0),
@@ -238,6 +242,19 @@ GPULAB_POLICY: dict[str, Any] = {
         "GPULAB_BACKFILL_PLAN", "limit", ("limit", "prediction")
     ),
     "preempt_max_per_hour": envint("GPULAB_PREEMPT_MAX_PER_HOUR", 2, minimum=0),
+    # Co-location (docs/colocation.md): the admission rule's knobs.
+    "colocation": envbool("GPULAB_COLOCATION", default=True),
+    "colo_headroom_mib": envint("GPULAB_COLO_HEADROOM_MIB", 512, minimum=0),
+    "colo_gain_margin": envfloat("GPULAB_COLO_GAIN_MARGIN", 0.05, minimum=0),
+    "colo_min_confidence": envfloat("GPULAB_COLO_MIN_CONFIDENCE", 0.5, minimum=0),
+    "colo_trials_per_pair_hour": envint(
+        "GPULAB_COLO_TRIALS_PER_PAIR_HOUR", 1, minimum=0
+    ),
+    "colo_trials_per_hour": envint("GPULAB_COLO_TRIALS_PER_HOUR", 10, minimum=0),
+    "colo_packing": envchoice(
+        "GPULAB_COLO_PACKING", "exclusive-first", ("exclusive-first", "pack")
+    ),
+    "colo_detect_window_s": envfloat("GPULAB_COLO_DETECT_WINDOW", 600.0, minimum=60),
 }
 # Half-life of past usage in fair share, seconds (Slurm's PriorityDecayHalfLife).
 GPULAB_FAIRSHARE_HALF_LIFE = envint("GPULAB_FAIRSHARE_HALF_LIFE", 7 * 86400, minimum=60)
