@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from django import template
+
+if TYPE_CHECKING:
+    from scheduler.models import Attempt
 
 register = template.Library()
 
@@ -25,3 +29,29 @@ def duration(value: int | float | timedelta | None) -> str:
         parts.append((secs, "s"))
     text = " ".join(f"{n}{unit}" for n, unit in parts if n)
     return text or "0s"
+
+
+@register.filter
+def progress(attempt: Attempt | None) -> str:
+    """What the job reported: 'step 1,200 of 5,000 (24%), 3.2 steps/s', or
+    'step 1,200, 3.2 steps/s' without a total; '' before any report."""
+    if attempt is None or attempt.progress_step is None:
+        return ""
+    step, total = attempt.progress_step, attempt.progress_total
+    text = f"step {step:,}"
+    if total is not None:
+        text += f" of {total:,}"
+        if total > 0:
+            text += f" ({step * 100 // total}%)"  # floor: 100% only when done
+    rate = attempt.progress_rate()
+    if rate is not None:
+        text += f", {_rate(rate)} steps/s"
+    return text
+
+
+def _rate(rate: float) -> str:
+    if rate >= 100:
+        return f"{rate:,.0f}"
+    if rate >= 1:
+        return f"{rate:.1f}"
+    return f"{rate:.2g}"  # 0.05, 0.012: two significant digits
