@@ -75,18 +75,28 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
     )
     client = login(stack.base_url, "alice", "pw-alice")
 
-    # 1. A job that succeeds: PENDING -> STARTING -> RUNNING -> COMPLETED.
-    ok = submit(client, "hello", 'echo "hello from $CUDA_VISIBLE_DEVICES"; echo bye')
+    # 1. A job that succeeds: PENDING -> STARTING -> RUNNING -> COMPLETED. It
+    # reports progress on stdout and stderr.
+    ok = submit(
+        client,
+        "hello",
+        'echo "hello from $CUDA_VISIBLE_DEVICES"; echo GPULAB_PROGRESS 3/10;'
+        " echo GPULAB_PROGRESS 7/10 >&2; echo bye",
+    )
     assert wait_for_job(ok, set(Job.TERMINAL)) == "completed"
     job = Job.objects.get(pk=ok)
     assert job.exit_code == 0
     assert statuses(ok) == ["pending", "starting", "running", "completed"]
-    gpu_uuid = Attempt.objects.get(job=job).allocations.first().gpu.uuid
+    attempt = Attempt.objects.get(job=job)
+    gpu_uuid = attempt.allocations.first().gpu.uuid
+    # The agent sends the last progress ahead of the exit: already stored.
+    assert (attempt.progress_step, attempt.progress_total) == (7, 10)
     wait_until(lambda: "bye" in services.log_tail(job), what="the log of the first job")
     assert f"hello from {gpu_uuid}" in services.log_tail(job)
     page = client.get(f"/jobs/{ok}/")
     assert "completed" in page.text
     assert f"hello from {gpu_uuid}" in page.text
+    assert "step 7 of 10 (70%)" in page.text
 
     # 2. A job that fails with exit code 3.
     bad = submit(client, "fails", "echo about to fail >&2; exit 3")
