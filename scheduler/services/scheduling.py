@@ -107,7 +107,7 @@ FROM scheduler_gpu
 _PENDING_SQL = """
 SELECT id, gpus, gpu_memory_mib, date_part('epoch', submitted_at), owner_id, group_id,
        priority_class, time_limit_s, predicted_runtime_s, shareable, gpu_model,
-       pending_reason, pending_message, queue_position, priority_breakdown::text,
+       workload, pending_reason, pending_message, queue_position, priority_breakdown::text,
        date_part('epoch', est_start)
 FROM scheduler_job WHERE status = 'pending'
 """
@@ -115,7 +115,8 @@ _RUNNING_SQL = """
 SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        date_part('epoch', t.created_at), t.kill_reason, j.owner_id, j.group_id,
        j.priority_class, j.time_limit_s, j.predicted_runtime_s,
-       CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END
+       CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
+       j.shareable, j.workload, j.gpu_memory_mib, j.gpus
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
 """
@@ -194,6 +195,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
     index_of = {row[0]: row[2] for row in gpu_rows}
     slots_of = {row[0]: row[4] for row in gpu_rows}
     weights = {name: spec.weight for name, spec in specs.items()}
+    caps = {name: spec.slowdown_cap for name, spec in specs.items()}
     pending = []
     stored_waits: dict[int, StoredWait] = {}
     for (
@@ -208,6 +210,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         predicted,
         shareable,
         model,
+        workload,
         reason,
         message,
         position,
@@ -226,8 +229,10 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 priority_class=pclass,
                 time_limit_s=float(limit),
                 planned_s=float(min(limit, predicted) if predicted else limit),
-                shareable=shareable,
+                shareable=shareable and n_gpus == 1,
                 gpu_model=model,
+                workload=workload,
+                slowdown_cap=caps.get(pclass, 1.5),
             )
         )
         stored_waits[pk] = (reason, message, position, breakdown, est_start)
@@ -246,6 +251,10 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         limit,
         predicted,
         preemptions_last_hour,
+        shareable,
+        workload,
+        declared_mib,
+        n_gpus,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
         if not held:
@@ -272,6 +281,10 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 stopping=bool(kill_reason),
                 # Conservative: all its preemptions, if the last was within the hour.
                 preemptions_last_hour=preemptions_last_hour,
+                shareable=shareable and n_gpus == 1,
+                workload=workload,
+                gpu_memory_mib=declared_mib,
+                slowdown_cap=caps.get(pclass, 1.5),
             )
         )
     cluster = policy.ClusterState(

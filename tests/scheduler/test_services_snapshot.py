@@ -134,3 +134,25 @@ def test_storing_waits_skips_a_job_another_transaction_holds(
     assert result.updated_reasons == 1
     assert Job.objects.get(pk=free.pk).pending_message == "for the free job"
     assert Job.objects.get(pk=held.pk).pending_message != "for the held job"
+
+
+def test_the_snapshot_gives_the_policy_what_co_location_reads(alice: User) -> None:
+    node, _ = make_node("node-a", 2)
+    shared = JobFactory(
+        owner=alice, shareable=True, workload="ResNet-50 (batch size 64)",
+        gpu_memory_mib=6000, priority_class="best-effort",
+    )  # fmt: skip
+    wide = JobFactory(owner=alice, shareable=True, gpus=2, workload="LM")
+    start_job(JobFactory(owner=alice, shareable=True, workload="A3C"), node)
+
+    state = services.cluster_state()
+
+    by_id = {p.id: p for p in state.pending}
+    assert (by_id[shared.pk].workload, by_id[shared.pk].shareable) == (
+        "ResNet-50 (batch size 64)",
+        True,
+    )
+    assert by_id[shared.pk].slowdown_cap is None  # best-effort: unbounded
+    assert by_id[wide.pk].shareable is False  # multi-GPU jobs never share
+    [run] = state.running
+    assert (run.workload, run.shareable, run.slowdown_cap) == ("A3C", True, 1.5)
