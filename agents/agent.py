@@ -7,10 +7,11 @@
 - ``reaper``: watches job directories; spools ``job.started``, ``job.log``,
   ``job.exited`` (durable: on disk until the server acks them) and ``job.progress``
   (the job's ``GPULAB_PROGRESS`` lines, ``agents.progress``: at most one per job
-  every 10 s and a last one before the exit; droppable like metric samples). It also stops a job at
-  its time limit (``time_limit_s`` after the start reported in ``job.started``, read
-  back from the job directory after a restart; reported as reason ``timeout``), and,
-  with ``kill_after_disconnect_s``, every job once the link has been down that long.
+  every 10 s and a last one before the exit; droppable like metric samples). It
+  also stops a job at its time limit (``time_limit_s`` after the start reported in
+  ``job.started``, read back from the job directory after a restart; reported as
+  reason ``timeout``), and, with ``kill_after_disconnect_s``, every job once the link
+  has been down that long.
 - ``sampler`` / ``heartbeat``: live ``metrics`` and ``heartbeat`` frames. While
   disconnected, heartbeats are dropped and one metrics frame every
   ``spool_metrics_interval_s`` goes to the spool (capped at ``spool_max_bytes``, the

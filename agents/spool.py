@@ -64,9 +64,10 @@ class Spool:
       de-duplicates), and the file is compacted (rewritten atomically) when it is
       empty or mostly acked, so a long replay costs no rewrite per ack.
     - ``max_bytes`` caps the file: to make room the oldest *droppable* frames
-      (metric samples, progress reports) go first, down to 90 % of the cap so one rewrite makes room for
-      many appends; a droppable frame that still does not fit is not stored. Job
-      lifecycle and log frames are never dropped (they may exceed the cap).
+      (metric samples, progress reports) go first, down to 90 % of the cap so one
+      rewrite makes room for many appends; a droppable frame that still does not fit
+      is not stored. Job lifecycle and log frames are never dropped (they may exceed
+      the cap).
     """
 
     def __init__(self, path: Path, max_bytes: int | None = None) -> None:

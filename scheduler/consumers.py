@@ -30,9 +30,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
     (never a browser session) and joins ``agent.<node_id>`` to receive commands.
     Every frame is validated once by ``agents.protocol``; a bad frame gets an
     ``error`` reply and is logged, never crashes the consumer; so does a valid one
-    the node may not send (``services.FrameRefused``), which is acked all the same. Durable messages are
-    acked by seq after they are stored; the services are idempotent, so a replayed
-    message changes nothing.
+    the node may not send (``services.FrameRefused``), which is acked all the same.
+    Durable messages are acked by seq after they are stored; the services are
+    idempotent, so a replayed message changes nothing.
     """
 
     node_id: int | None = None
