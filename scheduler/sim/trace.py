@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Generator, Sequence
 
     from agents.spec import NodeSpec
+    from scheduler.sim.colocation import ColocationTable, Segment
 
 CANONICAL_REQUIRED = ("job_id", "submit_time", "num_gpus")
 PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
@@ -60,7 +61,7 @@ class RawJob:
     gpu_mem_mib: int | None = None
     time_limit: float | None = None
     priority: str = ""
-    shareable: bool = False
+    shareable: bool | None = None  # None: the trace has no ``shareable`` column
 
 
 @dataclass(eq=False)
@@ -99,6 +100,25 @@ class SimJob:
     preempt_times: list[float] = field(default_factory=list)
     first_est: float | None = None
     last_reason: str = ""
+    # --- co-location physics (engine): work in solo-seconds, done at ``rate``
+    epoch: int = 0  # bumped at every (re)scheduled end: stale END events skip
+    slots_taken: int = 0  # per GPU: 1 for a shareable single-GPU job, else all
+    done_work: float = 0.0  # solo-seconds done in this attempt up to rate_since
+    rate: float = 1.0
+    rate_since: float = 0.0
+    end_cause: str = ""  # completed | timeout: what the scheduled END is
+    usage_w: float = 0.0  # GPUs charged to its group (1/n on a GPU shared by n)
+    partners: tuple[int, ...] = ()
+    segment: Segment | None = None
+    joined_at: float | None = None
+    trial: bool = False
+    doomed: bool = False  # joined a partner it cannot fit beside: fails at start
+    progress_from: float = 0.0  # its start, or when the partner it could not fit
+    # beside left before it failed
+    shared_attempt: bool = False  # shared a GPU during this attempt
+    shared_s: float = 0.0  # seconds spent sharing, all attempts
+    max_true_slowdown: float = 1.0  # worst 1/rate of its sharing episodes
+    over_cap_s: float = 0.0  # longest sharing episode truly over its cap
 
 
 @dataclass
@@ -276,7 +296,8 @@ def _canonical(path: str, header: list[str], rows: Rows) -> list[RawJob]:
         share = _opt(row, "shareable")
         if share not in ("", "0", "1"):
             raise TraceError(f"{path}:{line}: column 'shareable' must be 0 or 1")
-        job.shareable = share == "1"
+        if "shareable" in header:
+            job.shareable = share == "1"
         jobs.append(job)
     return jobs
 
@@ -305,6 +326,7 @@ def _philly(path: str, header: list[str], rows: Rows) -> list[RawJob]:
                 gpus=_count(path, line, "num_gpus", row.get("num_gpus")),
                 duration=duration,
                 group=_opt(row, "cluster"),
+                shareable=False,  # no workload: replays exclusive
             )
         )
     origin = min(stamps, default=0.0)
@@ -423,6 +445,9 @@ class PrepareOptions:
     class_default_limit_s: float = 86400.0
     users_min: int = 5
     users_max: int = 20
+    # a shareable job the trace gives no GPU memory declares this fraction of the
+    # cluster's smallest GPU (None: it declares nothing, and cannot share)
+    assume_memory_fraction: float | None = None
 
 
 def prepare(
@@ -431,9 +456,14 @@ def prepare(
     nodes: Sequence[NodeSpec],
     table: Throughputs | None,
     opts: PrepareOptions,
+    colocation: ColocationTable | None = None,
 ) -> PreparedTrace:
     """Filter (``vc``), order, cut (``max_jobs``), scale and time the rows; skip the
-    ones the cluster cannot run (counted by reason); complete users and limits."""
+    ones the cluster cannot run (counted by reason); complete users and limits.
+
+    A job is shareable if the trace's ``shareable`` column says 1, or, without that
+    column, if it is a single-GPU job whose workload has rows in ``colocation`` for
+    one of the cluster's GPU models (multi-GPU jobs never share)."""
     read_rows = len(raw)
     rows = [r for r in raw if opts.vc is None or r.group == opts.vc]
     rows.sort(key=lambda r: (r.submit, r.line))
@@ -447,6 +477,17 @@ def prepare(
     groups_users: dict[str, int] = {}
     groups_cum: dict[str, list[float]] = {}
     jobs: list[SimJob] = []
+    assumed_mib = (
+        int(opts.assume_memory_fraction * min(n.memory_mib for n in nodes))
+        if opts.assume_memory_fraction is not None and nodes
+        else None
+    )
+    assumed = 0
+    shareable_workloads = (
+        colocation.workloads(n.model for n in nodes)
+        if colocation is not None
+        else frozenset()
+    )
     needs_table = any(r.duration is None for r in rows)
     if needs_table and table is None:
         raise TraceError(
@@ -497,6 +538,14 @@ def prepare(
         else:
             limit, user_limit = user_limit_for(duration, factor), True
         cls = r.priority or ("best-effort" if best_effort else DEFAULT_CLASS)
+        shareable = (
+            r.shareable
+            if r.shareable is not None
+            else r.gpus == 1 and r.workload in shareable_workloads
+        )
+        mem = r.gpu_mem_mib
+        if mem is None and shareable and assumed_mib is not None:
+            mem, assumed = assumed_mib, assumed + 1
         jobs.append(
             SimJob(
                 id=len(jobs) + 1,
@@ -510,8 +559,8 @@ def prepare(
                 priority_class=cls,
                 time_limit=limit,
                 user_limit=user_limit,
-                gpu_mem_mib=r.gpu_mem_mib,
-                shareable=r.shareable,
+                gpu_mem_mib=mem,
+                shareable=shareable,
                 steps=r.steps if r.duration is None else None,
             )
         )
@@ -535,6 +584,18 @@ def prepare(
             "model with a throughput (consolidated rows when the job fits one node, "
             "<model>_unconsolidated otherwise); at start the placement's model and "
             "node count select the row"
+        )
+    if colocation is not None and any(r.shareable is None for r in rows):
+        assumptions.append(
+            "shareable: without a 'shareable' column, a single-GPU job whose "
+            "workload has rows in the co-location table for the cluster's GPU "
+            f"model ({sum(j.shareable for j in jobs)} of {len(jobs)} jobs)"
+        )
+    if assumed:
+        assumptions.append(
+            f"memory: {assumed} shareable jobs the trace gives no GPU memory declare "
+            f"{assumed_mib} MiB ({opts.assume_memory_fraction:g} of the smallest "
+            "GPU); whether a pair truly fits is the co-location table's 'feasible'"
         )
     span = (jobs[-1].submit - jobs[0].submit) if len(jobs) > 1 else 0.0
     asked = sum(j.gpus * j.ref_duration for j in jobs)
