@@ -5,6 +5,21 @@ The policy sees a ``ClusterState`` built like the Celery pass builds it: request
 labels, limits, run times predicted from jobs finished so far, decayed usage. True
 durations stay here. A preempted job is requeued with its original submit time and
 restarts from scratch (no checkpoint credit).
+
+Co-location (``--colocation``): a GPU has ``gpu_job_limit`` slots. A shareable
+single-GPU job takes one slot (alone, a partner may join it later; or beside jobs
+already there when its ``Start`` carries an admission); any other job takes every
+slot of its GPUs. A job's remaining work is kept in solo-seconds: it progresses at
+rate 1 alone and at its normalised co-located throughput from the table beside a
+partner (the product over partners beside several). Every change of a GPU's
+occupants re-rates its jobs and re-schedules their ends (a stale END event is
+skipped by the job's ``epoch``); time limits stay wall-clock, so a slowed job may
+time out. Joining a partner the table marks infeasible (or lacks) fails with an
+out-of-memory error ``oom_after_s`` after the start (unless that partner left
+first: then it loads and runs): the joiner is requeued (age kept), its partner never
+noticed it. ``Evict`` stops a job at once and requeues it (age kept); its attempt's
+work is lost. What the policy learns comes from the noisy progress reports of
+``colocation.Meter``, never from the table.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ from typing import TYPE_CHECKING
 from scheduler.policy import (
     ClassSpec,
     ClusterState,
+    Evict,
     GpuView,
     NodeView,
     PendingJob,
@@ -31,21 +47,27 @@ from scheduler.policy import (
     Wait,
     decide,
 )
+from scheduler.policy.interference import Knowledge
 from scheduler.policy.predict import HISTORY, predict
+from scheduler.sim.colocation import Meter, Segment
 from scheduler.sim.trace import throughput
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Collection, Mapping, Sequence
 
     from agents.spec import NodeSpec
     from scheduler.policy import Decision
+    from scheduler.policy.colocate import Admission
+    from scheduler.sim.colocation import ColocationTable
     from scheduler.sim.trace import SimJob, Throughputs
 
 # Event kinds, in the order events at one timestamp are applied.
 END = 0
 PREEMPT_DONE = 1
-ARRIVAL = 2
-PERIODIC = 3
+OOM_FAIL = 2
+ARRIVAL = 3
+PERIODIC = 4
+TRIAL_WINDOW_S = 3600.0  # ClusterState.trials_last_hour
 
 CLASSES: MappingProxyType[str, ClassSpec] = MappingProxyType(
     {
@@ -75,6 +97,9 @@ class SimOptions:
     preempt_grace_s: float = 30.0
     sample_s: float = 3600.0
     check: bool = True
+    gpu_job_limit: int = 2  # slots per GPU (GPULAB_GPU_JOB_LIMIT)
+    oom_after_s: float = 5.0  # a job that cannot fit beside its partner fails then
+    seed: int = 0  # draws the progress reports' noise
 
 
 @dataclass
@@ -86,7 +111,22 @@ class SimResult:
     decide_ms: list[float] = field(default_factory=list)
     preemptions: int = 0
     lost_gpu_s: float = 0.0  # work thrown away by preemptions
-    busy_gpu_s: float = 0.0
+    busy_gpu_s: float = 0.0  # time GPUs held at least one job
+    shared_gpu_s: float = 0.0  # time GPUs held two jobs or more
+    # co-location: one entry per (joiner, partner) of each shared start:
+    # (time, joiner id, partner id, trial, true combined normalised throughput;
+    # 0 for a pair that does not fit)
+    admissions: list[tuple[float, int, int, bool, float]] = field(default_factory=list)
+    requeues: int = 0  # OOM failures and evictions
+    oom_failures: int = 0
+    evictions: int = 0
+    oom_lost_gpu_s: float = 0.0  # GPU time held by attempts that failed OOM
+    evicted_work_s: float = 0.0  # solo-seconds done by evicted attempts
+    shared_timeouts: int = 0  # timed out in an attempt that shared a GPU
+    observations: int = 0  # sharing episodes that became knowledge
+    # a job truly over its cap longer than this was not stopped in time: the
+    # detection window plus one pass period (when the pass that sees it runs)
+    over_cap_window_s: float = 0.0
     total_gpus: int = 0
     slipped: int = 0
     with_est_start: int = 0
@@ -152,12 +192,18 @@ class Simulator:
         options: SimOptions | None = None,
         *,
         throughputs: Throughputs | None = None,
+        colocation: ColocationTable | None = None,
         decide_fn: Callable[[ClusterState], list[Decision]] = decide,
     ) -> None:
         self.opts = options or SimOptions()
+        if self.opts.gpu_job_limit < 1:
+            raise ValueError("gpu_job_limit must be >= 1")
         self.config = config
         self.decide = decide_fn
         self.table = throughputs
+        self.colocation = colocation
+        # progress reports are measured only when there is something to share
+        self.meter = Meter(seed=self.opts.seed) if colocation is not None else None
         self.jobs = list(jobs)
         self.by_id = {j.id: j for j in self.jobs}
         if len(self.by_id) != len(self.jobs):
@@ -166,11 +212,12 @@ class Simulator:
         self.nodes = tuple(
             NodeView(i + 1, f"node{i + 1:04d}") for i in range(len(nodes))
         )
+        self.slots = self.opts.gpu_job_limit
         self.gpu_node: dict[int, int] = {}
         self.gpu_model: dict[int, str] = {}
         self.gpu_mem: dict[int, int] = {}
         self.free_view: dict[int, GpuView] = {}
-        self.busy_view: dict[int, GpuView] = {}
+        self.views: dict[tuple[int, int], GpuView] = {}  # (gpu, free slots)
         gid = 0
         for node_id, spec in enumerate(nodes, start=1):
             for index in range(spec.gpus):
@@ -185,18 +232,21 @@ class Simulator:
                     node_id=node_id,
                     index=index,
                     memory_total_mib=spec.memory_mib,
-                    slots=1,
-                    free_slots=1,
+                    slots=self.slots,
+                    free_slots=self.slots,
                     model=spec.model,
                     nvlink_peers=peers,
                 )
                 self.free_view[gid] = view
-                self.busy_view[gid] = replace(view, free_slots=0)
                 self.gpu_node[gid] = node_id
                 self.gpu_model[gid] = spec.model
                 self.gpu_mem[gid] = spec.memory_mib
         self.total_gpus = gid
-        self.owner: dict[int, int] = {}  # gpu id -> job id
+        # GPU id -> its jobs in arrival order, and the slots they take
+        self.occupants: dict[int, list[int]] = {}
+        self.used: dict[int, int] = {}
+        self.gpu_since: dict[int, float] = {}  # last change of its occupants
+        self.shared_gpus: set[int] = set()  # GPUs where 2+ jobs progress together
         self.gpu_list: list[GpuView] = [self.free_view[g] for g in range(1, gid + 1)]
         self.gpu_tuple: tuple[GpuView, ...] | None = None
         # Queues and views.
@@ -206,6 +256,9 @@ class Simulator:
         self.running: dict[int, SimJob] = {}
         self.running_views: dict[int, RunningJob] = {}
         self.recently_preempted: set[int] = set()
+        self.stale_views: set[int] = set()  # running jobs whose view changed
+        # exploration trials started: (time, unordered workload pair)
+        self.trials: deque[tuple[float, frozenset[str]]] = deque()
         # History for run-time prediction (completed jobs only).
         self.hist_label: dict[tuple[str, str], deque[float]] = {}
         self.hist_user: dict[str, deque[float]] = {}
@@ -222,14 +275,19 @@ class Simulator:
         self.real_events = 0  # non-periodic events in the heap
         self.periodic_at: float | None = None
         self.dirty = False
-        self.result = SimResult(jobs=self.jobs, total_gpus=self.total_gpus)
+        self.result = SimResult(
+            jobs=self.jobs,
+            total_gpus=self.total_gpus,
+            over_cap_window_s=config.colo_detect_window_s + self.opts.period_s,
+        )
         self.finished = 0
 
     # ------------------------------------------------------------------ events
 
-    def _push(self, t: float, kind: int, job_id: int = 0, attempt: int = 0) -> None:
+    def _push(self, t: float, kind: int, job_id: int = 0, stamp: int = 0) -> None:
+        """``stamp``: the job's ``epoch`` for END, its ``attempt`` otherwise."""
         self.seq += 1
-        heapq.heappush(self.heap, (t, kind, self.seq, job_id, attempt))
+        heapq.heappush(self.heap, (t, kind, self.seq, job_id, stamp))
         if kind != PERIODIC:
             self.real_events += 1
 
@@ -247,7 +305,7 @@ class Simulator:
             changed = False
             periodic = False
             while heap and heap[0][0] == now:
-                _, kind, _, job_id, attempt = heapq.heappop(heap)
+                _, kind, _, job_id, stamp = heapq.heappop(heap)
                 if kind == PERIODIC:
                     periodic = True
                     self.periodic_at = None
@@ -257,12 +315,16 @@ class Simulator:
                 if kind == ARRIVAL:
                     self._arrive(job)
                     changed = True
-                elif job.attempt == attempt:
-                    if kind == END and job.state in ("running", "stopping"):
+                elif kind == END:
+                    if job.epoch == stamp and job.state in ("running", "stopping"):
                         self._end(job, now)
                         changed = True
-                    elif kind == PREEMPT_DONE and job.state == "stopping":
+                elif job.attempt == stamp:
+                    if kind == PREEMPT_DONE and job.state == "stopping":
                         self._requeue(job, now)
+                        changed = True
+                    elif kind == OOM_FAIL and job.doomed:
+                        self._oom(job, now)
                         changed = True
             if changed:
                 self.dirty = True
@@ -278,11 +340,13 @@ class Simulator:
                 self.periodic_at = now + self.opts.period_s
                 self._push(self.periodic_at, PERIODIC)
         self._final_checks()
+        if self.meter is not None:
+            self.result.observations = self.meter.observed
         self.result.wall_s = time.perf_counter() - wall
         return self.result
 
     def _sample(self, t: float) -> None:
-        busy = len(self.owner)
+        busy = len(self.occupants)
         self.result.samples.append(
             (t, len(self.pending), len(self.running), busy / self.total_gpus)
         )
@@ -330,10 +394,24 @@ class Simulator:
             time_limit_s=job.time_limit,
             planned_s=job.planned_s,
             shareable=job.shareable,
+            workload=job.label,
+            slowdown_cap=cls.slowdown_cap,
         )
+
+    def _solo_key(self, job: SimJob) -> tuple[str, str]:
+        return job.label, self.gpu_model[job.gpu_ids[0]].lower()
 
     def _running_view(self, job: SimJob, now: float) -> RunningJob:
         recent = sum(1 for t in job.preempt_times if now - t < 3600.0)
+        cls = CLASSES[job.priority_class]
+        measured: float | None = None
+        measured_for = 0.0
+        seg = job.segment
+        if seg is not None and seg.partners and self.meter is not None:
+            log_r = self.meter.log_slowdown(seg, self._solo_key(job))
+            if log_r is not None:
+                measured = math.exp(log_r)
+                measured_for = seg.measured_s
         return RunningJob(
             id=job.id,
             gpu_ids=job.gpu_ids,
@@ -343,9 +421,17 @@ class Simulator:
             user=job.user,
             group=job.group,
             priority_class=job.priority_class,
-            preemptible=CLASSES[job.priority_class].preemptible
-            and job.state == "running",
+            preemptible=cls.preemptible and job.state == "running",
             preemptions_last_hour=recent,
+            shareable=job.shareable,
+            workload=job.label,
+            gpu_memory_mib=job.gpu_mem_mib,
+            peak_memory_mib=job.gpu_mem_mib,  # the sim's jobs use what they declare
+            slowdown_cap=cls.slowdown_cap,
+            joined_at=job.joined_at,
+            trial=job.trial,
+            measured_slowdown=measured,
+            measured_for_s=measured_for,
         )
 
     def _true_duration(self, job: SimJob, start: Start) -> float:
@@ -364,6 +450,34 @@ class Simulator:
             return job.ref_duration
         return job.steps / rate
 
+    def _check_join(self, job: SimJob, start: Start, adm: Admission) -> None:
+        """A ``Start`` with an admission takes one slot of a GPU that runs jobs
+        which all took one slot, and names exactly those jobs as partners."""
+        where = f"shared Start for job {job.id}"
+        if job.gpus != 1 or len(start.gpu_ids) != 1:
+            raise PolicyContractError(f"{where}: only single-GPU jobs share")
+        if not job.shareable:
+            raise PolicyContractError(f"{where}: the job is not shareable")
+        g = start.gpu_ids[0]
+        occ = self.occupants.get(g)
+        if not occ:
+            raise PolicyContractError(f"{where}: GPU {g} runs no job to join")
+        for o in occ:
+            if self.by_id[o].slots_taken != 1:
+                raise PolicyContractError(
+                    f"{where}: GPU {g} is held exclusively by job {o}"
+                )
+        if self.used[g] + 1 > self.slots:
+            raise PolicyContractError(
+                f"{where}: GPU {g} already has {len(occ)} job(s), its limit is "
+                f"{self.slots} (over-allocation)"
+            )
+        if set(adm.partners) != set(occ):
+            raise PolicyContractError(
+                f"{where}: admission names partners {sorted(adm.partners)}, GPU {g}"
+                f" runs {sorted(occ)}"
+            )
+
     def _start(self, start: Start, now: float) -> None:
         job = self.by_id.get(start.job_id)
         if job is None or job.state != "pending":
@@ -376,6 +490,7 @@ class Simulator:
                 f"Start for job {job.id} names {len(gpu_ids)} GPU(s) "
                 f"({len(set(gpu_ids))} distinct), it asked for {job.gpus}"
             )
+        adm = start.admission
         for placement in start.placements:
             for g in placement.gpu_ids:
                 if self.gpu_node.get(g) != placement.node_id:
@@ -383,19 +498,17 @@ class Simulator:
                         f"Start for job {job.id}: GPU {g} is not on node "
                         f"{placement.node_id}"
                     )
-                if g in self.owner:
+                if adm is None and g in self.occupants:
                     raise PolicyContractError(
                         f"Start for job {job.id}: GPU {g} is already taken by "
-                        f"job {self.owner[g]} (over-allocation)"
+                        f"job {self.occupants[g][0]} (over-allocation)"
                     )
                 if job.gpu_mem_mib is not None and self.gpu_mem[g] < job.gpu_mem_mib:
                     raise PolicyContractError(
                         f"Start for job {job.id}: GPU {g} has less memory than asked"
                     )
-        for g in gpu_ids:
-            self.owner[g] = job.id
-            self.gpu_list[g - 1] = self.busy_view[g]
-        self.gpu_tuple = None
+        if adm is not None:
+            self._check_join(job, start, adm)
         del self.pending[job.id]
         del self.pending_views[job.id]
         self.pending_by_user[job.user].discard(job.id)
@@ -408,55 +521,248 @@ class Simulator:
             if job.first_est is not None and now > job.first_est + SLIP_TOLERANCE_S:
                 self.result.slipped += 1
         job.run_duration = self._true_duration(job, start)
-        if job.run_duration > job.time_limit:
-            end = now + job.time_limit
-        else:
-            end = now + job.run_duration
-        self._push(end, END, job.id, job.attempt)
+        job.slots_taken = 1 if job.shareable and job.gpus == 1 else self.slots
+        job.done_work = 0.0
+        job.rate = 1.0
+        job.rate_since = now
+        job.progress_from = now
+        job.partners = ()
+        job.segment = None
+        job.shared_attempt = False
+        job.joined_at = now if adm is not None else None
+        job.trial = adm is not None and adm.trial
+        job.doomed = adm is not None and self._admitted(job, adm, now)
         self.running[job.id] = job
+        for g in gpu_ids:
+            self._occupy(g, job, now)
+        if job.doomed:
+            job.rate = 0.0  # it dies loading, before it makes progress
+            self._push(now + self.opts.oom_after_s, OOM_FAIL, job.id, job.attempt)
+        elif job.gpus == 1:
+            self._rerate(gpu_ids[0], now, force=(job.id,))
+        else:
+            self._set_rate(job, now, ())
+        for g in gpu_ids:
+            self._charge(g, now)
         self.running_views[job.id] = self._running_view(job, now)
+        self.stale_views.discard(job.id)
         if job.preempt_times:
             self.recently_preempted.add(job.id)
-        self._usage_rate(job, now, job.gpus)
 
-    def _usage_rate(self, job: SimJob, now: float, delta: int) -> None:
-        self.usage.add_rate(("g", job.group), now, delta)
-        self.usage.add_rate(("u", job.group, job.user), now, delta)
+    def _admitted(self, job: SimJob, adm: Admission, now: float) -> bool:
+        """Count a shared start's pairs (trials apart) with their true combined
+        throughput; True when the joiner cannot fit beside a partner (its
+        partners are then the ones it fails beside)."""
+        model = self.gpu_model[job.gpu_ids[0]]
+        table = self.colocation
+        oom: list[int] = []
+        for p in adm.partners:
+            other = self.by_id[p].label
+            combined = table.combined(model, job.label, other) if table else 0.0
+            self.result.admissions.append((now, job.id, p, adm.trial, combined))
+            if adm.trial:
+                self.trials.append((now, frozenset((job.label, other))))
+            if table is None or table.norm(model, job.label, other) is None:
+                oom.append(p)
+        job.partners = tuple(oom)
+        return bool(oom)
+
+    # --- GPU occupancy, rates and usage
+
+    def _gpu_view(self, g: int) -> GpuView:
+        free = self.slots - self.used.get(g, 0)
+        if free == self.slots:
+            return self.free_view[g]
+        view = self.views.get((g, free))
+        if view is None:
+            view = self.views[(g, free)] = replace(self.free_view[g], free_slots=free)
+        return view
+
+    def _account(self, g: int, now: float) -> None:
+        """Busy and shared GPU time up to ``now``, before its occupants change."""
+        n = len(self.occupants.get(g, ()))
+        if n:
+            dt = now - self.gpu_since[g]
+            self.result.busy_gpu_s += dt
+            if n > 1:
+                self.result.shared_gpu_s += dt
+        self.gpu_since[g] = now
+
+    def _occupy(self, g: int, job: SimJob, now: float) -> None:
+        self._account(g, now)
+        self.occupants.setdefault(g, []).append(job.id)
+        self.used[g] = self.used.get(g, 0) + job.slots_taken
+        self.gpu_list[g - 1] = self._gpu_view(g)
+        self.gpu_tuple = None
+
+    def _vacate(self, g: int, job: SimJob, now: float) -> None:
+        self._account(g, now)
+        occ = self.occupants.get(g)
+        if occ is None or job.id not in occ:
+            raise InvariantError(f"GPU {g} was not held by job {job.id}")
+        occ.remove(job.id)
+        self.used[g] -= job.slots_taken
+        if not occ:
+            del self.occupants[g]
+            del self.used[g]
+        self.gpu_list[g - 1] = self._gpu_view(g)
+        self.gpu_tuple = None
+
+    def _charge(self, g: int, now: float) -> None:
+        """Usage: a GPU shared by n jobs charges each 1/n (DESIGN: accounting)."""
+        occ = self.occupants.get(g, ())
+        for jid in occ:
+            job = self.by_id[jid]
+            self._set_usage(job, now, job.gpus if job.gpus > 1 else 1.0 / len(occ))
+
+    def _set_usage(self, job: SimJob, now: float, weight: float) -> None:
+        delta = weight - job.usage_w
+        if delta:
+            job.usage_w = weight
+            self.usage.add_rate(("g", job.group), now, delta)
+            self.usage.add_rate(("u", job.group, job.user), now, delta)
+
+    def _rerate(self, g: int, now: float, force: Collection[int] = ()) -> None:
+        """Re-rate the jobs progressing on ``g`` whose partners changed (a joiner
+        about to fail out of memory is no one's partner)."""
+        occ = self.occupants.get(g, ())
+        live = [j for j in occ if not self.by_id[j].doomed]
+        for jid in live:
+            job = self.by_id[jid]
+            partners = tuple(o for o in live if o != jid)
+            if jid in force or partners != job.partners:
+                self._set_rate(job, now, partners)
+        if len(live) > 1:
+            self.shared_gpus.add(g)
+        else:
+            self.shared_gpus.discard(g)
+
+    def _fold(self, job: SimJob, now: float) -> None:
+        job.done_work += job.rate * (now - job.rate_since)
+        job.rate_since = now
+
+    def _set_rate(self, job: SimJob, now: float, partners: tuple[int, ...]) -> None:
+        self._fold(job, now)
+        self._close_segment(job, now)
+        rate = 1.0
+        if partners:
+            table = self.colocation
+            model = self.gpu_model[job.gpu_ids[0]]
+            for p in partners:
+                norm = (
+                    table.norm(model, job.label, self.by_id[p].label) if table else None
+                )
+                if norm is None:
+                    raise InvariantError(
+                        f"job {job.id} progresses beside job {p}, a pair that does"
+                        " not fit"
+                    )
+                rate *= norm
+            job.shared_attempt = True
+        job.rate = rate
+        job.partners = partners
+        if self.meter is not None:
+            job.segment = Segment(now, rate, partners)
+        self.stale_views.add(job.id)
+        # its end at this rate, or its (wall-clock) limit if that comes first
+        left = max(job.run_duration - job.done_work, 0.0)
+        t_done = now + left / rate
+        t_limit = job.started_at + job.time_limit
+        job.epoch += 1
+        if t_done <= t_limit:
+            job.end_cause = "completed"
+            self._push(t_done, END, job.id, job.epoch)
+        else:
+            job.end_cause = "timeout"
+            self._push(t_limit, END, job.id, job.epoch)
+
+    def _close_segment(self, job: SimJob, now: float) -> None:
+        """End ``job``'s constant-rate stretch: draw the reports it owes; a sharing
+        episode also updates the job's true-slowdown record and, with one partner
+        and enough reports, becomes an observation of the pair."""
+        seg = job.segment
+        if seg is None:
+            return
+        job.segment = None
+        meter = self.meter
+        assert meter is not None
+        key = self._solo_key(job)
+        meter.advance(seg, now, key)
+        if not seg.partners:
+            return
+        length = now - seg.start
+        if length > 0:
+            true = 1.0 / seg.rate
+            job.shared_s += length
+            job.max_true_slowdown = max(job.max_true_slowdown, true)
+            cap = CLASSES[job.priority_class].slowdown_cap
+            if cap is not None and true > cap:
+                job.over_cap_s = max(job.over_cap_s, length)
+        if len(seg.partners) == 1:
+            meter.episode_ended(seg, key, self.by_id[seg.partners[0]].label)
 
     def _release(self, job: SimJob, now: float) -> float:
         ran = now - job.started_at
+        if not job.doomed:
+            self._fold(job, now)
+            self._close_segment(job, now)
         for g in job.gpu_ids:
-            if self.owner.pop(g, None) != job.id:
-                raise InvariantError(f"GPU {g} was not held by job {job.id}")
-            self.gpu_list[g - 1] = self.free_view[g]
-        self.gpu_tuple = None
+            self._vacate(g, job, now)
         del self.running[job.id]
         del self.running_views[job.id]
         self.recently_preempted.discard(job.id)
-        self._usage_rate(job, now, -job.gpus)
-        self.result.busy_gpu_s += ran * job.gpus
+        self.stale_views.discard(job.id)
+        self._set_usage(job, now, 0.0)
+        job.partners = ()
+        for g in job.gpu_ids:
+            self._charge(g, now)
+            self._rerate(g, now, self._spared(g, job, now))
         return ran
+
+    def _spared(self, g: int, gone: SimJob, now: float) -> list[int]:
+        """Joiners of ``g`` that were going to fail beside ``gone`` and now fit
+        (every partner they could not fit beside left before their failure): they
+        load and start progressing now."""
+        spared = []
+        for o in self.occupants.get(g, ()):
+            other = self.by_id[o]
+            if other.doomed and gone.id in other.partners:
+                other.partners = tuple(p for p in other.partners if p != gone.id)
+                if not other.partners:
+                    other.doomed = False  # its OOM event goes stale
+                    other.progress_from = now
+                    spared.append(o)
+        return spared
 
     def _end(self, job: SimJob, now: float) -> None:
         if job.state == "done":
             raise InvariantError(f"job {job.id} finished twice")
         ran = self._release(job, now)
+        job.outcome = job.end_cause
+        if job.outcome == "completed":
+            # work conserved: the rates integrate to the job's solo work
+            if abs(job.done_work - job.run_duration) > 1e-6 * max(
+                1.0, job.run_duration
+            ):
+                raise InvariantError(
+                    f"job {job.id} completed with {job.done_work} of its "
+                    f"{job.run_duration} solo-seconds of work done"
+                )
+            job.done_work = job.run_duration
         job.run_total += ran
         job.end = now
         job.state = "done"
         self.finished += 1
-        if job.run_duration > job.time_limit:
-            job.outcome = "timeout"
+        if job.outcome == "timeout":
+            if job.shared_attempt:
+                self.result.shared_timeouts += 1
         else:
-            job.outcome = "completed"
             n = self.opts.history_n
             if job.label:
                 self.hist_label.setdefault(
                     (job.user, job.label), deque(maxlen=n)
-                ).append(job.run_duration)
-            self.hist_user.setdefault(job.user, deque(maxlen=n)).append(
-                job.run_duration
-            )
+                ).append(ran)
+            self.hist_user.setdefault(job.user, deque(maxlen=n)).append(ran)
             self.user_version[job.user] = self.user_version.get(job.user, 0) + 1
             self.stale_users.add(job.user)
 
@@ -478,14 +784,58 @@ class Simulator:
         self.running_views[job.id] = self._running_view(job, now)
         self._push(now + self.opts.preempt_grace_s, PREEMPT_DONE, job.id, job.attempt)
 
-    def _requeue(self, job: SimJob, now: float) -> None:
-        ran = self._release(job, now)
+    def _back_to_queue(self, job: SimJob, ran: float) -> None:
+        """Requeue after a stopped attempt: original submit time (age kept), no
+        checkpoint credit; its pending END and OOM events go stale."""
         job.run_total += ran
-        self.result.lost_gpu_s += ran * job.gpus
-        job.attempt += 1  # invalidates the pending END event
+        job.attempt += 1
+        job.epoch += 1
+        job.doomed = False
         job.state = "pending"
         job.gpu_ids = ()
-        self._enqueue(job)  # original submit time: age kept
+        self._enqueue(job)
+
+    def _requeue(self, job: SimJob, now: float) -> None:
+        ran = self._release(job, now)
+        self.result.lost_gpu_s += ran * job.gpus
+        self._back_to_queue(job, ran)
+
+    def _evict(self, decision: Evict, now: float) -> None:
+        job = self.by_id.get(decision.job_id)
+        if job is None or job.state not in ("running", "stopping"):
+            raise PolicyContractError(
+                f"Evict of job {decision.job_id}, which is not running"
+            )
+        occ = self.occupants.get(job.gpu_ids[0], ()) if job.gpus == 1 else ()
+        if decision.partner_id == job.id or decision.partner_id not in occ:
+            raise PolicyContractError(
+                f"Evict of job {job.id}: job {decision.partner_id} does not share "
+                "its GPU"
+            )
+        partner = self.by_id[decision.partner_id]
+        ran = self._release(job, now)
+        self.result.requeues += 1
+        self.result.evictions += 1
+        self.result.evicted_work_s += job.done_work
+        if self.meter is not None:
+            self.meter.refuse(job.label, partner.label)
+        self._back_to_queue(job, ran)
+
+    def _oom(self, job: SimJob, now: float) -> None:
+        """The joiner could not fit beside its partner: it fails at start and is
+        requeued (age kept). The pair goes to ``Knowledge.harmful`` so it is not
+        admitted again: the simulator's choice (production has no writer for an
+        out-of-memory pair yet, docs/colocation.md), without which a policy would
+        retry the pair at every pass while its partner runs."""
+        beside = job.partners
+        ran = self._release(job, now)
+        self.result.requeues += 1
+        self.result.oom_failures += 1
+        self.result.oom_lost_gpu_s += ran
+        if self.meter is not None:
+            for p in beside:
+                self.meter.refuse(job.label, self.by_id[p].label)
+        self._back_to_queue(job, ran)
 
     # ------------------------------------------------------------------ the pass
 
@@ -497,7 +847,26 @@ class Simulator:
                 if job.pred_version != version:
                     self.pending_views[job_id] = self._pending_view(job)
         self.stale_users.clear()
-        for job_id in self.recently_preempted:
+        refresh = self.recently_preempted | self.stale_views
+        self.stale_views.clear()
+        knowledge = Knowledge()
+        trials: Mapping[frozenset[str], int] = MappingProxyType({})
+        meter = self.meter
+        if meter is not None:
+            # the reports that arrived since the last pass (solo ones feed the
+            # workloads' solo rates), and every sharing job's measurement
+            for job in self.running.values():
+                seg = job.segment
+                if seg is not None:
+                    meter.advance(seg, now, self._solo_key(job))
+                    if seg.partners:
+                        refresh.add(job.id)
+            knowledge = meter.knowledge()
+        while self.trials and self.trials[0][0] <= now - TRIAL_WINDOW_S:
+            self.trials.popleft()
+        if self.trials:
+            trials = MappingProxyType(Counter(p for _, p in self.trials))
+        for job_id in refresh:
             self.running_views[job_id] = self._running_view(self.by_id[job_id], now)
         if self.gpu_tuple is None:
             self.gpu_tuple = tuple(self.gpu_list)
@@ -524,6 +893,8 @@ class Simulator:
             ),
             classes=CLASSES,
             config=self.config,
+            knowledge=knowledge,
+            trials_last_hour=trials,
         )
 
     def _pass(self, now: float, trigger: str) -> None:
@@ -534,6 +905,13 @@ class Simulator:
         self.result.passes += 1
         self.result.passes_by_trigger[trigger] += 1
         acted = False
+        # evictions first: a start of this pass may take the evicted job's slot
+        evicted: set[int] = set()
+        for d in decisions:
+            if isinstance(d, Evict) and d.job_id not in evicted:
+                evicted.add(d.job_id)
+                self._evict(d, now)
+                acted = True
         preempts: list[Preempt] = []
         for d in decisions:
             if isinstance(d, Start):
@@ -557,7 +935,9 @@ class Simulator:
             seen.add(p.victim_id)
             self._preempt(p, now)
             acted = True
-        self.dirty = acted
+        # while GPUs are shared the measurements move (the pass may evict), and
+        # while trials are recent the exploration budget refills: keep watching
+        self.dirty = acted or bool(self.shared_gpus) or bool(self.trials)
         if self.opts.check:
             self._check()
 
@@ -567,25 +947,41 @@ class Simulator:
         held = 0
         for job in self.running.values():
             for g in job.gpu_ids:
-                if self.owner.get(g) != job.id:
-                    raise InvariantError(f"GPU {g} of job {job.id} not owned by it")
+                if job.id not in self.occupants.get(g, ()):
+                    raise InvariantError(f"GPU {g} of job {job.id} not held by it")
             held += len(job.gpu_ids)
-        if held != len(self.owner):
-            raise InvariantError(
-                f"{len(self.owner)} GPUs allocated but running jobs hold {held}"
-            )
-        if len(self.owner) > self.total_gpus:
+        if held != sum(len(o) for o in self.occupants.values()):
+            raise InvariantError("GPU occupants and running jobs disagree")
+        if len(self.occupants) > self.total_gpus:
             raise InvariantError("more GPUs allocated than exist")
+        for g, occ in self.occupants.items():
+            taken = sum(self.by_id[j].slots_taken for j in occ)
+            if taken != self.used[g] or taken > self.slots or len(occ) > self.slots:
+                raise InvariantError(
+                    f"GPU {g} holds {len(occ)} job(s) taking {taken} slot(s) of "
+                    f"{self.slots}"
+                )
+            if len(occ) > 1:
+                for j in occ:
+                    job = self.by_id[j]
+                    if job.gpus != 1 or not job.shareable:
+                        raise InvariantError(
+                            f"job {j} ({job.gpus} GPUs, shareable={job.shareable})"
+                            f" shares GPU {g}"
+                        )
 
     def _final_checks(self) -> None:
         done = [j for j in self.jobs if j.state == "done"]
         if len(done) != self.finished:
             raise InvariantError("a job finished more than once or not recorded")
         for job in done:
-            expected = (
-                job.run_duration if job.outcome == "completed" else job.time_limit
-            )
             final_run = job.end - job.started_at
+            if job.outcome == "timeout":
+                expected = job.time_limit
+            elif not job.shared_attempt:
+                expected = job.progress_from - job.started_at + job.run_duration
+            else:
+                continue  # its work was checked at its end (``_end``)
             if abs(final_run - expected) > 1e-6 * max(1.0, expected):
                 raise InvariantError(
                     f"job {job.id}: ran {final_run} s in its last attempt, "

@@ -54,6 +54,50 @@ def bounded_slowdown(job: SimJob) -> float:
     return jct(job) / max(job.ref_duration, SLOWDOWN_FLOOR_S)
 
 
+def colocation(result: SimResult) -> dict[str, Any]:
+    """Co-location keys (see docs/policy.md, "Co-location in the simulator").
+
+    Pairs are counted per (joiner, partner) of each shared start, exploration
+    trials apart; a pair is bad when its true combined normalised throughput
+    (norm_a + norm_b from the table; 0 when it does not fit) is below 1. A job's
+    true slowdown is the worst 1/rate of its sharing episodes, over the jobs that
+    shared."""
+    pairs = [a for a in result.admissions if not a[3]]
+    trials = [a for a in result.admissions if a[3]]
+    bad = sum(1 for a in pairs if a[4] < 1.0)
+    shared = [j for j in result.jobs if j.shared_s > 0]
+    true_slow = [j.max_true_slowdown for j in shared]
+    window = result.over_cap_window_s
+    return {
+        "shared_gpu_fraction": (
+            result.shared_gpu_s / result.busy_gpu_s if result.busy_gpu_s else 0.0
+        ),
+        "admitted_pairs": len(pairs),
+        "bad_admissions": bad,
+        "bad_admission_rate": bad / len(pairs) if pairs else None,
+        "exploration_trials": len(trials),
+        "bad_trials": sum(1 for a in trials if a[4] < 1.0),
+        "requeues": result.requeues,
+        "lost_gpu_hours": (result.oom_lost_gpu_s + result.evicted_work_s) / 3600.0,
+        "max_true_slowdown": max(true_slow, default=None),
+        "p99_true_slowdown": percentile(true_slow, 99),
+        "over_cap_beyond_window": sum(1 for j in shared if j.over_cap_s > window),
+        "colocation": {
+            "jobs_shared": len(shared),
+            "oom_failures": result.oom_failures,
+            "evictions": result.evictions,
+            "oom_lost_gpu_hours": result.oom_lost_gpu_s / 3600.0,
+            "evicted_work_gpu_hours": result.evicted_work_s / 3600.0,
+            "shared_timeouts": result.shared_timeouts,
+            "over_cap_jobs": sum(1 for j in shared if j.over_cap_s > 0),
+            "over_cap_window_s": window,
+            "avg_true_slowdown": mean(true_slow),
+            "observations": result.observations,
+            "shared_gpu_hours": result.shared_gpu_s / 3600.0,
+        },
+    }
+
+
 def summarize(result: SimResult) -> dict[str, Any]:
     """The output keys computed from the jobs that finished."""
     done = [j for j in result.jobs if j.state == "done"]
@@ -71,9 +115,10 @@ def summarize(result: SimResult) -> dict[str, Any]:
     end = max((j.end for j in done), default=start)
     makespan = end - start
     capacity = result.total_gpus * makespan
-    # Prediction: what the policy planned at the job's final start vs what it ran.
+    # Prediction: what the policy planned at the job's final start vs what it ran
+    # (wall clock: a job slowed by a partner ran longer than its solo work).
     predicted = [
-        (j.planned_s, j.run_duration)
+        (j.planned_s, j.end - j.started_at)
         for j in done
         if j.outcome == "completed" and j.pred_source != "default"
     ]
@@ -130,4 +175,5 @@ def summarize(result: SimResult) -> dict[str, Any]:
             "utilization": [round(s[3], 4) for s in result.samples],
         },
         "replay_wall_s": result.wall_s,
+        **colocation(result),
     }

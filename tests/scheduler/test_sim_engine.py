@@ -130,7 +130,7 @@ def test_no_gpu_over_allocated_and_every_job_finishes_once():
     assert sum(j.run_total for j in jobs) == pytest.approx(
         sum(j.ref_duration for j in jobs)
     )
-    assert not sim.owner
+    assert not sim.occupants
 
 
 def test_over_allocating_policy_is_rejected():
