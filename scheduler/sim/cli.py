@@ -3,7 +3,8 @@
 ``python -m scheduler.sim --trace F --cluster SPEC --policy P [--throughputs F]
 [--colocation F] [--seed N] [--out F]`` and the options below. Bad input (trace,
 spec, options) exits 2 with one line naming the problem; a decision the physics
-cannot apply (a policy bug) exits 3.
+cannot apply (a policy bug) exits 3. ``--policy oracle`` (simulator only) needs
+``--colocation``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from agents.spec import SpecError, parse_cluster_spec
-from scheduler.policy import BACKFILL_PLANS, POLICIES, PolicyConfig
+from scheduler.policy import BACKFILL_PLANS, POLICIES, PolicyConfig, decide
 from scheduler.policy.predict import HISTORY
+from scheduler.sim import oracle
+from scheduler.sim.colocation import NOISE_SIGMA, REPORT_S, read_colocation
 from scheduler.sim.engine import (
     InvariantError,
     PolicyContractError,
@@ -38,6 +41,15 @@ CHECKPOINT_NOTE = (
     "a preempted job returns to the queue with its original submit time (age kept) "
     "and restarts from scratch: no checkpoint credit"
 )
+COLOCATION_NOTE = (
+    "co-location: a sharing job progresses at its normalised co-located throughput "
+    "from the table (the cluster's GPU model rows), a pair the table marks "
+    "infeasible or lacks fails out of memory at start (the joiner is requeued, age "
+    "kept), an evicted job loses its attempt's work; the policy sees labels, "
+    f"declared memory and progress reports (one per {REPORT_S:g} s, lognormal "
+    f"sigma {NOISE_SIGMA:g}), never the table"
+)
+SIM_POLICIES = (*POLICIES, oracle.NAME)
 
 
 def _positive(text: str) -> float:
@@ -79,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cluster", required=True, help="e.g. 16x4:p100 or 8x4:p100+4x8:k80"
     )
-    p.add_argument("--policy", choices=POLICIES, default="gpulab")
+    p.add_argument(
+        "--policy",
+        choices=SIM_POLICIES,
+        default="gpulab",
+        help="oracle: the co-location ceiling (reads --colocation; simulator only)",
+    )
     p.add_argument(
         "--backfill-plan",
         choices=BACKFILL_PLANS,
@@ -87,7 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="gpulab: backfill plans with time limits or min(limit, prediction)",
     )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
-    p.add_argument("--colocation", help="pairwise co-location table (recorded only)")
+    p.add_argument(
+        "--colocation",
+        help="ground-truth pairwise co-location table (Gavel colocation_pairs.csv)",
+    )
+    p.add_argument(
+        "--assume-memory-fraction",
+        type=_fraction,
+        help="a shareable job the trace gives no GPU memory declares this fraction "
+        "of the smallest GPU (default: none, and it cannot share)",
+    )
+    p.add_argument(
+        "--gpu-job-limit",
+        type=_count,
+        default=SimOptions.gpu_job_limit,
+        help="jobs a GPU may run at once (its slots)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the result JSON here (default: stdout)")
     p.add_argument("--vc", help="keep one virtual cluster (group) of the trace")
@@ -113,8 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     table, column = (None, None)
     if args.throughputs:
         table, column = read_throughputs(args.throughputs)
-    if args.colocation and not Path(args.colocation).is_file():
-        raise TraceError(f"{args.colocation}: no such file")
+    colocation = read_colocation(args.colocation) if args.colocation else None
+    if args.policy == oracle.NAME and colocation is None:
+        raise TraceError("--policy oracle reads the truth: pass --colocation FILE")
     read_s = time.perf_counter() - t0
     opts = PrepareOptions(
         seed=args.seed,
@@ -123,9 +156,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_jobs=args.max_jobs,
         no_limit_fraction=args.no_limit_fraction,
         best_effort_fraction=args.best_effort_fraction,
+        assume_memory_fraction=args.assume_memory_fraction,
     )
-    prepared = prepare(fmt, raw, nodes, table, opts)
+    prepared = prepare(fmt, raw, nodes, table, opts, colocation)
     prepare_s = time.perf_counter() - t0 - read_s
+    decide_fn = (
+        oracle.decider(colocation, (n.model for n in nodes))
+        if args.policy == oracle.NAME and colocation is not None
+        else decide
+    )
     sim = Simulator(
         prepared.jobs,
         nodes,
@@ -137,8 +176,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             preempt_grace_s=args.preempt_grace,
             sample_s=args.sample_min * 60.0,
             check=not args.no_check,
+            gpu_job_limit=args.gpu_job_limit,
+            seed=args.seed,
         ),
         throughputs=table,
+        colocation=colocation,
+        decide_fn=decide_fn,
     )
     result = sim.run()
     out: dict[str, Any] = summarize(result)
@@ -171,9 +214,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "throughputs": args.throughputs,
                 "throughput_column": column,
                 "colocation": args.colocation,
-                "colocation_note": "recorded only; co-location is a later issue",
+                "gpu_job_limit": args.gpu_job_limit,
+                "assume_memory_fraction": args.assume_memory_fraction,
             },
-            "assumptions": [*prepared.assumptions, CHECKPOINT_NOTE],
+            "assumptions": [
+                *prepared.assumptions,
+                CHECKPOINT_NOTE,
+                *([COLOCATION_NOTE] if colocation is not None else []),
+            ],
             "read_s": read_s,
             "prepare_s": prepare_s,
         }

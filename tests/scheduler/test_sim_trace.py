@@ -293,7 +293,8 @@ def test_cli_passes_the_backfill_plan_to_the_policy(tmp_path, plan, monkeypatch)
         return decide(state)
 
     def simulator(*args, **kwargs):
-        return Simulator(*args, **kwargs, decide_fn=spy)
+        kwargs["decide_fn"] = spy
+        return Simulator(*args, **kwargs)
 
     monkeypatch.setattr(sim_cli, "Simulator", simulator)
     path = write(tmp_path, "t.csv", "job_id,submit_time,num_gpus,duration\na,0,1,10\n")
