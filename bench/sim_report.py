@@ -11,6 +11,19 @@ decide() cost, replay wall time). Scenarios:
   (run without per-pass invariant checks);
 - ``d``: Philly VC 6214e9 on ``16x4:p100``, held out (never used to tune).
 
+Co-location (issue #5; policies ``gpulab-exclusive``, ``pack-by-memory``,
+``gpulab``, ``oracle``; run them with ``--only colo-k80,colo-b``):
+
+- ``colo-k80``: the tuning case, Gavel-Philly VC 11cb48, ``--time-scale 2.3`` on
+  ``8x4:k80`` (offered load about 0.94);
+- ``colo-b``: benchmark (b) with co-location, knobs frozen from the K80 case.
+
+Both pass ``--assume-memory-fraction 0.45``: Gavel's traces declare no GPU memory and
+the admission rule refuses a job whose need is unknown, so without it nothing
+shares; 0.45 of the GPU plus the rule's 512 MiB headroom lets two jobs fit by
+declaration, and whether a pair truly fits is the table's ``feasible``. The goal
+line checks ``gpulab`` against ``oracle`` and the baselines.
+
 Writes ``OUT/sim_<scenario>_<policy>.json``, ``OUT/sim_report.json`` (all summaries),
 ``OUT/sim_report.md`` (tables) and ``OUT/sim_report.html`` (Plotly, self-contained:
 JCT CDF per policy, queue length and utilisation over time), when ``plotly`` is
@@ -35,6 +48,11 @@ GAVEL = DATA / "gavel_philly_vc_traces" / "gavel_msr_seed0.csv"
 THROUGHPUTS = DATA / "gavel_colocation_throughputs" / "isolated_throughputs.csv"
 COLOCATION = DATA / "gavel_colocation_throughputs" / "colocation_pairs.csv"
 POLICIES = ("fifo", "slurm", "gpulab")
+COLO_POLICIES = ("gpulab-exclusive", "pack-by-memory", "gpulab", "oracle")
+COLO_TRACE = [
+    "--trace", str(GAVEL), "--vc", "11cb48", "--throughputs", str(THROUGHPUTS),
+    "--colocation", str(COLOCATION), "--assume-memory-fraction", "0.45",
+]  # fmt: skip
 
 SCENARIOS: dict[str, tuple[str, list[str]]] = {
     "a": (
@@ -66,7 +84,16 @@ SCENARIOS: dict[str, tuple[str, list[str]]] = {
         "Philly VC 6214e9 on 16x4:p100 (held out)",
         ["--trace", str(PHILLY), "--vc", "6214e9", "--cluster", "16x4:p100"],
     ),
+    "colo-k80": (
+        "co-location tuning: Gavel-Philly VC 11cb48, time-scale 2.3, on 8x4:k80",
+        [*COLO_TRACE, "--time-scale", "2.3", "--cluster", "8x4:k80"],
+    ),
+    "colo-b": (
+        "co-location on (b): Gavel-Philly VC 11cb48, time-scale 0.63, on 8x4:p100",
+        [*COLO_TRACE, "--time-scale", "0.63", "--cluster", "8x4:p100"],
+    ),
 }
+COLO_SCENARIOS = ("colo-k80", "colo-b")
 
 TABLE_KEYS = (
     ("jobs", "jobs", "{:.0f}"),
@@ -85,6 +112,26 @@ TABLE_KEYS = (
     ("avg_decide_ms", "avg decide (ms)", "{:.2f}"),
     ("p99_decide_ms", "p99 decide (ms)", "{:.2f}"),
     ("replay_wall_s", "replay (s)", "{:.1f}"),
+)
+COLO_KEYS = (
+    ("shared_gpu_fraction", "shared GPU time / busy", "{:.3f}"),
+    ("admitted_pairs", "admitted pairs", "{:.0f}"),
+    ("bad_admissions", "bad admissions", "{:.0f}"),
+    ("bad_admission_rate", "bad admission rate", "{:.3f}"),
+    ("exploration_trials", "exploration trials", "{:.0f}"),
+    ("bad_trials", "bad trials", "{:.0f}"),
+    ("requeues", "requeues (OOM + evictions)", "{:.0f}"),
+    ("lost_gpu_hours", "lost GPU-hours", "{:.2f}"),
+    ("max_true_slowdown", "max true slowdown", "{:.2f}"),
+    ("p99_true_slowdown", "p99 true slowdown", "{:.2f}"),
+    ("over_cap_beyond_window", "over cap beyond window", "{:.0f}"),
+)
+COLO_DETAIL = (
+    ("oom_failures", "OOM failures", "{:.0f}"),
+    ("evictions", "evictions", "{:.0f}"),
+    ("shared_timeouts", "timeouts after sharing", "{:.0f}"),
+    ("jobs_shared", "jobs that shared", "{:.0f}"),
+    ("observations", "pair observations", "{:.0f}"),
 )
 
 
@@ -175,6 +222,48 @@ def goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
     return [f"`gpulab` vs `slurm`: {', '.join(parts)}. Goal {verdict}."]
 
 
+def colo_goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue #5's goal: ``gpulab`` gets at least 75% of ``oracle``'s reduction in
+    average JCT relative to ``gpulab-exclusive``, beats ``pack-by-memory``, with
+    under 2% bad admissions and no job slowed beyond its cap for longer than the
+    detection window."""
+    g = by_policy.get("gpulab")
+    x = by_policy.get("gpulab-exclusive")
+    o = by_policy.get("oracle")
+    p = by_policy.get("pack-by-memory")
+    if not g or not x or not o or not p:
+        return []
+    base = x["avg_jct_s"]
+    ours, ceiling = base - g["avg_jct_s"], base - o["avg_jct_s"]
+    share = ours / ceiling if ceiling > 0 else None
+    rate = g.get("bad_admission_rate") or 0.0
+    checks = [
+        (
+            share is not None and share >= 0.75,
+            f"{'-' if share is None else f'{share * 100:.0f}%'} of `oracle`'s avg"
+            f" JCT reduction ({ours / 3600:+.2f} h of {ceiling / 3600:+.2f} h vs"
+            " `gpulab-exclusive`)",
+        ),
+        (
+            g["avg_jct_s"] < p["avg_jct_s"],
+            f"avg JCT {g['avg_jct_s'] / 3600:.2f} h vs `pack-by-memory`"
+            f" {p['avg_jct_s'] / 3600:.2f} h",
+        ),
+        (rate < 0.02, f"bad admissions {rate * 100:.1f}%"),
+        (
+            g.get("over_cap_beyond_window") == 0,
+            f"{g.get('over_cap_beyond_window')} job(s) over cap beyond the window",
+        ),
+    ]
+    parts = [f"{text} ({'ok' if ok else 'NO'})" for ok, text in checks]
+    verdict = "met" if all(ok for ok, _ in checks) else "NOT met"
+    return [
+        f"`gpulab` co-location: {'; '.join(parts)}. Goal {verdict}."
+        f" Exploration: {g.get('exploration_trials')} trials ({g.get('bad_trials')}"
+        f" bad); lost work {g.get('lost_gpu_hours', 0):.2f} GPU-h."
+    ]
+
+
 def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["# Simulator: policy comparison", ""]
     for scenario, by_policy in results.items():
@@ -201,7 +290,17 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             lines.append(f"| avg JCT {bucket} GPU (h) | " + " | ".join(cells) + " |")
         cells = [str(r.get("unfinished") or "-") for r in by_policy.values()]
         lines.append("| never started (last reason) | " + " | ".join(cells) + " |")
-        lines += ["", *goal_lines(by_policy)]
+        if scenario in COLO_SCENARIOS:
+            for key, label, how in COLO_KEYS:
+                cells = [fmt(r.get(key), how) for r in by_policy.values()]
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            for key, label, how in COLO_DETAIL:
+                cells = [
+                    fmt((r.get("colocation") or {}).get(key), how)
+                    for r in by_policy.values()
+                ]
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines += ["", *goal_lines(by_policy), *colo_goal_lines(by_policy)]
         lines += ["", "Assumptions: " + "; ".join(first["assumptions"]), ""]
     return "\n".join(lines) + "\n"
 
@@ -262,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--only", default="a,b,c,d", help="scenarios, e.g. a,b")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        help=f"default: {','.join(POLICIES)}; for {', '.join(COLO_SCENARIOS)}: "
+        f"{','.join(COLO_POLICIES)}",
+    )
     p.add_argument("--max-jobs", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="per run, s")
@@ -280,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     scenarios = [s for s in args.only.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
-    policies = [s for s in args.policies.split(",") if s]
-    if unknown or any(pol not in POLICIES for pol in policies):
+    chosen = [s for s in (args.policies or "").split(",") if s]
+    known = (*POLICIES, *COLO_POLICIES)
+    if unknown or any(pol not in known for pol in chosen):
         sys.stderr.write(f"sim_report: unknown scenario or policy in {args}\n")
         return 2
     if not PHILLY.is_file() or not GAVEL.is_file():
@@ -290,9 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    pairs = [(sc, pol) for sc in scenarios for pol in policies]
+    pairs = [
+        (sc, pol)
+        for sc in scenarios
+        for pol in chosen or (COLO_POLICIES if sc in COLO_SCENARIOS else POLICIES)
+    ]
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        done = list(pool.map(lambda sp: run_one(*sp, out_dir, args), pairs))
+        done = list(pool.map(lambda sp: run_one(sp[0], sp[1], out_dir, args), pairs))
     for (scenario, policy), r in zip(pairs, done, strict=True):
         results.setdefault(scenario, {})
         if r is not None:
