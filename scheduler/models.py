@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -253,6 +253,13 @@ class Job(models.Model):
     predicted_runtime_s = models.PositiveIntegerField(null=True, blank=True)
     priority_class = models.CharField(max_length=32, default="normal")
     shareable = models.BooleanField(default=False)
+    # Co-location (docs/colocation.md): a slowdown cap tighter than the class's
+    # (null: the class cap), and whether the job may be sent back to the queue
+    # when its GPU partner is measured over its cap.
+    slowdown_cap = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(1.0)]
+    )
+    evictable = models.BooleanField(default=True)
     workload = models.CharField(max_length=128, blank=True)
     requeue_on_node_loss = models.BooleanField(default=True)
     kill_grace_s = models.PositiveIntegerField(default=30)
@@ -425,6 +432,10 @@ class Attempt(models.Model):
     progress_at = models.DateTimeField(null=True, blank=True)
     progress_first_step = models.BigIntegerField(null=True, blank=True)
     progress_first_at = models.DateTimeField(null=True, blank=True)
+    # Set when the attempt joined a GPU that already ran jobs: the admission
+    # record (policy.colocate.Admission: rule, message, predicted slowdowns,
+    # gain, confidence, trial, partners). Shown on the job page.
+    admission = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ("job", "number")

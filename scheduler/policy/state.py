@@ -75,6 +75,11 @@ class PolicyConfig:
     colo_detect_window_s: float = 600.0
 
     @property
+    def shares(self) -> bool:
+        """This policy may put two jobs on one GPU."""
+        return self.colocation and self.name in ("gpulab", "pack-by-memory")
+
+    @property
     def plans_with_prediction(self) -> bool:
         """Backfill plans jobs with min(limit, prediction), not their limits."""
         return (

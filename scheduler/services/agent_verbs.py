@@ -353,10 +353,7 @@ def _end_attempt(
     if attempt.started_at is None:
         return
     seconds = max(0.0, (ended - attempt.started_at).total_seconds())
-    slots_by_gpu: dict[int, int] = {}
-    for alloc in allocations:
-        slots_by_gpu[alloc.gpu_id] = slots_by_gpu.get(alloc.gpu_id, 0) + 1
-    gpu_slots = dict(Gpu.objects.filter(pk__in=slots_by_gpu).values_list("pk", "slots"))
+    shares = _occupancy_shares(attempt, {a.gpu_id for a in allocations}, ended)
     job = attempt.job
     UsageRecord.objects.bulk_create(
         [
@@ -367,13 +364,68 @@ def _end_attempt(
                 group_id=job.group_id,
                 started_at=attempt.started_at,
                 ended_at=ended,
-                share=held / gpu_slots[gpu_id],
-                gpu_seconds=seconds * held / gpu_slots[gpu_id],
+                share=share,
+                gpu_seconds=seconds * share,
             )
-            for gpu_id, held in slots_by_gpu.items()
+            for gpu_id, share in shares.items()
         ],
         ignore_conflicts=True,
     )
+
+
+def _occupancy_shares(
+    attempt: Attempt, gpu_ids: set[int], ended: datetime
+) -> dict[int, float]:
+    """Each GPU's share charged to ``attempt``: the time-average, over the time it
+    held the GPU, of (its live slots / all live slots on the GPU). Alone on a GPU
+    it pays all of it, whether it held one slot or all; two jobs sharing pay half
+    each while they share, so a GPU-second is charged once. The average is taken
+    on the allocations' own timeline (one GPU's rows all come from its node and
+    the server), then applied to the agent-reported run time. One query."""
+    rows = list(
+        Allocation.objects.filter(
+            Q(released_at__isnull=True) | Q(released_at__gt=F("allocated_at")),
+            gpu_id__in=gpu_ids,
+        )
+        .filter(
+            Q(attempt=attempt)
+            | Q(allocated_at__lt=ended)
+            & (Q(released_at__isnull=True) | Q(released_at__gt=attempt.created_at))
+        )
+        .values_list("gpu_id", "attempt_id", "allocated_at", "released_at")
+    )
+    out: dict[int, float] = {}
+    for gpu_id in gpu_ids:
+        mine = [r for r in rows if r[0] == gpu_id and r[1] == attempt.pk]
+        start = min(r[2] for r in mine)
+        span = (ended - start).total_seconds()
+        events: list[tuple[datetime, int, int]] = []
+        for _, attempt_id, begun, released in (r for r in rows if r[0] == gpu_id):
+            own = 1 if attempt_id == attempt.pk else 0
+            if released is not None and released <= start:
+                continue
+            events.append((max(begun, start), 1, own))
+            if released is not None and released < ended:
+                events.append((released, -1, -own))
+        events.sort(key=lambda e: (e[0], e[1]))  # releases before grants
+        total = held = 0
+        charged = 0.0
+        last = start
+        for at, d_total, d_mine in events:
+            if at > last:
+                if total:
+                    charged += (at - last).total_seconds() * held / total
+                last = at
+            total += d_total
+            held += d_mine
+        if total and ended > last:
+            charged += (ended - last).total_seconds() * held / total
+        if span > 0:
+            out[gpu_id] = min(1.0, charged / span)
+        else:  # clocks too close to tell: its share of the slots live at its start
+            live = [r for r in rows if r[0] == gpu_id and r[2] <= start]
+            out[gpu_id] = len(mine) / max(len(live), len(mine))
+    return out
 
 
 def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:

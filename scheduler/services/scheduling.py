@@ -107,7 +107,7 @@ FROM scheduler_gpu
 _PENDING_SQL = """
 SELECT id, gpus, gpu_memory_mib, date_part('epoch', submitted_at), owner_id, group_id,
        priority_class, time_limit_s, predicted_runtime_s, shareable, gpu_model,
-       workload, pending_reason, pending_message, queue_position, priority_breakdown::text,
+       workload, slowdown_cap, pending_reason, pending_message, queue_position, priority_breakdown::text,
        date_part('epoch', est_start)
 FROM scheduler_job WHERE status = 'pending'
 """
@@ -116,7 +116,8 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        date_part('epoch', t.created_at), t.kill_reason, j.owner_id, j.group_id,
        j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
-       j.shareable, j.workload, j.gpu_memory_mib, j.gpus
+       j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
+       t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false)
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
 """
@@ -132,6 +133,14 @@ class Snapshot(NamedTuple):
 
     cluster: policy.ClusterState
     stored_waits: dict[int, StoredWait]
+
+
+def _cap(class_cap: float | None, own: float | None) -> float | None:
+    """A job's slowdown cap: the tighter of its class's (None: unbounded) and the
+    one its owner asked for."""
+    if own is None:
+        return class_cap
+    return own if class_cap is None else min(class_cap, own)
 
 
 def cluster_state(now: datetime | None = None) -> policy.ClusterState:
@@ -193,7 +202,6 @@ def snapshot(now: datetime | None = None) -> Snapshot:
             )
         )
     index_of = {row[0]: row[2] for row in gpu_rows}
-    slots_of = {row[0]: row[4] for row in gpu_rows}
     weights = {name: spec.weight for name, spec in specs.items()}
     caps = {name: spec.slowdown_cap for name, spec in specs.items()}
     pending = []
@@ -211,6 +219,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         shareable,
         model,
         workload,
+        own_cap,
         reason,
         message,
         position,
@@ -232,7 +241,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 shareable=shareable and n_gpus == 1,
                 gpu_model=model,
                 workload=workload,
-                slowdown_cap=caps.get(pclass, 1.5),
+                slowdown_cap=_cap(caps.get(pclass, 1.5), own_cap),
             )
         )
         stored_waits[pk] = (reason, message, position, breakdown, est_start)
@@ -255,14 +264,19 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         workload,
         declared_mib,
         n_gpus,
+        own_cap,
+        evictable,
+        joined,
+        trial,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
         if not held:
             continue  # ended or released between the two reads
         user, group = users.get(owner_id, ""), groups.get(group_id, "")
         if started is not None:
-            # Fair-share usage so far: each slot held is 1/slots of its GPU.
-            seconds = (at - started) * sum(1 / slots_of[g] for g in held)
+            # Fair-share usage so far: its share of each GPU's live slots now
+            # (a job alone on a GPU is charged all of it, two sharing half each).
+            seconds = (at - started) * sum(1 / used[g] for g in held)
             running_usage[group, user] = running_usage.get((group, user), 0) + seconds
         spec = specs.get(pclass)
         running.append(
@@ -284,7 +298,12 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 shareable=shareable and n_gpus == 1,
                 workload=workload,
                 gpu_memory_mib=declared_mib,
-                slowdown_cap=caps.get(pclass, 1.5),
+                slowdown_cap=_cap(caps.get(pclass, 1.5), own_cap),
+                joined_at=(started if started is not None else created)
+                if joined
+                else None,
+                trial=trial,
+                evictable=evictable,
             )
         )
     cluster = policy.ClusterState(
@@ -340,7 +359,7 @@ def apply_decisions(
     starts = [d for d in decisions if isinstance(d, policy.Start)]
     with transaction.atomic():
         t0 = time.perf_counter()
-        result.started = start_jobs(starts)
+        result.started = start_jobs(starts, share_slots=policy_config().shares)
         result.skipped = len(starts) - result.started
         result.starts_ms = _ms_since(t0)
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def start_jobs(starts: Sequence[policy.Start]) -> int:
+def start_jobs(starts: Sequence[policy.Start], *, share_slots: bool = False) -> int:
     """Apply a pass's starts, each on its placements (one per node, rank 0 first),
     all or none; return how many started (the others are skipped).
 
@@ -41,13 +41,13 @@ def start_jobs(starts: Sequence[policy.Start]) -> int:
     if not starts:
         return 0
     try:
-        return _start_batch(starts)
+        return _start_batch(starts, share_slots=share_slots)
     except (IntegrityError, _Unlaunchable) as exc:
         log.warning("batched start failed (%s); starting one by one", exc)
     started = 0
     for decision in starts:
         try:
-            started += _start_batch([decision])
+            started += _start_batch([decision], share_slots=share_slots)
         except IntegrityError as exc:
             # Another pass took one of these slots first: the constraint held.
             log.warning("start of job %s skipped: %s", decision.job_id, exc)
@@ -57,7 +57,7 @@ def start_jobs(starts: Sequence[policy.Start]) -> int:
     return started
 
 
-def _start_batch(starts: Sequence[policy.Start]) -> int:
+def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
     """Start these jobs in one savepoint; return how many started.
 
     1. Lock every job (must be PENDING), then every GPU of every placement, each in
@@ -86,21 +86,49 @@ def _start_batch(starts: Sequence[policy.Start]) -> int:
             .filter(pk__in=wanted)
             .order_by("pk")
         }
-        busy = set(
-            Allocation.objects.filter(
-                gpu_id__in=list(gpus), released_at__isnull=True
-            ).values_list("gpu_id", flat=True)
-        )
+        # live slots of each wanted GPU: slot -> (attempt, its job)
+        live: dict[int, dict[int, int]] = {}
+        for gpu_id, slot, job_id in Allocation.objects.filter(
+            gpu_id__in=list(gpus), released_at__isnull=True
+        ).values_list("gpu_id", "slot", "attempt__job_id"):
+            live.setdefault(gpu_id, {})[slot] = job_id
+        busy = set(live)
         nodes = Node.objects.in_bulk(
             list({p.node_id for d in starts for p in d.placements})
         )
         planned: list[tuple[Job, list[int], list[Gpu]]] = []
+        slots_of: dict[int, list[tuple[Gpu, int]]] = {}  # job -> (GPU, slot) taken
+        admissions: dict[int, dict[str, Any]] = {}
         for decision in starts:
             job = jobs.pop(decision.job_id, None)  # a job starts once
-            held = None if job is None else _placed_gpus(decision, gpus, nodes, busy)
-            if job is None or held is None:
+            if job is None:
+                continue
+            if decision.admission is not None:
+                # joins a GPU that runs jobs: the admitted partners must still be
+                # the GPU's only jobs, and a slot free
+                taken = _joined_slot(decision, gpus, nodes, live)
+                if taken is None:
+                    continue
+                gpu, slot = taken
+                live.setdefault(gpu.pk, {})[slot] = job.pk
+                slots_of[job.pk] = [taken]
+                admissions[job.pk] = admission_record(decision.admission)
+                planned.append((job, [gpu.node_id], [gpu]))
+                continue
+            held = _placed_gpus(decision, gpus, nodes, busy)
+            if held is None:
                 continue
             busy.update(g.pk for g in held)
+            # a shareable single-GPU job takes one slot, so a partner may join it;
+            # any other job takes every slot of its GPUs
+            alone = share_slots and job.shareable and len(held) == 1
+            slots_of[job.pk] = [
+                (g, slot)
+                for g in held
+                for slot in (range(1) if alone else range(g.slots))
+            ]
+            for g, slot in slots_of[job.pk]:
+                live.setdefault(g.pk, {})[slot] = job.pk
             planned.append((job, [p.node_id for p in decision.placements], held))
         if not planned:
             return 0
@@ -118,6 +146,7 @@ def _start_batch(starts: Sequence[policy.Start]) -> int:
                     node=nodes[node_ids[0]],
                     created_at=now,
                     ranks=node_ids if len(node_ids) > 1 else [],
+                    admission=admissions.get(job.pk),
                 )
                 for job, node_ids, _ in planned
             ]
@@ -125,9 +154,8 @@ def _start_batch(starts: Sequence[policy.Start]) -> int:
         Allocation.objects.bulk_create(
             [
                 Allocation(attempt=attempt, gpu=g, slot=slot, allocated_at=now)
-                for attempt, (_, _, held) in zip(attempts, planned, strict=True)
-                for g in held
-                for slot in range(g.slots)
+                for attempt, (job, _, _) in zip(attempts, planned, strict=True)
+                for g, slot in slots_of[job.pk]
             ]
         )
         Job.objects.filter(pk__in=[job.pk for job, _, _ in planned]).update(
@@ -160,6 +188,11 @@ def _start_batch(starts: Sequence[policy.Start]) -> int:
                 for n in node_ids
                 for g in by_node[n]
             )
+            if attempt.admission is not None:
+                partners = ", ".join(map(str, attempt.admission["partners"]))
+                where += (
+                    f", shared with job(s) {partners}: {attempt.admission['message']}"
+                )
             started.append(
                 JobEvent(
                     job=job,
@@ -179,6 +212,43 @@ def _start_batch(starts: Sequence[policy.Start]) -> int:
                 transaction.on_commit(partial(events.send_to_agent, node_id, launch))
             _after_commit_state_change(job, message)
     return len(planned)
+
+
+def admission_record(adm: policy.colocate.Admission) -> dict[str, Any]:
+    """The admission as stored on the attempt (JSON; slowdowns keyed by job id)."""
+    return {
+        "rule": adm.rule,
+        "message": adm.message,
+        "slowdowns": {str(k): round(v, 4) for k, v in adm.slowdowns.items()},
+        "gain": None if adm.gain is None else round(adm.gain, 4),
+        "confidence": None if adm.confidence is None else round(adm.confidence, 4),
+        "trial": adm.trial,
+        "partners": list(adm.partners),
+    }
+
+
+def _joined_slot(
+    decision: policy.Start,
+    gpus: Mapping[int, Gpu],
+    nodes: Mapping[int, Node],
+    live: Mapping[int, Mapping[int, int]],
+) -> tuple[Gpu, int] | None:
+    """The GPU and free slot a shared start takes, if the GPU still runs exactly
+    the partners it was admitted with (each on one slot) and its node is UP and
+    not draining. Else None: the start is skipped (the next pass decides again)."""
+    assert decision.admission is not None
+    (gpu_id,) = decision.gpu_ids
+    gpu = gpus.get(gpu_id)
+    if gpu is None or not gpu.schedulable:
+        return None
+    node = nodes.get(gpu.node_id)
+    if node is None or node.status != Node.Status.UP or node.draining:
+        return None
+    slots = live.get(gpu_id, {})
+    if sorted(slots.values()) != sorted(decision.admission.partners):
+        return None
+    free = [s for s in range(gpu.slots) if s not in slots]
+    return (gpu, free[0]) if free else None
 
 
 def _placed_gpus(

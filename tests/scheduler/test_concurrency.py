@@ -78,10 +78,10 @@ def start_path(request: pytest.FixtureRequest) -> Any:
         return
     real = starts._start_batch
 
-    def batch_fails(batch: list[Any]) -> int:
+    def batch_fails(batch: list[Any], **kwargs: Any) -> int:
         if len(batch) > 1:
             raise IntegrityError("forced: start one by one")
-        return real(batch)
+        return real(batch, **kwargs)
 
     with mock.patch.object(starts, "_start_batch", side_effect=batch_fails):
         yield

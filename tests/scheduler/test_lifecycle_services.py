@@ -418,22 +418,46 @@ def test_it_releases_allocations_and_charges_agent_reported_time(
     assert free_gpus(node, 4) == list(node.gpus.order_by("index"))
 
 
-def test_it_charges_gpu_seconds_by_the_share_held(
+def test_a_job_alone_on_its_gpu_pays_all_of_it_whatever_slots_it_held(
     alice: User, cluster: list[Node], send: Any
 ) -> None:
     node = cluster[0]
-    job = JobFactory(owner=alice)
-    attempt = running(job, node)
-    gpu = attempt.allocations.get(slot=0).gpu
-    # The GPU gained slots while the job ran: it held 2 of 4, half the GPU.
-    gpu.slots = 4
-    gpu.save(update_fields=["slots"])
+    attempt = running(JobFactory(owner=alice), node)
+    # a shareable job started alone holds one of the GPU's two slots
+    attempt.allocations.filter(slot=1).delete()
 
     services.finish_attempt(node.pk, exited_data(attempt, 0, at=T0 + 100))
 
     record = UsageRecord.objects.get(attempt=attempt)
-    assert record.share == 0.5
-    assert record.gpu_seconds == pytest.approx(50.0)
+    assert (record.share, record.gpu_seconds) == (1.0, pytest.approx(100.0))
+
+
+def test_two_jobs_sharing_a_gpu_pay_half_of_it_while_they_share(
+    alice: User, bob: User, cluster: list[Node], send: Any
+) -> None:
+    node = cluster[0]
+    first = running(JobFactory(owner=alice), node)
+    gpu = first.allocations.get(slot=0).gpu
+    first.allocations.filter(slot=1).delete()
+    # the second joins 50 s (on the allocations' clock) into the first's 100 s
+    t0 = first.allocations.get().allocated_at
+    second = Attempt.objects.create(
+        job=JobFactory(owner=bob, status=Job.Status.RUNNING), number=1, node=node,
+        started_at=t0 + timedelta(seconds=50), created_at=t0 + timedelta(seconds=50),
+    )  # fmt: skip
+    Allocation.objects.create(
+        attempt=second, gpu=gpu, slot=1, allocated_at=t0 + timedelta(seconds=50)
+    )
+    Attempt.objects.filter(pk=first.pk).update(started_at=t0)
+    first.refresh_from_db()
+
+    services.finish_attempt(
+        node.pk, exited_data(first, 0, at=(t0 + timedelta(seconds=100)).timestamp())
+    )
+
+    record = UsageRecord.objects.get(attempt=first)
+    assert record.share == pytest.approx(0.75)  # 50 s alone + 50 s at half
+    assert record.gpu_seconds == pytest.approx(75.0)
 
 
 def test_it_never_charges_negative_time_for_a_skewed_clock(
