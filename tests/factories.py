@@ -49,6 +49,21 @@ def start_job(job: Job, node: Node, gpus: list[Gpu] | None = None) -> Attempt:
     return Attempt.objects.get(job=job, ended_at__isnull=True)
 
 
+def shared_start(
+    job: Job, gpu_id: int, node_id: int, partners: tuple[int, ...]
+) -> policy.Start:
+    """A policy ``Start`` that puts ``job`` beside ``partners`` on ``gpu_id``, as
+    the admission rule would (predicted 1.2x for it, 1.3x for them)."""
+    from scheduler.policy.colocate import Admission
+
+    adm = Admission(
+        job.pk, gpu_id, admitted=True, rule="ok", message="predicted gain 1.60",
+        slowdowns={job.pk: 1.2, **dict.fromkeys(partners, 1.3)}, gain=1.6,
+        confidence=0.9, partners=partners,
+    )  # fmt: skip
+    return policy.Start(job.pk, (policy.Placement(node_id, (gpu_id,)),), admission=adm)
+
+
 def started_data(attempt: Attempt, at: float | None = None) -> protocol.JobStartedData:
     return protocol.JobStartedData(
         attempt_id=attempt.pk,

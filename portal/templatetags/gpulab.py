@@ -55,3 +55,13 @@ def _rate(rate: float) -> str:
     if rate >= 1:
         return f"{rate:.1f}"
     return f"{rate:.2g}"  # 0.05, 0.012: two significant digits
+
+
+@register.filter
+def mib(value: int | None) -> str:
+    """MiB as '512 MiB' or '4.0 GiB'."""
+    if value is None:
+        return "\u2013"
+    if value < 1024:
+        return f"{value} MiB"
+    return f"{value / 1024:.1f} GiB"

@@ -30,6 +30,15 @@ def _nodes_with_gpus() -> list[Node]:
     for node in nodes:
         for gpu in node.gpus.all():
             jobs = {a.attempt.job_id: a.attempt.job for a in gpu.live}  # type: ignore[attr-defined]
+            attempts = {a.attempt.job_id: a.attempt_id for a in gpu.live}  # type: ignore[attr-defined]
+            # each job's memory as measured now: its processes on this GPU
+            used: dict[int, int] = {}
+            for proc in (gpu.latest or {}).get("processes") or ():
+                if proc.get("attempt_id") is not None:
+                    aid = int(proc["attempt_id"])
+                    used[aid] = used.get(aid, 0) + int(proc.get("used_memory_mib") or 0)
+            for job_id, job in jobs.items():
+                job.used_mib = used.get(attempts[job_id])
             gpu.jobs = list(jobs.values())  # type: ignore[attr-defined]
     return nodes
 

@@ -106,6 +106,19 @@ def _job_context(job: Job) -> dict[str, object]:
                 else (len(attempt.node_ids), a.gpu.index)
             ),
         )
+    # co-location: the jobs sharing its GPU now, the viewer's own or not (only
+    # number, owner and memory of someone else's are shown)
+    partners: list[Job] = []
+    if attempt is not None and attempt.ended_at is None and len(allocations) == 1:
+        partners = list(
+            Job.objects.filter(
+                attempt_set__allocations__gpu_id=allocations[0].gpu_id,
+                attempt_set__allocations__released_at__isnull=True,
+            )
+            .exclude(pk=job.pk)
+            .select_related("owner")
+            .distinct()
+        )
     ahead: list[Job] = []
     if job.status == Job.Status.PENDING and job.queue_position:
         # "Behind whom": the jobs just ahead of it in the last pass's order.
@@ -124,6 +137,7 @@ def _job_context(job: Job) -> dict[str, object]:
         "queue_position": job.queue_position,
         "ahead": ahead,
         "plans_with_prediction": services.policy_config().plans_with_prediction,
+        "partners": partners,
     }
 
 

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from scheduler import policy, services, tasks
+from scheduler import services, tasks
 from scheduler.models import Allocation, Attempt, Job
-from scheduler.policy.colocate import Admission
 from tests.conftest import make_node
-from tests.factories import JobFactory, free_gpus, start_job
+from tests.factories import JobFactory, free_gpus, shared_start, start_job
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -23,15 +22,6 @@ GIB = 1024
 
 def slots_of(attempt: Attempt) -> list[int]:
     return sorted(attempt.allocations.values_list("slot", flat=True))
-
-
-def joining(job: Job, gpu_id: int, node_id: int, partners: tuple[int, ...]) -> Any:
-    adm = Admission(
-        job.pk, gpu_id, admitted=True, rule="ok", message="predicted gain 1.60",
-        slowdowns={job.pk: 1.2, **dict.fromkeys(partners, 1.3)}, gain=1.6,
-        confidence=0.9, partners=partners,
-    )  # fmt: skip
-    return policy.Start(job.pk, (policy.Placement(node_id, (gpu_id,)),), admission=adm)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +54,9 @@ def test_a_shared_start_takes_the_free_slot_and_keeps_its_admission(
     gpu = node.gpus.get()
     second = JobFactory(owner=bob, shareable=True)
 
-    result = services.apply_decisions([joining(second, gpu.pk, node.pk, (first.pk,))])
+    result = services.apply_decisions(
+        [shared_start(second, gpu.pk, node.pk, (first.pk,))]
+    )
 
     assert result.started == 1
     attempt = Attempt.objects.get(job=second)
@@ -87,7 +79,7 @@ def test_a_shared_start_whose_partners_changed_is_skipped(
     late = JobFactory(owner=bob, shareable=True)
 
     # admitted beside a job that is not the one on the GPU any more
-    result = services.apply_decisions([joining(late, gpu.pk, node.pk, (999,))])
+    result = services.apply_decisions([shared_start(late, gpu.pk, node.pk, (999,))])
 
     assert result.started == 0
     assert Job.objects.get(pk=late.pk).status == Job.Status.PENDING
@@ -103,7 +95,9 @@ def test_a_shared_start_never_takes_a_slot_of_an_exclusive_job(
     gpu = node.gpus.get()
     late = JobFactory(owner=bob, shareable=True)
 
-    result = services.apply_decisions([joining(late, gpu.pk, node.pk, (first.pk,))])
+    result = services.apply_decisions(
+        [shared_start(late, gpu.pk, node.pk, (first.pk,))]
+    )
 
     assert result.started == 0  # both slots are the first job's
 
