@@ -117,6 +117,23 @@ class JobForm(forms.Form):
         label="May share a GPU",
         help_text="Allow another job on the same GPU when both gain.",
     )
+    slowdown_cap = forms.FloatField(
+        label="Max slowdown when sharing",
+        required=False,
+        min_value=1.0,
+        help_text="e.g. 1.2 (at most 20% slower than alone). Empty: the class's cap.",
+    )
+    on_partner_hurt = forms.ChoiceField(
+        label="If its GPU partner suffers",
+        choices=[
+            ("requeue", "send this job back to the queue"),
+            ("keep", "keep running"),
+        ],
+        initial="requeue",
+        required=False,  # absent: requeue
+        help_text="When a job measured over its cap shares a GPU with this one, "
+        "and this one joined later.",
+    )
     workload = forms.CharField(
         label="Workload label",
         required=False,
@@ -197,6 +214,8 @@ class JobForm(forms.Form):
             kill_grace_s=data["kill_grace"],
             gpu_model=data["gpu_model"],
             requeue_on_node_loss=data["on_node_loss"] != "fail",
+            slowdown_cap=data["slowdown_cap"],
+            evictable=data["on_partner_hurt"] != "keep",
         )
 
     # Service field names -> form field names.

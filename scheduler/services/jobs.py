@@ -76,6 +76,10 @@ class JobRequest:
     kill_grace_s: int | None = None  # None: GPULAB_KILL_GRACE
     requeue_on_node_loss: bool = True
     gpu_model: str = ""  # a required GPU model, part of the GPU's name
+    # Co-location: a slowdown cap tighter than the class's (None: the class's),
+    # and whether it may be requeued when its GPU partner suffers.
+    slowdown_cap: float | None = None
+    evictable: bool = True
 
 
 def cluster_capacity(model: str = "") -> tuple[int, int, int]:
@@ -206,6 +210,23 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
     elif len(workload) > 128:
         errors["workload"] = "The workload label is longer than 128 characters."
 
+    cap = req.slowdown_cap
+    if cap is not None:
+        class_cap = pclass.slowdown_cap if pclass is not None else None
+        if not req.shareable:
+            errors["slowdown_cap"] = (
+                "A slowdown cap only applies to a job that may share a GPU."
+            )
+        elif not (cap >= 1.0 and cap < float("inf")):
+            errors["slowdown_cap"] = (
+                "The slowdown cap is a factor of 1 or more (1.2: at most 20 % slower)."
+            )
+        elif class_cap is not None and cap > class_cap:
+            errors["slowdown_cap"] = (
+                f"The {pclass.name if pclass else ''} class already caps slowdowns at"
+                f" {class_cap:g}x; ask for a tighter cap or leave it empty."
+            )
+
     grace = settings.GPULAB_KILL_GRACE if req.kill_grace_s is None else req.kill_grace_s
     if not 0 <= grace <= MAX_KILL_GRACE_S:
         errors["kill_grace_s"] = (
@@ -229,6 +250,8 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
         "kill_grace_s": grace,
         "requeue_on_node_loss": req.requeue_on_node_loss,
         "gpu_model": model,
+        "slowdown_cap": cap,
+        "evictable": req.evictable,
     }
 
 

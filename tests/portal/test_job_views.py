@@ -252,6 +252,21 @@ def test_it_stores_a_good_submission_and_redirects_to_the_job(
     assert job.env == {"SEED": "1", "LR": "0.1"}
 
 
+def test_it_stores_the_sharing_terms_asked_for(
+    alice: User, cluster: list[Node]
+) -> None:
+    response = client_for(alice).post(
+        reverse("portal-job-new"),
+        form_data(shareable="on", slowdown_cap="1.25", on_partner_hurt="keep"),
+    )
+
+    job = Job.objects.get()
+    assert response.status_code == 302
+    assert (job.shareable, job.slowdown_cap, job.evictable) == (True, 1.25, False)
+    page = " ".join(client_for(alice).get(response.url).content.decode().split())
+    assert "(may share, at most 1.25x slower; kept running if its partner" in page
+
+
 @pytest.mark.parametrize(
     ("overrides", "field", "says"),
     [
@@ -267,6 +282,12 @@ def test_it_stores_a_good_submission_and_redirects_to_the_job(
         ({"env": "JUSTAWORD"}, "env", "Line 1: write KEY=VALUE."),
         ({"priority_class": "vip"}, "priority_class", "Select a valid choice."),
         ({"group": "nlp"}, "group", "Select a valid choice."),
+        ({"slowdown_cap": "1.2"}, "slowdown_cap", "only applies to a job that may"),
+        (
+            {"slowdown_cap": "0.5", "shareable": "on"},
+            "slowdown_cap",
+            "greater than or equal to 1",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v else None,
 )

@@ -69,6 +69,27 @@ BAD_INPUT = [
     pytest.param({"time_limit_s": 0}, "time_limit_s", "positive", id="zero-limit"),
     pytest.param({"group": "nlp"}, "group", "'nlp'", id="not-my-group"),
     pytest.param({"group": "nosuch"}, "group", "'nosuch'", id="unknown-group"),
+    pytest.param(
+        {"slowdown_cap": 1.2}, "slowdown_cap", "may share", id="cap-not-shareable"
+    ),
+    pytest.param(
+        {"slowdown_cap": 0.9, "shareable": True},
+        "slowdown_cap",
+        "1 or more",
+        id="cap-below-1",
+    ),
+    pytest.param(
+        {"slowdown_cap": float("nan"), "shareable": True},
+        "slowdown_cap",
+        "1 or more",
+        id="cap-nan",
+    ),
+    pytest.param(
+        {"slowdown_cap": 2.0, "shareable": True},
+        "slowdown_cap",
+        "already caps slowdowns at 1.5x",
+        id="cap-looser-than-class",
+    ),
 ]
 
 
@@ -253,6 +274,19 @@ def test_it_keeps_the_jobs_own_stop_grace_and_node_loss_choice(
 
     assert (mine.kill_grace_s, mine.requeue_on_node_loss) == (5, False)
     assert (default.kill_grace_s, default.requeue_on_node_loss) == (30, True)
+
+
+def test_it_keeps_the_jobs_own_sharing_terms(alice: User, cluster: list[Any]) -> None:
+    mine = services.submit_job(
+        alice, request(shareable=True, slowdown_cap=1.2, evictable=False)
+    )
+    scavenger = services.submit_job(
+        alice,
+        request(shareable=True, slowdown_cap=3.0, priority_class="best-effort"),
+    )
+
+    assert (mine.slowdown_cap, mine.evictable) == (1.2, False)
+    assert scavenger.slowdown_cap == 3.0  # its class has no cap: any is tighter
 
 
 def test_the_default_workdir_names_the_user(
