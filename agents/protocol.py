@@ -187,6 +187,8 @@ KillReason = Literal[
     "stale",
     "node_lost",
     "peer_failed",  # another rank of a multi-node job failed
+    "evicted",  # its GPU partner ran over its slowdown cap: back to the queue
+    "memory_overrun",  # used more GPU memory than declared on a shared GPU
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -739,3 +740,48 @@ class Profile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} ({self.unix_account or 'no Unix account'})"
+
+
+class InterferencePair(models.Model):
+    """What was learned about one ordered pair of workloads sharing a GPU: A's
+    slowdown beside B (``workload_a``'s), as log slowdowns observed per sharing
+    episode (count, mean, M2: ``policy.interference.Observations``), and whether
+    the pass evicted a job of this pair (``harmful``: never admitted again until
+    an admin resets it). Read by the snapshot into ``policy.Knowledge``."""
+
+    workload_a = models.CharField(max_length=128)
+    workload_b = models.CharField(max_length=128)
+    n = models.PositiveIntegerField(default=0)
+    mean_log = models.FloatField(default=0.0)
+    m2 = models.FloatField(default=0.0)
+    harmful = models.BooleanField(default=False)
+    harmful_reason = models.CharField(max_length=500, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+    reset_at = models.DateTimeField(null=True, blank=True)
+    reset_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+
+    class Meta:
+        ordering = ("workload_a", "workload_b")
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["workload_a", "workload_b"],
+                name="%(app_label)s_%(class)s_unique_pair",
+            ),
+            models.CheckConstraint(
+                condition=Q(m2__gte=0), name="%(app_label)s_%(class)s_m2_non_negative"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workload_a or '(unlabelled)'} beside {self.workload_b or '(unlabelled)'}"
+
+    @property
+    def slowdown(self) -> float | None:
+        """The mean observed slowdown (geometric), None before any observation."""
+        return math.exp(self.mean_log) if self.n else None

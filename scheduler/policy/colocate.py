@@ -94,6 +94,8 @@ class Admission:
     confidence: float | None = None  # the least sure pair's
     trial: bool = False
     partners: tuple[int, ...] = ()
+    # the workload labels: the job's, then its partners' (in ``partners`` order)
+    workloads: tuple[str, ...] = ()
 
 
 @dataclass
@@ -137,7 +139,15 @@ def admit(
 
     def refuse(rule: str, message: str, *, numbers: bool = False) -> Admission:
         if not numbers:
-            return Admission(job.id, gpu_id, admitted=False, rule=rule, message=message)
+            return Admission(
+                job.id,
+                gpu_id,
+                admitted=False,
+                rule=rule,
+                message=message,
+                partners=partners,
+                workloads=workloads,
+            )
         return Admission(
             job.id,
             gpu_id,
@@ -149,9 +159,11 @@ def admit(
             confidence=confidence,
             trial=trial,
             partners=partners,
+            workloads=workloads,
         )
 
     partners = tuple(r.id for r in residents)
+    workloads = (job.profile.workload, *(r.profile.workload for r in residents))
     if len(residents) + 1 > slots:
         return refuse(
             "count", f"it already runs {len(residents)} job(s), its limit is {slots}"
@@ -187,6 +199,7 @@ def admit(
             rule="memory-only",
             message="memory and job count allow it (pack-by-memory)",
             partners=partners,
+            workloads=workloads,
         )
 
     for r in residents:
@@ -274,6 +287,7 @@ def admit(
         confidence=confidence,
         trial=trial,
         partners=partners,
+        workloads=workloads,
     )
 
 

@@ -72,7 +72,10 @@ from scheduler.services.scheduling import (
     class_specs,
     cluster_state,
     decayed_usage,
+    load_knowledge,
+    mark_harmful,
     policy_config,
+    reset_interference_pairs,
     snapshot,
 )
 from scheduler.services.starts import (
@@ -117,7 +120,9 @@ __all__ = [
     "groups_of",
     "kill_frame",
     "launch_frame",
+    "load_knowledge",
     "log_tail",
+    "mark_harmful",
     "mark_lost_nodes",
     "mark_started",
     "policy_config",
@@ -129,6 +134,7 @@ __all__ = [
     "record_metrics",
     "record_progress",
     "resend_launches",
+    "reset_interference_pairs",
     "rotate_node_token",
     "set_draining",
     "snapshot",

@@ -483,6 +483,18 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             job.last_preempted_at = ended
             job.save(update_fields=["preemptions", "last_preempted_at"])
             message = "requeued after preemption (its age is kept)"
+        elif server_kill == "evicted":
+            job.status = Job.Status.PENDING
+            message = (
+                "sent back to the queue (its age is kept): a job sharing its GPU ran"
+                f" over its slowdown cap (exit code {code})"
+            )
+        elif server_kill == "memory_overrun":
+            job.status = Job.Status.FAILED
+            message = (
+                "stopped: it used more GPU memory than it declared on a shared GPU"
+                f" (exit code {code})"
+            )
         elif data.reason == "port_busy":
             # Nothing ran: relaunch as a new attempt (a new rendezvous port).
             message = relaunch_or_fail(

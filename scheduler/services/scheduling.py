@@ -22,6 +22,7 @@ from scheduler.models import (
     Allocation,
     Attempt,
     Group,
+    InterferencePair,
     Job,
     JobEvent,
     Membership,
@@ -306,6 +307,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 evictable=evictable,
             )
         )
+    knowledge, trials = load_knowledge(now)
     cluster = policy.ClusterState(
         now=at,
         nodes=tuple(
@@ -322,6 +324,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         usage=decayed_usage(now, running_usage),
         classes=specs,
         config=policy_config(),
+        knowledge=knowledge,
+        trials_last_hour=trials,
     )
     return Snapshot(cluster, stored_waits)
 
@@ -332,6 +336,7 @@ class ApplyResult:
     skipped: int = 0
     updated_reasons: int = 0
     preempted: int = 0
+    evicted: int = 0
     # Wall time of each part, for the pass's log line and bench/pass_scaling.py.
     starts_ms: float = 0.0
     preempts_ms: float = 0.0
@@ -366,6 +371,8 @@ def apply_decisions(
         for decision in decisions:
             if isinstance(decision, policy.Preempt) and _preempt(decision):
                 result.preempted += 1
+            elif isinstance(decision, policy.Evict) and _evict(decision):
+                result.evicted += 1
         result.preempts_ms = _ms_since(t0)
         t0 = time.perf_counter()
         waits = [d for d in decisions if isinstance(d, policy.Wait)]
@@ -407,6 +414,88 @@ def _preempt(decision: policy.Preempt) -> bool:
         )
         _send_kill_on_commit(attempt, "preempted", job.kill_grace_s)
     return True
+
+
+def _evict(decision: policy.Evict) -> bool:
+    """Stop the later job of a pair measured over a cap and requeue it (its age
+    kept, ``finish_attempt``), if its owner allowed that (the policy checked
+    ``evictable``); the pair is marked harmful in the same transaction, so the
+    next pass never admits it again until an admin resets it."""
+    with transaction.atomic():
+        job = (
+            Job.objects.select_for_update()
+            .filter(pk=decision.job_id, status__in=Job.ON_NODE, evictable=True)
+            .first()
+        )
+        if job is None or job.cancel_requested_at is not None:
+            return False
+        attempt = (
+            Attempt.objects.select_for_update()
+            .filter(job=job, ended_at__isnull=True)
+            .first()
+        )
+        if attempt is None or attempt.kill_reason:
+            return False
+        attempt.kill_reason = "evicted"
+        attempt.save(update_fields=["kill_reason"])
+        mark_harmful(*decision.pair, reason=decision.reason)
+        _event(job, decision.reason[:500], source=JobEvent.Source.SCHEDULER)
+        _send_kill_on_commit(attempt, "evicted", job.kill_grace_s)
+    return True
+
+
+def mark_harmful(workload_a: str, workload_b: str, *, reason: str) -> None:
+    """Both orders of the pair are refused from now on (an upsert per order)."""
+    now = timezone.now()
+    for a, b in ((workload_a, workload_b), (workload_b, workload_a)):
+        InterferencePair.objects.update_or_create(
+            workload_a=a,
+            workload_b=b,
+            defaults={
+                "harmful": True,
+                "harmful_reason": reason[:500],
+                "updated_at": now,
+            },
+        )
+
+
+def reset_interference_pairs(pks: Iterable[int], user_id: int | None) -> int:
+    """Forget what was learned about these ordered pairs (observations and the
+    harmful mark): the admission rule treats them as never seen again. Returns how
+    many rows were reset."""
+    return InterferencePair.objects.filter(pk__in=list(pks)).update(
+        n=0,
+        mean_log=0.0,
+        m2=0.0,
+        harmful=False,
+        harmful_reason="",
+        reset_at=timezone.now(),
+        reset_by_id=user_id,
+    )
+
+
+def load_knowledge(now: datetime) -> tuple[policy.Knowledge, dict[frozenset[str], int]]:
+    """What was learned about pairs (``InterferencePair``, one query) and the
+    exploration trials started in the last hour per unordered workload pair (the
+    attempts whose admission was a trial, one query)."""
+    pairs: dict[tuple[str, str], policy.Observations] = {}
+    harmful: set[frozenset[str]] = set()
+    for a, b, n, mean, m2, bad in InterferencePair.objects.values_list(
+        "workload_a", "workload_b", "n", "mean_log", "m2", "harmful"
+    ):
+        if n:
+            pairs[a, b] = policy.Observations(n, mean, m2)
+        if bad:
+            harmful.add(frozenset((a, b)))
+    trials: dict[frozenset[str], int] = {}
+    for record in Attempt.objects.filter(
+        created_at__gte=now - timedelta(hours=1), admission__trial=True
+    ).values_list("admission", flat=True):
+        workloads = (record or {}).get("workloads") or []
+        for other in workloads[1:]:
+            key = frozenset((workloads[0], other))
+            trials[key] = trials.get(key, 0) + 1
+    return policy.Knowledge(pairs=pairs, harmful=frozenset(harmful)), trials
 
 
 WAIT_FIELDS = (

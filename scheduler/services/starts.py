@@ -224,6 +224,7 @@ def admission_record(adm: policy.colocate.Admission) -> dict[str, Any]:
         "confidence": None if adm.confidence is None else round(adm.confidence, 4),
         "trial": adm.trial,
         "partners": list(adm.partners),
+        "workloads": list(adm.workloads),
     }
 
 

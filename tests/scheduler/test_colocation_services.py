@@ -6,14 +6,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from django.contrib.admin.models import LogEntry
+from django.utils import timezone
 
-from scheduler import services, tasks
-from scheduler.models import Allocation, Attempt, Job
+from scheduler import policy, services, tasks
+from scheduler.models import Allocation, Attempt, InterferencePair, Job
 from tests.conftest import make_node
-from tests.factories import JobFactory, free_gpus, shared_start, start_job
+from tests.factories import (
+    JobFactory,
+    exited_data,
+    free_gpus,
+    shared_start,
+    start_job,
+    started_data,
+)
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
+    from django.test import Client
+
+    from scheduler.models import Node
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
 
@@ -138,3 +150,98 @@ def test_a_job_without_declared_memory_is_not_put_beside_another(
     assert a.status == Job.Status.STARTING
     assert b.status == Job.Status.PENDING
     assert "declares no GPU memory" in b.pending_message
+
+
+# ------------------------------------------------------------------ learning
+
+
+def shared_pair(alice: User, bob: User, **second: Any) -> tuple[Job, Job, Node]:
+    node, _ = make_node("node-a", 1)
+    first = JobFactory(owner=alice, shareable=True, workload="rn18")
+    start_job(first, node)
+    later = JobFactory(owner=bob, shareable=True, workload="lm", **second)
+    gpu = node.gpus.get()
+    assert services.apply_decisions(
+        [shared_start(later, gpu.pk, node.pk, (first.pk,))]
+    ).started
+    return first, later, node
+
+
+def test_an_eviction_stops_the_later_job_requeues_it_and_bans_the_pair(
+    alice: User, bob: User, send: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    first, later, node = shared_pair(alice, bob)
+    attempt = Attempt.objects.get(job=later)
+    services.mark_started(node.pk, started_data(attempt))
+    evict = policy.Evict(later.pk, first.pk, "job 1 ran 1.9x slower", ("lm", "rn18"))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        result = services.apply_decisions([evict])
+
+    assert result.evicted == 1
+    frame = send.call_args.args[1]
+    assert (frame["type"], frame["data"]["reason"]) == ("job.kill", "evicted")
+    knowledge, _ = services.load_knowledge(timezone.now())
+    assert frozenset(("lm", "rn18")) in knowledge.harmful
+    assert services.apply_decisions([evict]).evicted == 0  # already being stopped
+
+    services.finish_attempt(node.pk, exited_data(attempt, 143, reason="killed"))
+
+    later.refresh_from_db()
+    assert later.status == Job.Status.PENDING
+    assert (
+        "sent back to the queue (its age is kept)" in later.events.latest("at").message
+    )
+
+
+def test_a_job_that_may_not_be_requeued_is_not_evicted(alice: User, bob: User) -> None:
+    first, later, _node = shared_pair(alice, bob, evictable=False)
+
+    result = services.apply_decisions(
+        [policy.Evict(later.pk, first.pk, "over", ("lm", "rn18"))]
+    )
+
+    assert result.evicted == 0
+    assert not InterferencePair.objects.exists()
+
+
+def test_the_snapshot_loads_what_was_learned_and_the_hours_trials(
+    alice: User, bob: User
+) -> None:
+    InterferencePair.objects.create(
+        workload_a="lm", workload_b="rn18", n=3, mean_log=0.2, m2=0.01
+    )
+    services.mark_harmful("a3c", "lm", reason="evicted once")
+    first, later, _node = shared_pair(alice, bob)
+    Attempt.objects.filter(job=later).update(
+        admission={"trial": True, "workloads": ["lm", "rn18"], "partners": [first.pk]}
+    )
+
+    state = services.cluster_state()
+
+    assert state.knowledge.pairs["lm", "rn18"] == policy.Observations(3, 0.2, 0.01)
+    assert state.knowledge.harmful == {frozenset(("a3c", "lm"))}
+    assert state.trials_last_hour == {frozenset(("lm", "rn18")): 1}
+
+
+def test_an_admin_resets_a_pair_and_it_is_in_the_history(
+    client: Client, django_user_model: Any
+) -> None:
+    client.force_login(
+        django_user_model.objects.create_superuser("ops", "ops@lab.example", "pw-ops")
+    )
+    services.mark_harmful("a3c", "lm", reason="evicted once")
+    pair = InterferencePair.objects.get(workload_a="a3c")
+
+    response = client.post(
+        "/admin/scheduler/interferencepair/",
+        {"action": "reset", "_selected_action": [pair.pk]},
+    )
+
+    assert response.status_code == 302
+    pair.refresh_from_db()
+    assert (pair.harmful, pair.n, pair.reset_by is not None) == (False, 0, True)
+    entry = LogEntry.objects.get(object_id=str(pair.pk))
+    assert "reset (was n=0" in entry.change_message
+    knowledge, _ = services.load_knowledge(timezone.now())
+    assert frozenset(("a3c", "lm")) in knowledge.harmful  # the other order is kept
