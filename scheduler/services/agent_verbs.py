@@ -272,7 +272,67 @@ def record_metrics(
     Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
     if persist and known:
         metrics_store.store_samples(known, metrics)
+    if changed:
+        stop_memory_overruns(
+            [g for g in changed if len(g.latest.get("processes") or ()) > 1]
+        )
     return len(changed)
+
+
+def stop_memory_overruns(gpus: list[Gpu]) -> int:
+    """On a shared GPU, a job whose processes hold more memory than it declared
+    (plus ``colo_headroom_mib``) is the one stopped (``memory_overrun``), never its
+    partner: P1 reserves each job only what it declared, and the partner was
+    admitted on that promise (a job without a declaration never shares). Returns
+    how many were stopped: one query for the GPUs' live attempts, then one
+    transaction per job stopped (a job already being stopped is left)."""
+    if not gpus:
+        return 0
+    live: dict[int, list[tuple[int, int, int | None]]] = {}
+    for gpu_id, attempt_id, job_id, declared in Allocation.objects.filter(
+        gpu_id__in=[g.pk for g in gpus], released_at__isnull=True
+    ).values_list(
+        "gpu_id", "attempt_id", "attempt__job_id", "attempt__job__gpu_memory_mib"
+    ):
+        live.setdefault(gpu_id, []).append((attempt_id, job_id, declared))
+    headroom = int(settings.GPULAB_POLICY.get("colo_headroom_mib", 0))
+    stopped = 0
+    for gpu in gpus:
+        holders = {a: (j, d) for a, j, d in live.get(gpu.pk, [])}
+        if len(holders) < 2:
+            continue  # alone on its GPU: its memory is its own business
+        used: dict[int, int] = {}
+        for proc in gpu.latest.get("processes") or ():
+            aid = proc.get("attempt_id")
+            if aid in holders:
+                used[aid] = used.get(aid, 0) + int(proc.get("used_memory_mib") or 0)
+        for attempt_id, mib in used.items():
+            job_id, declared = holders[attempt_id]
+            if declared is None or mib <= declared + headroom:
+                continue
+            with transaction.atomic():
+                attempt = (
+                    Attempt.objects.select_for_update()
+                    .filter(pk=attempt_id, ended_at__isnull=True, kill_reason="")
+                    .select_related("job")
+                    .first()
+                )
+                if attempt is None:
+                    continue
+                attempt.kill_reason = "memory_overrun"
+                attempt.save(update_fields=["kill_reason"])
+                _event(
+                    attempt.job,
+                    f"stopped: it holds {mib} MiB on shared GPU {gpu.index} of its"
+                    f" node, over the {declared} MiB it declared (+{headroom} MiB"
+                    " headroom); its partner keeps running",
+                    source=JobEvent.Source.SCHEDULER,
+                )
+                _send_kill_on_commit(
+                    attempt, "memory_overrun", attempt.job.kill_grace_s
+                )
+                stopped += 1
+    return stopped
 
 
 def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | None:

@@ -3,12 +3,14 @@ and a whole pass that puts two shareable jobs on one GPU."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.utils import timezone
 
+from agents import protocol
 from scheduler import policy, services, tasks
 from scheduler.models import Allocation, Attempt, InterferencePair, Job
 from tests.conftest import make_node
@@ -245,3 +247,68 @@ def test_an_admin_resets_a_pair_and_it_is_in_the_history(
     assert "reset (was n=0" in entry.change_message
     knowledge, _ = services.load_knowledge(timezone.now())
     assert frozenset(("a3c", "lm")) in knowledge.harmful  # the other order is kept
+
+
+# ------------------------------------------------------------------ memory
+
+
+def sample(gpu: Any, procs: list[tuple[int, int]]) -> protocol.MetricsData:
+    return protocol.MetricsData(
+        sampled_at=time.time(),
+        gpus=[
+            protocol.GpuSample(
+                index=gpu.index,
+                uuid=gpu.uuid,
+                processes=[
+                    protocol.ProcessSample(pid=100 + i, used_memory_mib=mib,
+                                           attempt_id=aid)
+                    for i, (aid, mib) in enumerate(procs)
+                ],
+            )
+        ],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("first_uses", "later_uses", "stopped"),
+    [
+        (4000, 8000, None),  # both within what they declared (+512 MiB headroom)
+        (4000, 8800, "later"),  # the later job overran: it is the one stopped
+        (4700, 8000, "first"),  # the first did: it is stopped, not its partner
+    ],
+)
+def test_on_a_shared_gpu_the_job_over_its_declared_memory_is_stopped(
+    alice: User, bob: User, send: Any, django_capture_on_commit_callbacks: Any,
+    first_uses: int, later_uses: int, stopped: str | None,
+) -> None:  # fmt: skip
+    first, later, node = shared_pair(alice, bob)
+    Job.objects.filter(pk=first.pk).update(gpu_memory_mib=4096)
+    Job.objects.filter(pk=later.pk).update(gpu_memory_mib=8192)
+    a, b = (Attempt.objects.get(job=j) for j in (first, later))
+    gpu = node.gpus.get()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_metrics(node.pk, sample(gpu, [(a.pk, first_uses),
+                                                      (b.pk, later_uses)]))  # fmt: skip
+
+    kills = {
+        c.args[1]["data"]["job_id"]: c.args[1]["data"]["reason"]
+        for c in send.call_args_list
+        if c.args[1]["type"] == "job.kill"
+    }
+    expected = {"first": first.pk, "later": later.pk}.get(stopped or "")
+    assert kills == ({expected: "memory_overrun"} if expected else {})
+
+
+def test_a_job_alone_on_its_gpu_may_use_more_than_it_declared(
+    alice: User, send: Any
+) -> None:
+    node, _ = make_node("node-a", 1)
+    job = JobFactory(owner=alice, shareable=True, gpu_memory_mib=1024)
+    attempt = start_job(job, node)
+
+    services.record_metrics(
+        node.pk, sample(node.gpus.get(), [(attempt.pk, 9000), (attempt.pk, 9000)])
+    )
+
+    assert not Attempt.objects.get(pk=attempt.pk).kill_reason
