@@ -437,6 +437,11 @@ class Attempt(models.Model):
     # record (policy.colocate.Admission: rule, message, predicted slowdowns,
     # gain, confidence, trial, partners). Shown on the job page.
     admission = models.JSONField(null=True, blank=True)
+    # When another job first shared its GPU (or it joined one): its solo window
+    # ends there. ``solo_rate``: its steps/s alone, kept when it ends
+    # (``services.interference``).
+    shared_at = models.DateTimeField(null=True, blank=True)
+    solo_rate = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ("job", "number")

@@ -29,6 +29,7 @@ from scheduler.models import (
     UsageRecord,
     hash_token,
 )
+from scheduler.services import interference
 from scheduler.services.common import (
     _after_commit_state_change,
     _event,
@@ -410,6 +411,7 @@ def _end_attempt(
     Allocation.objects.filter(pk__in=[a.pk for a in allocations]).update(
         released_at=ended
     )
+    interference.record_episode_ends(attempt, ended)
     if attempt.started_at is None:
         return
     seconds = max(0.0, (ended - attempt.started_at).total_seconds())

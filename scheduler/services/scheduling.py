@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,6 +28,7 @@ from scheduler.models import (
     Membership,
     Node,
 )
+from scheduler.services import interference
 from scheduler.services.common import _event, _send_kill_on_commit, _ts
 from scheduler.services.starts import start_jobs
 
@@ -308,6 +309,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
             )
         )
     knowledge, trials = load_knowledge(now)
+    running = _with_measured_slowdowns(running, gpus_of_attempt, now)
     cluster = policy.ClusterState(
         now=at,
         nodes=tuple(
@@ -457,6 +459,41 @@ def mark_harmful(workload_a: str, workload_b: str, *, reason: str) -> None:
                 "updated_at": now,
             },
         )
+
+
+def _with_measured_slowdowns(
+    running: list[policy.RunningJob],
+    gpus_of_attempt: Mapping[int, list[int]],
+    now: datetime,
+) -> list[policy.RunningJob]:
+    """The running jobs, those on a shared GPU with their measured slowdown over
+    the current sharing episode (``services.interference.measured``): a few
+    queries, only when some GPU is shared."""
+    on_gpu: dict[int, set[int]] = {}
+    for attempt_id, gpu_ids in gpus_of_attempt.items():
+        for g in gpu_ids:
+            on_gpu.setdefault(g, set()).add(attempt_id)
+    shared = {g: ids for g, ids in on_gpu.items() if len(ids) > 1}
+    if not shared:
+        return running
+    attempts = Attempt.objects.select_related("job").in_bulk(
+        [a for ids in shared.values() for a in ids]
+    )
+    live = [
+        (g, attempts[a].job_id, attempts[a])
+        for g, ids in shared.items()
+        for a in sorted(ids)
+        if a in attempts
+    ]
+    got = interference.measured(live, now)
+    if not got:
+        return running
+    return [
+        replace(r, measured_slowdown=got[r.id][0], measured_for_s=got[r.id][1])
+        if r.id in got
+        else r
+        for r in running
+    ]
 
 
 def reset_interference_pairs(pks: Iterable[int], user_id: int | None) -> int:

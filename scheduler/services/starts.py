@@ -158,6 +158,16 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
                 for g, slot in slots_of[job.pk]
             ]
         )
+        if admissions:
+            # the joiners share from their start; their partners from now on
+            Attempt.objects.filter(
+                job_id__in={p for a in admissions.values() for p in a["partners"]},
+                ended_at__isnull=True,
+                shared_at__isnull=True,
+            ).update(shared_at=now)
+            Attempt.objects.filter(
+                pk__in=[a.pk for a in attempts if a.job_id in admissions]
+            ).update(shared_at=now)
         Job.objects.filter(pk__in=[job.pk for job, _, _ in planned]).update(
             status=Job.Status.STARTING,
             attempts=F("attempts") + 1,

@@ -1,0 +1,188 @@
+"""Measuring co-location in production: solo rates, sharing episodes, observations.
+
+What the portal can measure is the progress a job reports (``GPULAB_PROGRESS``
+lines: ``Attempt.progress_*`` and a ``ProgressSample`` a minute). From it:
+
+- an attempt's **solo rate**: steps/s from its first report until another job joined
+  its GPU (``Attempt.shared_at``) or it ended; stored on the attempt when it ends
+  (``Attempt.solo_rate``). A workload's solo rate is the median of its last
+  ``SOLO_HISTORY`` attempts' (any user: the label names the workload);
+- a **sharing episode**: while two attempts hold one GPU, from the later one's start
+  to the first one's end. An attempt's rate over the episode divided into its
+  workload's solo rate is its **measured slowdown**;
+- when an episode ends (either attempt ends) and lasted ``MIN_EPISODE`` or more with
+  both rates known, one **observation** per direction goes into ``InterferencePair``
+  (log slowdown, merged with Welford's update under the row's lock), in the
+  transaction that ends the attempt: an episode is observed once, never twice;
+- for a running shared attempt, the snapshot computes the measured slowdown so far
+  (``measured``), which the policy's eviction rule reads.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from datetime import datetime, timedelta
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from django.db import transaction
+from django.utils import timezone
+
+from scheduler.models import Allocation, Attempt, InterferencePair, ProgressSample
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+SOLO_HISTORY = 10  # attempts a workload's solo rate is the median of
+MIN_EPISODE = timedelta(minutes=5)  # shorter episodes are not observed
+MIN_WINDOW_S = 120.0  # a rate needs reports this far apart
+
+
+def rate(
+    points: Sequence[tuple[datetime, int]], t0: datetime, t1: datetime
+) -> float | None:
+    """Steps/s between the first report at or after ``t0`` and the last at or
+    before ``t1``; None with fewer than two reports ``MIN_WINDOW_S`` apart or a
+    step going backwards (a restart from a checkpoint) in the window."""
+    inside = [(at, step) for at, step in points if t0 <= at <= t1]
+    if len(inside) < 2:
+        return None
+    (a0, s0), (a1, s1) = inside[0], inside[-1]
+    seconds = (a1 - a0).total_seconds()
+    if seconds < MIN_WINDOW_S or any(
+        later[1] < earlier[1] for earlier, later in pairwise(inside)
+    ):
+        return None
+    return (s1 - s0) / seconds
+
+
+def _points(attempts: Iterable[Attempt]) -> dict[int, list[tuple[datetime, int]]]:
+    """Each attempt's reports in time order: its samples and its latest report."""
+    attempts = list(attempts)
+    out: dict[int, list[tuple[datetime, int]]] = {a.pk: [] for a in attempts}
+    for attempt_id, at, step in ProgressSample.objects.filter(
+        attempt_id__in=list(out)
+    ).values_list("attempt_id", "at", "step"):
+        out[attempt_id].append((at, step))
+    for a in attempts:
+        if a.progress_at is not None and a.progress_step is not None:
+            out[a.pk].append((a.progress_at, a.progress_step))
+        out[a.pk].sort()
+    return out
+
+
+def solo_rates(workloads: Iterable[str]) -> dict[str, float]:
+    """Each workload's solo rate: the median over its last ``SOLO_HISTORY``
+    attempts that measured one (one query per workload; few per pass)."""
+    out: dict[str, float] = {}
+    for w in {w for w in workloads if w}:
+        rates = [
+            r
+            for r in Attempt.objects.filter(job__workload=w, solo_rate__isnull=False)
+            .order_by("-ended_at")
+            .values_list("solo_rate", flat=True)[:SOLO_HISTORY]
+            if r is not None
+        ]
+        if rates:
+            out[w] = statistics.median(rates)
+    return out
+
+
+def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
+    """``attempt`` ends at ``ended``: keep its solo rate, and observe each sharing
+    episode it was part of that lasted ``MIN_EPISODE``. Runs in the transaction
+    that ends the attempt. Returns the observations written."""
+    points = _points([attempt])[attempt.pk]
+    if points:
+        solo_end = attempt.shared_at or ended
+        solo = rate(points, points[0][0], solo_end)
+        if solo is not None and solo > 0:
+            attempt.solo_rate = solo
+            attempt.save(update_fields=["solo_rate"])
+    if attempt.shared_at is None:
+        return 0
+    gpu_ids = list(
+        Allocation.objects.filter(attempt=attempt).values_list("gpu_id", flat=True)
+    )
+    partners = list(
+        Attempt.objects.filter(
+            allocations__gpu_id__in=gpu_ids,
+            created_at__lt=ended,
+        )
+        .exclude(pk=attempt.pk)
+        .exclude(ended_at__lt=attempt.created_at)
+        .select_related("job")
+        .distinct()
+    )
+    if not partners:
+        return 0
+    everyone = [attempt, *partners]
+    pts = _points(everyone)
+    pts[attempt.pk] = points
+    solos = solo_rates(a.job.workload for a in everyone)
+    written = 0
+    for other in partners:
+        start = max(attempt.created_at, other.created_at)
+        end = min(ended, other.ended_at or ended)
+        if end - start < MIN_EPISODE:
+            continue
+        for a, b in ((attempt, other), (other, attempt)):
+            wa, wb = a.job.workload, b.job.workload
+            shared = rate(pts[a.pk], start, end)
+            solo = solos.get(wa)
+            if not wa or not wb or shared is None or shared <= 0 or solo is None:
+                continue
+            observe(wa, wb, math.log(solo / shared))
+            written += 1
+    return written
+
+
+def observe(workload_a: str, workload_b: str, log_slowdown: float) -> None:
+    """Merge one observation of A's log slowdown beside B into its row (Welford's
+    update, under the row's lock: two episodes may end at once)."""
+    x = min(max(log_slowdown, 0.0), math.log(64.0))
+    with transaction.atomic():
+        InterferencePair.objects.get_or_create(
+            workload_a=workload_a, workload_b=workload_b
+        )
+        row = InterferencePair.objects.select_for_update().get(
+            workload_a=workload_a, workload_b=workload_b
+        )
+        n = row.n + 1
+        delta = x - row.mean_log
+        row.mean_log += delta / n
+        row.m2 += delta * (x - row.mean_log)
+        row.n = n
+        row.updated_at = timezone.now()
+        row.save(update_fields=["n", "mean_log", "m2", "updated_at"])
+
+
+def measured(
+    live: Sequence[tuple[int, int, Attempt]], now: datetime
+) -> dict[int, tuple[float, float]]:
+    """For running attempts on shared GPUs (``(gpu id, job id, attempt)`` for every
+    live allocation's attempt), each job's measured slowdown over its current
+    episode and how long it was measured: ``{job id: (slowdown, seconds)}``."""
+    by_gpu: dict[int, list[Attempt]] = {}
+    for gpu_id, _job_id, attempt in live:
+        group = by_gpu.setdefault(gpu_id, [])
+        if attempt not in group:
+            group.append(attempt)
+    shared = {gid: atts for gid, atts in by_gpu.items() if len(atts) > 1}
+    if not shared:
+        return {}
+    attempts = [a for atts in shared.values() for a in atts]
+    pts = _points(attempts)
+    solos = solo_rates(a.job.workload for a in attempts)
+    out: dict[int, tuple[float, float]] = {}
+    for atts in shared.values():
+        start = max(a.created_at for a in atts)
+        for a in atts:
+            solo = solos.get(a.job.workload)
+            r = rate(pts[a.pk], start, now)
+            if solo is None or r is None or r <= 0:
+                continue
+            window = [at for at, _ in pts[a.pk] if start <= at <= now]
+            out[a.job_id] = (solo / r, (window[-1] - window[0]).total_seconds())
+    return out
