@@ -137,12 +137,15 @@ def admit(
     budget: the caller does, for the admission it keeps). ``rules``: "full", or
     "memory" for count, exclusive and memory only (``pack-by-memory``)."""
 
-    def refuse(rule: str, message: str, *, numbers: bool = False) -> Admission:
+    def decision(
+        rule: str, message: str, *, admitted: bool = False, numbers: bool = False
+    ) -> Admission:
+        """The record; ``numbers``: with the predictions (known once estimated)."""
         if not numbers:
             return Admission(
                 job.id,
                 gpu_id,
-                admitted=False,
+                admitted=admitted,
                 rule=rule,
                 message=message,
                 partners=partners,
@@ -151,7 +154,7 @@ def admit(
         return Admission(
             job.id,
             gpu_id,
-            admitted=False,
+            admitted=admitted,
             rule=rule,
             message=message,
             slowdowns=frozen,
@@ -161,6 +164,8 @@ def admit(
             partners=partners,
             workloads=workloads,
         )
+
+    refuse = decision
 
     partners = tuple(r.id for r in residents)
     workloads = (job.profile.workload, *(r.profile.workload for r in residents))
@@ -192,14 +197,10 @@ def admit(
         )
 
     if rules == "memory":
-        return Admission(
-            job.id,
-            gpu_id,
+        return decision(
+            "memory-only",
+            "memory and job count allow it (pack-by-memory)",
             admitted=True,
-            rule="memory-only",
-            message="memory and job count allow it (pack-by-memory)",
-            partners=partners,
-            workloads=workloads,
         )
 
     for r in residents:
@@ -276,19 +277,7 @@ def admit(
         )
     else:
         message = f"predicted gain {worst_gain:.2f}, slowdowns {shown}"
-    return Admission(
-        job.id,
-        gpu_id,
-        admitted=True,
-        rule="trial" if trial else "ok",
-        message=message,
-        slowdowns=frozen,
-        gain=worst_gain,
-        confidence=confidence,
-        trial=trial,
-        partners=partners,
-        workloads=workloads,
-    )
+    return decision("trial" if trial else "ok", message, admitted=True, numbers=True)
 
 
 def rank(

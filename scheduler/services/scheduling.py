@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from scheduler import classes, policy
@@ -34,6 +35,8 @@ from scheduler.services.starts import start_jobs
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
+
+    from agents import protocol
 
 
 def policy_config() -> policy.PolicyConfig:
@@ -388,61 +391,60 @@ def _ms_since(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def _stop_for_scheduler(
+    job_filter: Q, reason: protocol.KillReason, message: str
+) -> tuple[Job, Attempt] | None:
+    """Ask the node of a job on a node (matching ``job_filter``) to stop its live
+    attempt for ``reason`` (SIGTERM, its grace, SIGKILL), with a job event; its exit
+    then moves the job on (``finish_attempt``). A job being cancelled or already
+    being stopped is left: None. Call inside a transaction."""
+    job = (
+        Job.objects.select_for_update()
+        .filter(job_filter, status__in=Job.ON_NODE)
+        .first()
+    )
+    if job is None or job.cancel_requested_at is not None:
+        return None
+    attempt = (
+        Attempt.objects.select_for_update()
+        .filter(job=job, ended_at__isnull=True)
+        .first()
+    )
+    if attempt is None or attempt.kill_reason:
+        return None
+    attempt.kill_reason = reason
+    attempt.save(update_fields=["kill_reason"])
+    _event(job, message[:500], source=JobEvent.Source.SCHEDULER)
+    _send_kill_on_commit(attempt, reason, job.kill_grace_s)
+    return job, attempt
+
+
 def _preempt(decision: policy.Preempt) -> bool:
-    """Ask the victim's node to stop it (SIGTERM, its grace, SIGKILL); the job goes
-    PREEMPTED -> PENDING when the agent reports the exit (``finish_attempt``), with
-    its submit time, hence its age, kept. A victim already being stopped is left."""
+    """Stop a preemption's victim; the job goes PREEMPTED -> PENDING when the
+    agent reports the exit, with its submit time, hence its age, kept."""
     with transaction.atomic():
-        job = (
-            Job.objects.select_for_update()
-            .filter(pk=decision.victim_id, status__in=Job.ON_NODE)
-            .first()
+        return (
+            _stop_for_scheduler(
+                Q(pk=decision.victim_id),
+                "preempted",
+                f"preempted for job #{decision.for_job_id}: {decision.reason}",
+            )
+            is not None
         )
-        if job is None or job.cancel_requested_at is not None:
-            return False
-        attempt = (
-            Attempt.objects.select_for_update()
-            .filter(job=job, ended_at__isnull=True)
-            .first()
-        )
-        if attempt is None or attempt.kill_reason:
-            return False
-        attempt.kill_reason = "preempted"
-        attempt.save(update_fields=["kill_reason"])
-        _event(
-            job,
-            f"preempted for job #{decision.for_job_id}: {decision.reason}"[:500],
-            source=JobEvent.Source.SCHEDULER,
-        )
-        _send_kill_on_commit(attempt, "preempted", job.kill_grace_s)
-    return True
 
 
 def _evict(decision: policy.Evict) -> bool:
     """Stop the later job of a pair measured over a cap and requeue it (its age
-    kept, ``finish_attempt``), if its owner allowed that (the policy checked
-    ``evictable``); the pair is marked harmful in the same transaction, so the
-    next pass never admits it again until an admin resets it."""
+    kept), if its owner allowed that (the policy checked ``evictable`` too); the
+    pair is marked harmful in the same transaction, so the next pass never admits
+    it again until an admin resets it."""
     with transaction.atomic():
-        job = (
-            Job.objects.select_for_update()
-            .filter(pk=decision.job_id, status__in=Job.ON_NODE, evictable=True)
-            .first()
+        stopped = _stop_for_scheduler(
+            Q(pk=decision.job_id, evictable=True), "evicted", decision.reason
         )
-        if job is None or job.cancel_requested_at is not None:
+        if stopped is None:
             return False
-        attempt = (
-            Attempt.objects.select_for_update()
-            .filter(job=job, ended_at__isnull=True)
-            .first()
-        )
-        if attempt is None or attempt.kill_reason:
-            return False
-        attempt.kill_reason = "evicted"
-        attempt.save(update_fields=["kill_reason"])
         mark_harmful(*decision.pair, reason=decision.reason)
-        _event(job, decision.reason[:500], source=JobEvent.Source.SCHEDULER)
-        _send_kill_on_commit(attempt, "evicted", job.kill_grace_s)
     return True
 
 
