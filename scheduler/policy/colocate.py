@@ -423,6 +423,7 @@ class Sharing:
         matching = self.idx.view(c).matching
         best: tuple[tuple[bool, float, float, int], int] | None = None
         refusal: Admission | None = None
+        refused_on = -1  # the GPU of this pass the refusal was judged for
         for sig, gids in self.groups.items():
             gid = next((g for g in gids if g not in exclude and g in matching), None)
             if gid is None:
@@ -441,11 +442,12 @@ class Sharing:
             elif refusal is None or _RULE_RANK.get(got.rule, 0) > _RULE_RANK.get(
                 refusal.rule, 0
             ):
-                refusal = got
+                refusal, refused_on = got, gid
         if best is None:
             if refusal is not None:
-                # name this job and the GPU's jobs, not the cached twin's
-                refusal = self._admit(me, refusal.gpu_id)
+                # a cached twin names another job and a GPU that may be full by
+                # now: judge again on the GPU this pass looked at
+                refusal = self._admit(me, refused_on)
             return None, refusal
         gid = best[1]
         adm = self._admit(me, gid)

@@ -159,6 +159,31 @@ def test_a_job_started_alone_this_pass_may_take_a_partner_in_the_same_pass():
     assert ds[2].admission is not None and ds[2].admission.partners == (1,)
 
 
+def test_a_refusal_remembered_from_a_gpu_filled_since_is_judged_again():
+    # node 1: two GPUs alike (a "b" job on each); node 2 is reserved for job 0.
+    # Job 1 ("a") is refused beside "b" on GPU 100, job 2 ("c") fills GPU 100,
+    # job 3 ("a" again) is refused on GPU 101, and its reason names job 9 there
+    k = Knowledge(pairs={("a", "b"): BAD, ("b", "a"): BAD, ("c", "b"): GOOD,
+                         ("b", "c"): GOOD})  # fmt: skip
+    jobs = [
+        pending(0, 2, cls="high"),
+        sharer(1, "a", age=30),
+        sharer(2, "c", age=20),
+        sharer(3, "a", age=10),
+    ]
+    run = [
+        resident(8, 100),
+        resident(9, 101),
+        replace(resident(6, 200, ends_in=600.0), shareable=False),
+        replace(resident(7, 201, ends_in=600.0), shareable=False),
+    ]
+    views = gpus(1, 2, busy={0: 1, 1: 1}) + gpus(2, 2, busy={0: 2, 1: 2})
+    ds = decide(state(views, jobs, run, knowledge=k))
+    assert set(starts(ds)) == {2}
+    assert starts(ds)[2].gpu_ids == (100,)
+    assert "sharing a GPU refused: jobs 3 and 9 together" in waits(ds)[3].message
+
+
 def test_an_unknown_pair_is_tried_once_within_the_hours_budget():
     unknown = Knowledge()
     base = (gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)])
