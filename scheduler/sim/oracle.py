@@ -4,15 +4,18 @@ It is ``gpulab`` with the full admission rule (``colocate``), except that its
 ``Estimator`` reads the ground-truth table instead of learning: r_AB is exactly
 1 / norm_a with confidence 1 (so it never explores), and a pair the table marks
 infeasible or lacks gets a slowdown no rule admits. It therefore admits exactly the
-pairs that satisfy the rules with the true values. In a cluster of several GPU
-models the estimate has no GPU to go by, so it takes the worst of the cluster's
-models (a pair infeasible on one of them is refused everywhere).
+pairs that satisfy the rules with the true values. It never evicts: its pairs are
+within their caps by the table, so an eviction could only come from the noise of the
+progress reports (the pass's eviction rule reads measurements). In a cluster of
+several GPU models the estimate has no GPU to go by, so it takes the worst of the
+cluster's models (a pair infeasible on one of them is refused everywhere).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scheduler.policy import Evict
 from scheduler.policy.interference import Estimate, Profile
 from scheduler.policy.multifactor import decide_multifactor
 
@@ -55,11 +58,11 @@ def decider(
     table: ColocationTable, models: Iterable[str]
 ) -> Callable[[ClusterState], list[Decision]]:
     """``decide`` for ``oracle``: gpulab's pass, full co-location rule, true
-    slowdowns."""
+    slowdowns, no evictions."""
     estimator = TableEstimator(table, models)
 
     def decide_oracle(state: ClusterState) -> list[Decision]:
-        return decide_multifactor(
+        decisions = decide_multifactor(
             state,
             preemption=True,
             topology=True,
@@ -68,5 +71,6 @@ def decider(
             colocation="full",
             estimator=estimator,
         )
+        return [d for d in decisions if not isinstance(d, Evict)]
 
     return decide_oracle
