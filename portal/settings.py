@@ -255,6 +255,7 @@ GPULAB_POLICY: dict[str, Any] = {
         "GPULAB_COLO_PACKING", "exclusive-first", ("exclusive-first", "pack")
     ),
     "colo_detect_window_s": envfloat("GPULAB_COLO_DETECT_WINDOW", 600.0, minimum=60),
+    "colo_cap_margin": envfloat("GPULAB_COLO_CAP_MARGIN", 0.02, minimum=0),
 }
 # Half-life of past usage in fair share, seconds (Slurm's PriorityDecayHalfLife).
 GPULAB_FAIRSHARE_HALF_LIFE = envint("GPULAB_FAIRSHARE_HALF_LIFE", 7 * 86400, minimum=60)

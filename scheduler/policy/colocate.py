@@ -20,8 +20,8 @@ first that fails is the refusal's rule, and an admission records its numbers:
   ``colo_gain_margin`` (at margin 0 exactly r_AB * r_BA < r_AB + r_BA: sharing beats
   taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more;
 - ``protection`` (rule 3, P3): each job's predicted slowdown (the product of its
-  slowdowns beside each partner) is within its cap (class cap, or the tighter one
-  its owner asked for; None: unbounded).
+  slowdowns beside each partner), plus ``colo_cap_margin``, is within its cap
+  (class cap, or the tighter one its owner asked for; None: unbounded).
 
 Among the GPUs that admit, the best gain wins, then the partner closest in size
 (declared memory, P3's "similar size"), then the lowest GPU id: deterministic.
@@ -260,8 +260,9 @@ def admit(
     # once observed, the observation speaks for the caps
     seen = not trial or any(e.observations > 0 for e in est.values())
     if seen:
+        margin = 1.0 + config.colo_cap_margin
         for s in group:
-            if s.cap is not None and slowdowns[s.id] > s.cap:
+            if s.cap is not None and slowdowns[s.id] * margin > s.cap:
                 return refuse(
                     "protection",
                     f"job {s.id} would run {slowdowns[s.id]:.2f}x slower, over its"
@@ -490,7 +491,9 @@ class Sharing:
 
 def evictions(state: ClusterState) -> list[Evict]:
     """The later job of each shared GPU on which a job was measured over its cap
-    for ``colo_detect_window_s`` or more (if its owner allows it to be requeued)."""
+    for half of ``colo_detect_window_s`` or more (if its owner allows it to be
+    requeued): the reports start a minute or two into the episode and the next
+    pass comes within a minute, so the job is stopped within the window."""
     window = state.config.colo_detect_window_s
     by_gpu: dict[int, list[RunningJob]] = {}
     for r in state.running:
@@ -504,7 +507,7 @@ def evictions(state: ClusterState) -> list[Evict]:
             r
             for r in rs
             if r.measured_slowdown is not None
-            and r.measured_for_s >= window
+            and r.measured_for_s >= window / 2
             and r.slowdown_cap is not None
             and r.measured_slowdown > r.slowdown_cap
         ]

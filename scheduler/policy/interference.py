@@ -16,14 +16,15 @@ each level's mean weighted by how much evidence it has:
    finding 5), which is what makes the prior learn too;
 2. family pair: what was observed for the same model families (``parse_label``:
    "ResNet-50 (batch size 64)" is family "resnet-50"), counted at ``FAMILY_WEIGHT``
-   per observation: a ResNet-50 at batch 32 tells something about one at batch 64;
+   per observation (at most ``FAMILY_CAP`` in all): a ResNet-50 at batch 32 tells
+   something about one at batch 64;
 3. the exact workload pair (label and batch size), counted fully.
 
-``confidence`` = evidence / (evidence + ``PRIOR_STRENGTH``), evidence being the
-exact observations plus the discounted family ones: 0 for a pair never seen, 0.5
-after two exact observations with the defaults. The admission rule treats a pair
-below its confidence threshold as unknown: it may only be tried as an exploration
-trial within the budget (``colocate``).
+``confidence`` = n / (n + 1), n the exact pair's observations: 0 for a pair never
+seen together (family evidence moves the estimate, not the confidence), 0.5 after
+one observation. The admission rule treats a pair below its confidence threshold
+(default 0.5) as unknown: it may only be tried as an exploration trial within the
+budget (``colocate``).
 
 One observation is one sharing episode's measured slowdown: the job's progress rate
 while it shared over its workload's solo rate (the agents' progress reports), the
@@ -42,8 +43,12 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 DEFAULT_BUSY = 0.8  # solo GPU busy fraction assumed for a never-measured workload
-PRIOR_STRENGTH = 2.0  # pseudo-observations the structural prior is worth
-FAMILY_WEIGHT = 0.5  # an observation of the family pair, in exact observations
+# What the prior is worth, in observations of the exact pair. One observation is a
+# whole sharing episode's mean over a report a minute (5 % noise per report), so
+# it outweighs a prior that cannot tell a 1.1x pair from a 3x one.
+PRIOR_STRENGTH = 0.25
+FAMILY_WEIGHT = 0.25  # an observation of the family pair, in exact observations
+FAMILY_CAP = 1.0  # the family's whole weight at most
 MAX_LOG_R = math.log(64.0)  # clamp: a measured slowdown beyond 64x is an outlier
 
 _BATCH = re.compile(r"(?:batch[\s_-]*size|bs)[\s=:_-]*(\d+)", re.IGNORECASE)
@@ -202,18 +207,16 @@ class Model:
                     if exact is not None and n_exact
                     else fam_mean
                 )
-                w = FAMILY_WEIGHT * n_other
+                w = min(FAMILY_CAP, FAMILY_WEIGHT * n_other)
                 mean = (mean * weight + other_mean * w) / (weight + w)
                 weight += w
                 source = "family"
         if exact is not None and n_exact:
             mean = (mean * weight + exact.mean * n_exact) / (weight + n_exact)
-            weight += n_exact
             source = "pair"
-        evidence = weight - PRIOR_STRENGTH
         got = Estimate(
             slowdown=math.exp(max(mean, 0.0)),
-            confidence=evidence / weight,
+            confidence=n_exact / (n_exact + 1.0),
             source=source,
             observations=n_exact,
         )

@@ -70,9 +70,13 @@ class PolicyConfig:
     colo_packing: str = "exclusive-first"
     # "full": rules 1-4 (gpulab); "memory": memory and count only (pack-by-memory)
     colo_rule: str = "full"
-    # a shared job measured over its cap this long is evicted (if it is the later
-    # job and its owner allows it)
+    # a job slowed over its cap is stopped within this window: its partner (the
+    # later job, if its owner allows it) is evicted once the slowdown has been
+    # measured over the cap for half of it (reports lag the episode's start)
     colo_detect_window_s: float = 600.0
+    # admission keeps a job's predicted slowdown this fraction under its cap, so
+    # a pair measured just under the cap (within the noise) is not admitted
+    colo_cap_margin: float = 0.02
 
     @property
     def shares(self) -> bool:

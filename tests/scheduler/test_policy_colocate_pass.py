@@ -237,7 +237,7 @@ def test_the_later_job_of_a_pair_over_its_cap_is_sent_back():
 @pytest.mark.parametrize(
     "change",
     [
-        {"for_s": 300.0},  # not for the whole window yet
+        {"for_s": 240.0},  # not for half the window yet
         {"slowdown": 1.4},  # within the 1.5 cap
         {"evictable": False},  # the owner did not allow a requeue
     ],
