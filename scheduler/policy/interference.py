@@ -49,6 +49,10 @@ DEFAULT_BUSY = 0.8  # solo GPU busy fraction assumed for a never-measured worklo
 PRIOR_STRENGTH = 0.25
 FAMILY_WEIGHT = 0.25  # an observation of the family pair, in exact observations
 FAMILY_CAP = 1.0  # the family's whole weight at most
+# The offset (the residual every pair shares) is one number for the whole cluster:
+# it is shrunk to 0 as if this many pairs had shown none, so that the first pair
+# seen, good or bad, does not decide for all the others.
+OFFSET_STRENGTH = 10.0
 MAX_LOG_R = math.log(64.0)  # clamp: a measured slowdown beyond 64x is an outlier
 
 _BATCH = re.compile(r"(?:batch[\s_-]*size|bs)[\s=:_-]*(\d+)", re.IGNORECASE)
@@ -164,7 +168,7 @@ class Model:
         }
         # the residual every pair shares (copy and cache contention), shrunk to 0
         # while few pairs were seen
-        self.offset = residual_sum / (residual_n + PRIOR_STRENGTH)
+        self.offset = residual_sum / (residual_n + OFFSET_STRENGTH)
         self._cache: dict[tuple[Profile, Profile], Estimate] = {}
 
     def harmful(self, a: str, b: str) -> bool:

@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=PolicyConfig.backfill_plan,
         help="gpulab: backfill plans with time limits or min(limit, prediction)",
     )
+    p.add_argument(
+        "--colo-packing",
+        choices=("exclusive-first", "pack"),
+        default=PolicyConfig.colo_packing,
+        help="co-location: a free GPU first, or share first (GPULAB_COLO_PACKING)",
+    )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
     p.add_argument(
         "--colocation",
@@ -168,7 +174,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sim = Simulator(
         prepared.jobs,
         nodes,
-        PolicyConfig(name=args.policy, backfill_plan=args.backfill_plan),
+        PolicyConfig(
+            name=args.policy,
+            backfill_plan=args.backfill_plan,
+            colo_packing=args.colo_packing,
+        ),
         SimOptions(
             period_s=args.period,
             half_life_s=args.half_life_days * 86400.0,
@@ -201,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "options": {
                 "vc": args.vc,
                 "backfill_plan": args.backfill_plan,
+                "colo_packing": args.colo_packing,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,
                 "period_s": args.period,
