@@ -48,38 +48,51 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
 
     decisions: list[Decision] = []
     position = 0
+    # Within a pass free GPUs only go: once k GPUs of some memory fail to fit, any
+    # later job asking for k or more of that memory fails too (no search), and the
+    # waiting messages are computed once per shape between two starts.
+    failed: dict[int | None, int] = {}
+    could: dict[tuple[int, int | None], bool] = {}
+    most_free: dict[int | None, int] = {}
     for job in sorted(state.pending, key=order_key):
+        mem = job.gpu_memory_mib
         candidates = []
-        for node_id, gpus in free.items():
-            fitting = [g for g in gpus if _fits(g, job)]
-            if len(fitting) >= job.gpus:
-                candidates.append((len(fitting), names.get(node_id, ""), node_id))
+        if failed.get(mem, job.gpus + 1) > job.gpus:
+            for node_id, gpus in free.items():
+                fitting = [g for g in gpus if _fits(g, job)]
+                if len(fitting) >= job.gpus:
+                    candidates.append((len(fitting), names.get(node_id, ""), node_id))
         if candidates:
             _, _, node_id = min(candidates)
             chosen = [g for g in free[node_id] if _fits(g, job)][: job.gpus]
             taken = {g.id for g in chosen}
             free[node_id] = [g for g in free[node_id] if g.id not in taken]
+            most_free.clear()
             decisions.append(
                 Start(job.id, (Placement(node_id, tuple(g.id for g in chosen)),))
             )
             continue
+        failed[mem] = min(failed.get(mem, job.gpus), job.gpus)
         position += 1
-        could_ever = any(
-            sum(1 for g in gpus if _fits(g, job)) >= job.gpus
-            for gpus in capacity.values()
-        )
-        if not could_ever:
-            mem = f" with {job.gpu_memory_mib} MiB" if job.gpu_memory_mib else ""
-            message = f"no node has {job.gpus} schedulable GPU(s){mem}"
+        shape = (job.gpus, mem)
+        if shape not in could:
+            could[shape] = any(
+                sum(1 for g in gpus if _fits(g, job)) >= job.gpus
+                for gpus in capacity.values()
+            )
+        if not could[shape]:
+            text = f" with {mem} MiB" if mem else ""
+            message = f"no node has {job.gpus} schedulable GPU(s){text}"
             decisions.append(Wait(job.id, Reason.NO_SUCH_SHAPE, message, position))
         else:
-            best = max(
-                (sum(1 for g in gpus if _fits(g, job)) for gpus in free.values()),
-                default=0,
-            )
+            if mem not in most_free:
+                most_free[mem] = max(
+                    (sum(1 for g in gpus if _fits(g, job)) for gpus in free.values()),
+                    default=0,
+                )
             message = (
                 f"waiting for {job.gpus} free GPU(s) on one node "
-                f"(most free on one node now: {best})"
+                f"(most free on one node now: {most_free[mem]})"
             )
             decisions.append(Wait(job.id, Reason.RESOURCES, message, position))
     return decisions
