@@ -59,14 +59,20 @@ def test_a_job_started_alone_takes_one_slot_only_if_it_may_share(
     assert slots_of(start_job(job, node)) == slots
 
 
+def one_job_on_one_gpu(
+    alice: User, bob: User, *, shareable: bool = True
+) -> tuple[Node, Job, Any, Job]:
+    """node-a's one GPU runs alice's job; bob's shareable job waits."""
+    node, _ = make_node("node-a", 1)
+    first = JobFactory(owner=alice, shareable=shareable)
+    start_job(first, node)
+    return node, first, node.gpus.get(), JobFactory(owner=bob, shareable=True)
+
+
 def test_a_shared_start_takes_the_free_slot_and_keeps_its_admission(
     alice: User, bob: User
 ) -> None:
-    node, _ = make_node("node-a", 1)
-    first = JobFactory(owner=alice, shareable=True)
-    start_job(first, node)
-    gpu = node.gpus.get()
-    second = JobFactory(owner=bob, shareable=True)
+    node, first, gpu, second = one_job_on_one_gpu(alice, bob)
 
     result = services.apply_decisions(
         [shared_start(second, gpu.pk, node.pk, (first.pk,))]
@@ -86,11 +92,7 @@ def test_a_shared_start_takes_the_free_slot_and_keeps_its_admission(
 def test_a_shared_start_whose_partners_changed_is_skipped(
     alice: User, bob: User
 ) -> None:
-    node, _ = make_node("node-a", 1)
-    first = JobFactory(owner=alice, shareable=True)
-    start_job(first, node)
-    gpu = node.gpus.get()
-    late = JobFactory(owner=bob, shareable=True)
+    node, _first, gpu, late = one_job_on_one_gpu(alice, bob)
 
     # admitted beside a job that is not the one on the GPU any more
     result = services.apply_decisions([shared_start(late, gpu.pk, node.pk, (999,))])
@@ -103,11 +105,7 @@ def test_a_shared_start_whose_partners_changed_is_skipped(
 def test_a_shared_start_never_takes_a_slot_of_an_exclusive_job(
     alice: User, bob: User
 ) -> None:
-    node, _ = make_node("node-a", 1)
-    first = JobFactory(owner=alice, shareable=False)
-    start_job(first, node)
-    gpu = node.gpus.get()
-    late = JobFactory(owner=bob, shareable=True)
+    node, first, gpu, late = one_job_on_one_gpu(alice, bob, shareable=False)
 
     result = services.apply_decisions(
         [shared_start(late, gpu.pk, node.pk, (first.pk,))]
