@@ -310,3 +310,21 @@ def test_a_job_alone_on_its_gpu_may_use_more_than_it_declared(
     )
 
     assert not Attempt.objects.get(pk=attempt.pk).kill_reason
+
+
+def test_a_job_stopped_for_its_memory_fails_with_that_reason(
+    alice: User, bob: User, send: Any
+) -> None:
+    first, later, node = shared_pair(alice, bob)
+    Job.objects.filter(pk=later.pk).update(gpu_memory_mib=1024)
+    a, b = (Attempt.objects.get(job=j) for j in (first, later))
+    services.mark_started(node.pk, started_data(b))
+    services.record_metrics(node.pk, sample(node.gpus.get(), [(a.pk, 100),
+                                                              (b.pk, 9000)]))  # fmt: skip
+
+    services.finish_attempt(node.pk, exited_data(b, 137, reason="killed"))
+
+    later.refresh_from_db()
+    assert later.status == Job.Status.FAILED
+    assert "more GPU memory than it declared on a shared GPU" in later.end_reason
+    assert Attempt.objects.get(pk=a.pk).ended_at is None  # its partner runs on
