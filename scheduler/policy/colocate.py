@@ -196,21 +196,21 @@ def admit(
             f" {_gib(memory_total_mib)}",
         )
 
+    for r in residents:
+        if model.harmful(job.profile.workload, r.profile.workload):
+            return refuse(
+                "protection",
+                f"this pair of workloads ({job.profile.workload or 'unlabelled'},"
+                f" {r.profile.workload or 'unlabelled'}) ran over a cap or out of"
+                " memory when it shared before: it is not admitted again until an"
+                " admin resets it",
+            )
     if rules == "memory":
         return decision(
             "memory-only",
             "memory and job count allow it (pack-by-memory)",
             admitted=True,
         )
-
-    for r in residents:
-        if model.harmful(job.profile.workload, r.profile.workload):
-            return refuse(
-                "protection",
-                f"this pair of workloads ({job.profile.workload or 'unlabelled'},"
-                f" {r.profile.workload or 'unlabelled'}) ran over a cap when it"
-                " shared before: it is not admitted again until an admin resets it",
-            )
 
     # predicted slowdowns, pair by pair
     group = (job, *residents)

@@ -195,6 +195,15 @@ def test_an_unknown_pair_is_tried_once_within_the_hours_budget():
     assert "exploration budget for this hour is spent" in waits(ds)[1].message
 
 
+@pytest.mark.parametrize("name", ["gpulab", "pack-by-memory"])
+def test_a_pair_that_failed_before_is_not_retried_by_either_rule(name):
+    # pack-by-memory is blind to interference, not to a pair that ran out of memory
+    k = replace(KNOWN_GOOD, harmful=frozenset({frozenset(("a", "b"))}))
+    s = state(gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)],
+              knowledge=k, config=PolicyConfig(name=name))  # fmt: skip
+    assert 1 not in starts(decide(s))
+
+
 def test_a_harmful_pair_is_never_admitted_again():
     k = replace(KNOWN_GOOD, harmful=frozenset({frozenset(("a", "b"))}))
     ds = decide(state(gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)],
