@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from bisect import insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
@@ -431,10 +431,14 @@ class Sharing:
                 continue
             key = (jkey, sig)
             got = self._cache.get(key)
-            if got is None or got.trial or got.rule == "budget":
-                got = self._admit(me, gid)
-                if not got.trial and got.rule != "budget":
-                    self._cache[key] = got
+            if got is None:
+                got = self._cache[key] = self._admit(me, gid)
+            elif got.trial and not all(
+                self.budget.allows(frozenset((got.workloads[0], w)))
+                for w in got.workloads[1:]
+            ):
+                # the budget only shrinks in a pass: a cached trial may be spent
+                got = replace(got, admitted=False, rule="budget", trial=False)
             if got.admitted:
                 k = rank(got, me, self.residents[gid])
                 k = (k[0], k[1], k[2], gid)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,7 @@ _BATCH = re.compile(r"(?:batch[\s_-]*size|bs)[\s=:_-]*(\d+)", re.IGNORECASE)
 _PAREN = re.compile(r"\([^)]*\)")
 
 
+@lru_cache(maxsize=4096)
 def parse_label(label: str) -> tuple[str, int | None]:
     """(family, batch size) of a workload label: "ResNet-50 (batch size 64)" ->
     ("resnet-50", 64); "bert-base bs=32" -> ("bert-base", 32); "" -> ("", None).
@@ -226,6 +228,20 @@ class Model:
         )
         self._cache[key] = got
         return got
+
+
+_last: list[tuple[Knowledge, Model]] = []
+
+
+def model_for(knowledge: Knowledge) -> Model:
+    """The ``Model`` of ``knowledge``, kept while the next pass brings the same
+    (frozen) ``Knowledge`` object: the simulator's passes mostly do, and building
+    the family pools and offset is the model's whole cost."""
+    if _last and _last[0][0] is knowledge:
+        return _last[0][1]
+    model = Model(knowledge)
+    _last[:] = [(knowledge, model)]
+    return model
 
 
 def gain(r_ab: float, r_ba: float) -> float:

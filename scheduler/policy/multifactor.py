@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.policy import backfill, colocate, index, place, preempt, priority
 from scheduler.policy.fairshare import FairShare
-from scheduler.policy.interference import Model
+from scheduler.policy.interference import model_for
 from scheduler.policy.ledger import Ledger
 from scheduler.policy.reasons import Messages, duration, gpus_word, when
 from scheduler.policy.state import (
@@ -90,7 +90,7 @@ def decide_multifactor(
         sharing = colocate.Sharing(
             state,
             idx,
-            estimator or Model(state.knowledge),
+            estimator or model_for(state.knowledge),
             colocation,
             frozenset(e.job_id for e in evicts if isinstance(e, Evict)),
         )

@@ -204,6 +204,15 @@ def test_a_pair_that_failed_before_is_not_retried_by_either_rule(name):
     assert 1 not in starts(decide(s))
 
 
+def test_a_pairs_trial_budget_holds_within_one_pass():
+    # two GPUs alike with a "b" job each, two "a" jobs: one trial per pair per hour
+    jobs = [sharer(1, "a", age=20), sharer(2, "a", age=10)]
+    run = [resident(8, 100), resident(9, 101)]
+    ds = decide(state(gpus(1, 2, busy={0: 1, 1: 1}), jobs, run, knowledge=Knowledge()))
+    assert set(starts(ds)) == {1}
+    assert "exploration budget for this hour is spent" in waits(ds)[2].message
+
+
 def test_a_harmful_pair_is_never_admitted_again():
     k = replace(KNOWN_GOOD, harmful=frozenset({frozenset(("a", "b"))}))
     ds = decide(state(gpus(1, 1, busy={0: 1}), [sharer(1)], [resident(9, 100)],
