@@ -34,7 +34,7 @@ import math
 from bisect import insort
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.policy.interference import Estimate, Profile, gain
 from scheduler.policy.state import Evict
@@ -105,16 +105,14 @@ class Budget:
 
     per_pair: int
     total: int
-    used: Mapping[frozenset[str], int] = field(default_factory=dict)
+    used: dict[frozenset[str], int] = field(default_factory=dict)  # its own copy
 
     def allows(self, pair: frozenset[str]) -> bool:
         return self.total > 0 and self.used.get(pair, 0) < self.per_pair
 
     def spend(self, pair: frozenset[str]) -> None:
         self.total -= 1
-        used = dict(self.used)
-        used[pair] = used.get(pair, 0) + 1
-        self.used = used
+        self.used[pair] = self.used.get(pair, 0) + 1
 
 
 def _gib(mib: int) -> str:
@@ -137,32 +135,19 @@ def admit(
     budget: the caller does, for the admission it keeps). ``rules``: "full", or
     "memory" for count, exclusive and memory only (``pack-by-memory``)."""
 
-    def decision(
-        rule: str, message: str, *, admitted: bool = False, numbers: bool = False
-    ) -> Admission:
-        """The record; ``numbers``: with the predictions (known once estimated)."""
-        if not numbers:
-            return Admission(
-                job.id,
-                gpu_id,
-                admitted=admitted,
-                rule=rule,
-                message=message,
-                partners=partners,
-                workloads=workloads,
-            )
+    # the predictions, once made, go into every record from then on
+    prediction: dict[str, Any] = {}
+
+    def decision(rule: str, message: str, *, admitted: bool = False) -> Admission:
         return Admission(
             job.id,
             gpu_id,
             admitted=admitted,
             rule=rule,
             message=message,
-            slowdowns=frozen,
-            gain=worst_gain,
-            confidence=confidence,
-            trial=trial,
             partners=partners,
             workloads=workloads,
+            **prediction,
         )
 
     refuse = decision
@@ -232,9 +217,14 @@ def admit(
         a.id: math.prod(est[a.id, b.id].slowdown for b in group if b.id != a.id)
         for a in group
     }
-    frozen = MappingProxyType(slowdowns)
     need_gain = 1.0 + config.colo_gain_margin
     trial = confidence < config.colo_min_confidence
+    prediction.update(
+        slowdowns=MappingProxyType(slowdowns),
+        gain=worst_gain,
+        confidence=confidence,
+        trial=trial,
+    )
     if trial:
         pairs = {
             frozenset((job.profile.workload, r.profile.workload)) for r in residents
@@ -245,7 +235,6 @@ def admit(
                 f"the pair is not known well enough (confidence {confidence:.2f},"
                 f" needs {config.colo_min_confidence:.2f}) and the exploration"
                 " budget for this hour is spent",
-                numbers=True,
             )
     a_id, b_id = worst_pair
     if worst_gain <= need_gain:
@@ -254,7 +243,6 @@ def admit(
             f"jobs {a_id} and {b_id} together would do {worst_gain:.2f} GPUs' worth"
             f" of work, not over the {need_gain:.2f} that sharing must beat"
             + (" (prior, untried pair)" if trial else ""),
-            numbers=True,
         )
     # a trial is judged on gain alone only while its pair was never seen together:
     # once observed, the observation speaks for the caps
@@ -267,7 +255,6 @@ def admit(
                     "protection",
                     f"job {s.id} would run {slowdowns[s.id]:.2f}x slower, over its"
                     f" cap of {s.cap:g}x",
-                    numbers=True,
                 )
     shown = ", ".join(f"job {k} {v:.2f}x" for k, v in slowdowns.items())
     if trial:
@@ -278,7 +265,7 @@ def admit(
         )
     else:
         message = f"predicted gain {worst_gain:.2f}, slowdowns {shown}"
-    return decision("trial" if trial else "ok", message, admitted=True, numbers=True)
+    return decision("trial" if trial else "ok", message, admitted=True)
 
 
 def rank(

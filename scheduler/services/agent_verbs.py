@@ -273,11 +273,20 @@ def record_metrics(
     Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
     if persist and known:
         metrics_store.store_samples(known, metrics)
-    if changed:
-        stop_memory_overruns(
-            [g for g in changed if len(g.latest.get("processes") or ()) > 1]
-        )
+    # only GPUs whose sample shows processes of two attempts or more: one query
+    # per metrics frame (every second per node) only where jobs share
+    shared = [g for g in changed if len(_attempts_in(g.latest)) > 1]
+    if shared:
+        stop_memory_overruns(shared)
     return len(changed)
+
+
+def _attempts_in(sample: dict[str, Any]) -> set[int]:
+    return {
+        int(p["attempt_id"])
+        for p in sample.get("processes") or ()
+        if p.get("attempt_id") is not None
+    }
 
 
 def stop_memory_overruns(gpus: list[Gpu]) -> int:

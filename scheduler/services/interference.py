@@ -27,6 +27,8 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from django.db import transaction
+from django.db.models import F, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from scheduler.models import Allocation, Attempt, InterferencePair, ProgressSample
@@ -74,25 +76,35 @@ def _points(attempts: Iterable[Attempt]) -> dict[int, list[tuple[datetime, int]]
 
 def solo_rates(workloads: Iterable[str]) -> dict[str, float]:
     """Each workload's solo rate: the median over its last ``SOLO_HISTORY``
-    attempts that measured one (one query per workload; few per pass)."""
-    out: dict[str, float] = {}
-    for w in {w for w in workloads if w}:
-        rates = [
-            r
-            for r in Attempt.objects.filter(job__workload=w, solo_rate__isnull=False)
-            .order_by("-ended_at")
-            .values_list("solo_rate", flat=True)[:SOLO_HISTORY]
-            if r is not None
-        ]
-        if rates:
-            out[w] = statistics.median(rates)
-    return out
+    attempts that measured one. One query for all the workloads."""
+    wanted = {w for w in workloads if w}
+    if not wanted:
+        return {}
+    recent = (
+        Attempt.objects.filter(job__workload__in=wanted, solo_rate__isnull=False)
+        .annotate(
+            nth=Window(
+                RowNumber(),
+                partition_by=F("job__workload"),
+                order_by=F("ended_at").desc(),
+            )
+        )
+        .filter(nth__lte=SOLO_HISTORY)
+        .values_list("job__workload", "solo_rate")
+    )
+    rates: dict[str, list[float]] = {}
+    for w, r in recent:
+        if r is not None:
+            rates.setdefault(w, []).append(r)
+    return {w: statistics.median(rs) for w, rs in rates.items()}
 
 
 def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
     """``attempt`` ends at ``ended``: keep its solo rate, and observe each sharing
     episode it was part of that lasted ``MIN_EPISODE``. Runs in the transaction
     that ends the attempt. Returns the observations written."""
+    if attempt.progress_at is None and attempt.shared_at is None:
+        return 0  # reported nothing and shared with nobody: nothing to learn
     points = _points([attempt])[attempt.pk]
     if points:
         solo_end = attempt.shared_at or ended
@@ -118,7 +130,7 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
     if not partners:
         return 0
     everyone = [attempt, *partners]
-    pts = _points(everyone)
+    pts = _points(partners)  # its own are read already
     pts[attempt.pk] = points
     solos = solo_rates(a.job.workload for a in everyone)
     written = 0

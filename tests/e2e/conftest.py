@@ -193,6 +193,24 @@ class Stack:
             *extra,
         )
 
+    def start_node(self, name: str, spec: str, gpus: int) -> tuple[Any, Proc]:
+        """Register a node, start its simulated agent, and return once the agent is
+        connected and the node is UP with its ``gpus`` GPUs."""
+        from scheduler import services
+        from scheduler.models import Node
+
+        node, token = services.create_node(name)
+        agent = self.start_agent(name, token, spec)
+        agent.wait_for(r"connected to ws://")
+        wait_until(
+            lambda: (
+                Node.objects.filter(pk=node.pk, status="up").exists()
+                and node.gpus.count() == gpus
+            ),
+            what=f"the hello of {name}",
+        )
+        return node, agent
+
 
 @pytest.fixture
 def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:

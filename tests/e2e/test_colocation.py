@@ -41,19 +41,9 @@ def submit_shareable(client, name: str, workload: str) -> int:
 def test_two_shareable_jobs_share_one_gpu_and_both_show(
     stack: Stack, alice: User, bob: User
 ) -> None:
-    from scheduler import services
-    from scheduler.models import Allocation, Attempt, Job, Node
+    from scheduler.models import Allocation, Attempt, Job
 
-    node, token = services.create_node("e2e-share")
-    agent = stack.start_agent("e2e-share", token, "1xA100-80GB")
-    agent.wait_for(r"connected to ws://")
-    wait_until(
-        lambda: (
-            Node.objects.filter(pk=node.pk, status="up").exists()
-            and node.gpus.count() == 1
-        ),
-        what="the node's hello",
-    )
+    node, _agent = stack.start_node("e2e-share", "1xA100-80GB", 1)
     mine = login(stack.base_url, "alice", "pw-alice")
     theirs = login(stack.base_url, "bob", "pw-bob")
 

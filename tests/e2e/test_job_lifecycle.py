@@ -59,20 +59,11 @@ def test_it_runs_fails_and_cancels_jobs_end_to_end(
     stack: Stack, alice: User, charlie: User
 ) -> None:
     from scheduler import services
-    from scheduler.models import Attempt, Job, Node
+    from scheduler.models import Attempt, Job
 
     # Arrange: a registered node whose agent connects over the websocket.
-    node, token = services.create_node("e2e-node")
-    agent = stack.start_agent("e2e-node", token, "2xA100-80GB")
+    stack.start_node("e2e-node", "2xA100-80GB", 2)
     stack.procs["web"].wait_for(r"agent of node e2e-node connected")
-    agent.wait_for(r"connected to ws://")
-    wait_until(
-        lambda: (
-            Node.objects.filter(pk=node.pk, status="up").exists()
-            and node.gpus.count() == 2
-        ),
-        what="the node's hello",
-    )
     client = login(stack.base_url, "alice", "pw-alice")
 
     # 1. A job that succeeds: PENDING -> STARTING -> RUNNING -> COMPLETED. It
