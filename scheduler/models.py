@@ -442,6 +442,12 @@ class Attempt(models.Model):
     # (``services.interference``).
     shared_at = models.DateTimeField(null=True, blank=True)
     solo_rate = models.FloatField(null=True, blank=True)
+    # What the agents measured of it: the most GPU memory its processes held on
+    # one GPU (from the persisted samples, while it runs), and the mean fraction
+    # of time its processes kept the GPU busy while it ran alone (0-1, kept when
+    # it ends; the interference model's prior reads its workload's median).
+    peak_memory_mib = models.PositiveIntegerField(null=True, blank=True)
+    solo_busy = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ("job", "number")
@@ -759,6 +765,12 @@ class InterferencePair(models.Model):
     n = models.PositiveIntegerField(default=0)
     mean_log = models.FloatField(default=0.0)
     m2 = models.FloatField(default=0.0)
+    # The weak evidence: slowdowns read from per-process NVML utilisation (solo
+    # busy fraction over busy fraction while shared) for episodes where a job
+    # reported no progress; the model counts each at a fraction of an observation.
+    util_n = models.PositiveIntegerField(default=0)
+    util_mean_log = models.FloatField(default=0.0)
+    util_m2 = models.FloatField(default=0.0)
     harmful = models.BooleanField(default=False)
     harmful_reason = models.CharField(max_length=500, blank=True)
     updated_at = models.DateTimeField(default=timezone.now)
@@ -779,7 +791,8 @@ class InterferencePair(models.Model):
                 name="%(app_label)s_%(class)s_unique_pair",
             ),
             models.CheckConstraint(
-                condition=Q(m2__gte=0), name="%(app_label)s_%(class)s_m2_non_negative"
+                condition=Q(m2__gte=0) & Q(util_m2__gte=0),
+                name="%(app_label)s_%(class)s_m2_non_negative",
             ),
         ]
 
