@@ -49,6 +49,10 @@ class Membership(models.Model):
     group = models.ForeignKey(Group, on_delete=models.CASCADE)
     shares = models.PositiveIntegerField(default=1)
     joined_at = models.DateTimeField(default=timezone.now)
+    # A group's leaders see its usage and its members' jobs (issue 6).
+    is_leader = models.BooleanField(
+        default=False, help_text="Sees the group's usage and its members' jobs."
+    )
 
     class Meta:
         constraints: ClassVar = [
@@ -98,6 +102,8 @@ class Node(models.Model):
         max_length=8, choices=Status.choices, default=Status.NEW, db_index=True
     )
     draining = models.BooleanField(default=False)
+    # In maintenance: takes no new jobs and is shown as such (set by admins).
+    maintenance = models.BooleanField(default=False)
     hostname = models.CharField(max_length=255, blank=True)
     driver_version = models.CharField(max_length=64, blank=True)
     cuda_version = models.CharField(max_length=64, blank=True)
@@ -747,6 +753,15 @@ class Profile(models.Model):
                 "A Unix account name: lower-case letters, digits, _ and -.",
             )
         ],
+    )
+    # The group a job is charged to unless its owner picks another at submit.
+    primary_group = models.ForeignKey(
+        Group,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="Charged for the user's jobs unless another group is chosen.",
     )
 
     def __str__(self) -> str:
