@@ -18,11 +18,17 @@ each level's mean weighted by how much evidence it has:
    "ResNet-50 (batch size 64)" is family "resnet-50"), counted at ``FAMILY_WEIGHT``
    per observation (at most ``FAMILY_CAP`` in all): a ResNet-50 at batch 32 tells
    something about one at batch 64;
-3. the exact workload pair (label and batch size), counted fully.
+3. the exact workload pair (label and batch size): its weak evidence first (slowdowns
+   read from per-process NVML utilisation, for episodes where a job reported no
+   progress: its solo busy fraction over its busy fraction while shared, since
+   time-sliced kernels spread the same work over a longer wall time), counted at
+   ``WEAK_WEIGHT`` per episode (at most ``WEAK_CAP`` in all), then its observations
+   (measured progress), counted fully.
 
-``confidence`` = n / (n + 1), n the exact pair's observations: 0 for a pair never
-seen together (family evidence moves the estimate, not the confidence), 0.5 after
-one observation. The admission rule treats a pair below its confidence threshold
+``confidence`` = n / (n + 1), n the exact pair's observations plus its weak
+evidence's weight: 0 for a pair never seen together (family evidence moves the
+estimate, not the confidence), 0.5 after one observation (or after four episodes
+seen only through utilisation). The admission rule treats a pair below its confidence threshold
 (default 0.5) as unknown: it may only be tried as an exploration trial within the
 budget (``colocate``).
 
@@ -50,6 +56,11 @@ DEFAULT_BUSY = 0.8  # solo GPU busy fraction assumed for a never-measured worklo
 PRIOR_STRENGTH = 0.25
 FAMILY_WEIGHT = 0.25  # an observation of the family pair, in exact observations
 FAMILY_CAP = 1.0  # the family's whole weight at most
+# Per-process utilisation is a weak signal (seed finding 5: the contention is on
+# copies, which SM activity shows only indirectly), so an episode seen only through
+# it counts a quarter of an observation, and never more than one in all.
+WEAK_WEIGHT = 0.25
+WEAK_CAP = 1.0
 # The offset (the residual every pair shares) is one number for the whole cluster:
 # it is shrunk to 0 as if this many pairs had shown none, so that the first pair
 # seen, good or bad, does not decide for all the others.
@@ -114,8 +125,8 @@ class Profile:
 @dataclass(frozen=True)
 class Estimate:
     """A predicted ordered-pair slowdown r_AB with its confidence in [0, 1] and
-    where it came from ("pair", "family" or "prior": the strongest level that had
-    evidence)."""
+    where it came from ("pair", "utilisation", "family" or "prior": the strongest
+    level that had evidence)."""
 
     slowdown: float
     confidence: float
@@ -130,12 +141,17 @@ class Knowledge:
 
     ``pairs``: observations per ordered workload pair (A's label, B's label);
     ``busy``: solo busy fraction per workload label, from the agents' samples of
-    jobs that ran alone; ``harmful``: pairs the pass evicted a job for."""
+    jobs that ran alone; ``weak``: what utilisation showed of pairs whose jobs
+    reported no progress; ``harmful``: pairs the pass evicted a job for."""
 
     pairs: Mapping[tuple[str, str], Observations] = field(
         default_factory=lambda: MappingProxyType({})
     )
     busy: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # the weak evidence per ordered pair: log slowdowns read from utilisation
+    weak: Mapping[tuple[str, str], Observations] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
     # unordered workload pairs a job was evicted for (measured over a cap): never
     # admitted again until an admin resets the pair
     harmful: frozenset[frozenset[str]] = frozenset()
@@ -217,12 +233,20 @@ class Model:
                 mean = (mean * weight + other_mean * w) / (weight + w)
                 weight += w
                 source = "family"
+        weak = self.knowledge.weak.get((a.workload, b.workload))
+        w_weak = 0.0
+        if weak is not None and weak.n > 0 and a.workload and b.workload:
+            w_weak = min(WEAK_CAP, WEAK_WEIGHT * weak.n)
+            mean = (mean * weight + weak.mean * w_weak) / (weight + w_weak)
+            weight += w_weak
+            source = "utilisation"
         if exact is not None and n_exact:
             mean = (mean * weight + exact.mean * n_exact) / (weight + n_exact)
             source = "pair"
+        evidence = n_exact + w_weak
         got = Estimate(
             slowdown=math.exp(max(mean, 0.0)),
-            confidence=n_exact / (n_exact + 1.0),
+            confidence=evidence / (evidence + 1.0),
             source=source,
             observations=n_exact,
         )

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple, cast, get_args
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Func, IntegerField, Q, Sum
 from django.utils import timezone
 
@@ -273,12 +273,44 @@ def record_metrics(
     Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
     if persist and known:
         metrics_store.store_samples(known, metrics)
+        record_peak_memory(changed)
     # only GPUs whose sample shows processes of two attempts or more: one query
     # per metrics frame (every second per node) only where jobs share
     shared = [g for g in changed if len(_attempts_in(g.latest)) > 1]
     if shared:
         stop_memory_overruns(shared)
     return len(changed)
+
+
+# Raise each live attempt's peak to what it holds now, where that is more: one
+# statement for the whole frame, which writes only the rows that grew.
+_PEAKS_SQL = """
+UPDATE scheduler_attempt t SET peak_memory_mib = v.mib
+FROM unnest(%s::bigint[], %s::int[]) AS v(id, mib)
+WHERE t.id = v.id AND t.ended_at IS NULL
+  AND (t.peak_memory_mib IS NULL OR t.peak_memory_mib < v.mib)
+"""
+
+
+def record_peak_memory(gpus: list[Gpu]) -> int:
+    """Keep the most memory each attempt's processes held on one GPU
+    (``Attempt.peak_memory_mib``: the memory rule of co-location reads it beside
+    the declaration) from these GPUs' latest samples. Called on the persisted
+    frames, so a peak is seen at that cadence. Returns the rows raised."""
+    peaks: dict[int, int] = {}
+    for gpu in gpus:
+        held: dict[int, int] = {}
+        for proc in gpu.latest.get("processes") or ():
+            aid, mib = proc.get("attempt_id"), proc.get("used_memory_mib")
+            if aid is not None and mib is not None:
+                held[int(aid)] = held.get(int(aid), 0) + int(mib)
+        for aid, mib in held.items():
+            peaks[aid] = max(peaks.get(aid, 0), mib)
+    if not peaks:
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(_PEAKS_SQL, [list(peaks), list(peaks.values())])
+        return int(cursor.rowcount)
 
 
 def _attempts_in(sample: dict[str, Any]) -> set[int]:

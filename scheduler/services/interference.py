@@ -16,6 +16,19 @@ lines: ``Attempt.progress_*`` and a ``ProgressSample`` a minute). From it:
   transaction that ends the attempt: an episode is observed once, never twice;
 - for a running shared attempt, the snapshot computes the measured slowdown so far
   (``measured``), which the policy's eviction rule reads.
+
+What the agents sample (per-process SM utilisation in the persisted GPU samples)
+gives two more things, both weaker:
+
+- an attempt's **solo busy fraction**: the mean of its processes' SM utilisation
+  over the last ``BUSY_WINDOW`` of its solo window, kept when it ends
+  (``Attempt.solo_busy``); a workload's is the median of its last ``SOLO_HISTORY``
+  attempts' (``solo_busies``): the interference model's prior reads it;
+- for an episode direction without a progress rate (the job reports no progress),
+  its slowdown read from utilisation: its workload's solo busy fraction over its
+  busy fraction during the episode (time-sliced kernels spread the same work over
+  a longer time). It goes into the row's weak evidence (``util_*``), which the
+  model counts at a fraction of an observation. Eviction reads progress only.
 """
 
 from __future__ import annotations
@@ -26,12 +39,13 @@ from datetime import datetime, timedelta
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from scheduler.models import Allocation, Attempt, InterferencePair, ProgressSample
+from scheduler.policy.interference import Observations
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -39,6 +53,8 @@ if TYPE_CHECKING:
 SOLO_HISTORY = 10  # attempts a workload's solo rate is the median of
 MIN_EPISODE = timedelta(minutes=5)  # shorter episodes are not observed
 MIN_WINDOW_S = 120.0  # a rate needs reports this far apart
+BUSY_WINDOW = timedelta(hours=1)  # a solo busy fraction reads at most this much
+MIN_BUSY_SAMPLES = 3  # persisted samples a busy fraction needs
 
 
 def rate(
@@ -99,12 +115,90 @@ def solo_rates(workloads: Iterable[str]) -> dict[str, float]:
     return {w: statistics.median(rs) for w, rs in rates.items()}
 
 
+def solo_busies(workloads: Iterable[str]) -> dict[str, float]:
+    """Each workload's solo busy fraction (0-1): the median over its last
+    ``SOLO_HISTORY`` attempts that measured one. One query for all of them."""
+    wanted = {w for w in workloads if w}
+    if not wanted:
+        return {}
+    recent = (
+        Attempt.objects.filter(job__workload__in=wanted, solo_busy__isnull=False)
+        .annotate(
+            nth=Window(
+                RowNumber(),
+                partition_by=F("job__workload"),
+                order_by=F("ended_at").desc(),
+            )
+        )
+        .filter(nth__lte=SOLO_HISTORY)
+        .values_list("job__workload", "solo_busy")
+    )
+    found: dict[str, list[float]] = {}
+    for w, u in recent:
+        if u is not None:
+            found.setdefault(w, []).append(u)
+    return {w: statistics.median(us) for w, us in found.items()}
+
+
+# Per persisted sample, the SM utilisation of each wanted attempt's processes on
+# that GPU (summed: a job may run several processes), then averaged per attempt.
+# A process whose utilisation NVML did not report (null) is left out; a sample in
+# which none of the attempt's processes had one is not counted.
+_BUSY_SQL = """
+SELECT aid, avg(util), count(*) FROM (
+    SELECT (p->>'attempt_id')::bigint AS aid, s.gpu_id, s.at,
+           sum((p->>'sm_util')::float) AS util
+    FROM scheduler_gpusample s, jsonb_array_elements(s.processes) p
+    WHERE s.gpu_id = ANY(%s) AND s.at >= %s AND s.at <= %s
+      AND (p->>'attempt_id')::bigint = ANY(%s)
+      AND jsonb_typeof(p->'sm_util') = 'number'
+    GROUP BY 1, 2, 3
+) per_sample
+GROUP BY aid
+"""
+
+
+def busy_fractions(
+    attempt_ids: Iterable[int], gpu_ids: Iterable[int], t0: datetime, t1: datetime
+) -> dict[int, float]:
+    """The mean fraction of time (0-1) each attempt's processes kept their GPU busy
+    between ``t0`` and ``t1``, from the persisted samples of ``gpu_ids`` (one
+    query); attempts with fewer than ``MIN_BUSY_SAMPLES`` samples are left out."""
+    aids, gids = sorted(set(attempt_ids)), sorted(set(gpu_ids))
+    if not aids or not gids or t1 <= t0:
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute(_BUSY_SQL, [gids, t0, t1, aids])
+        rows = cursor.fetchall()
+    return {
+        int(aid): min(max(float(util) / 100.0, 0.0), 1.0)
+        for aid, util, count in rows
+        if count >= MIN_BUSY_SAMPLES
+    }
+
+
+def _keep_solo_busy(attempt: Attempt, gpu_ids: list[int], ended: datetime) -> None:
+    """Its busy fraction over the last ``BUSY_WINDOW`` of its solo window."""
+    if not attempt.job.workload:
+        return
+    solo_end = attempt.shared_at or ended
+    solo_start = max(attempt.started_at or attempt.created_at, solo_end - BUSY_WINDOW)
+    got = busy_fractions([attempt.pk], gpu_ids, solo_start, solo_end).get(attempt.pk)
+    if got is not None:
+        attempt.solo_busy = got
+        attempt.save(update_fields=["solo_busy"])
+
+
 def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
     """``attempt`` ends at ``ended``: keep its solo rate, and observe each sharing
     episode it was part of that lasted ``MIN_EPISODE``. Runs in the transaction
     that ends the attempt. Returns the observations written."""
+    gpu_ids = list(
+        Allocation.objects.filter(attempt=attempt).values_list("gpu_id", flat=True)
+    )
+    _keep_solo_busy(attempt, gpu_ids, ended)
     if attempt.progress_at is None and attempt.shared_at is None:
-        return 0  # reported nothing and shared with nobody: nothing to learn
+        return 0  # reported nothing and shared with nobody: nothing more to learn
     points = _points([attempt])[attempt.pk]
     if points:
         solo_end = attempt.shared_at or ended
@@ -114,9 +208,6 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
             attempt.save(update_fields=["solo_rate"])
     if attempt.shared_at is None:
         return 0
-    gpu_ids = list(
-        Allocation.objects.filter(attempt=attempt).values_list("gpu_id", flat=True)
-    )
     partners = list(
         Attempt.objects.filter(
             allocations__gpu_id__in=gpu_ids,
@@ -132,7 +223,9 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
     everyone = [attempt, *partners]
     pts = _points(partners)  # its own are read already
     pts[attempt.pk] = points
-    solos = solo_rates(a.job.workload for a in everyone)
+    workloads = {a.job.workload for a in everyone}
+    solos = solo_rates(workloads)
+    busies: dict[str, float] | None = None  # read only if some job lacks progress
     written = 0
     for other in partners:
         start = max(attempt.created_at, other.created_at)
@@ -141,19 +234,32 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
             continue
         for a, b in ((attempt, other), (other, attempt)):
             wa, wb = a.job.workload, b.job.workload
+            if not wa or not wb:
+                continue
             shared = rate(pts[a.pk], start, end)
             solo = solos.get(wa)
-            if not wa or not wb or shared is None or shared <= 0 or solo is None:
+            if shared is not None and shared > 0 and solo is not None:
+                observe(wa, wb, math.log(solo / shared))
+                written += 1
                 continue
-            observe(wa, wb, math.log(solo / shared))
-            written += 1
+            # no progress to go by: what its processes' utilisation showed
+            if busies is None:
+                busies = solo_busies(workloads)
+            solo_busy = busies.get(wa)
+            now_busy = busy_fractions([a.pk], gpu_ids, start, end).get(a.pk)
+            if solo_busy and now_busy:
+                observe(wa, wb, math.log(solo_busy / now_busy), weak=True)
+                written += 1
     return written
 
 
-def observe(workload_a: str, workload_b: str, log_slowdown: float) -> None:
+def observe(
+    workload_a: str, workload_b: str, log_slowdown: float, *, weak: bool = False
+) -> None:
     """Merge one observation of A's log slowdown beside B into its row (Welford's
-    update, under the row's lock: two episodes may end at once)."""
-    x = min(max(log_slowdown, 0.0), math.log(64.0))
+    update, ``Observations.add``, under the row's lock: two episodes may end at
+    once); ``weak``: one read from utilisation, into the row's weak evidence."""
+    fields = ("util_n", "util_mean_log", "util_m2") if weak else ("n", "mean_log", "m2")
     with transaction.atomic():
         InterferencePair.objects.get_or_create(
             workload_a=workload_a, workload_b=workload_b
@@ -161,13 +267,11 @@ def observe(workload_a: str, workload_b: str, log_slowdown: float) -> None:
         row = InterferencePair.objects.select_for_update().get(
             workload_a=workload_a, workload_b=workload_b
         )
-        n = row.n + 1
-        delta = x - row.mean_log
-        row.mean_log += delta / n
-        row.m2 += delta * (x - row.mean_log)
-        row.n = n
+        merged = Observations(*(getattr(row, f) for f in fields)).add(log_slowdown)
+        for f, value in zip(fields, (merged.n, merged.mean, merged.m2), strict=True):
+            setattr(row, f, value)
         row.updated_at = timezone.now()
-        row.save(update_fields=["n", "mean_log", "m2", "updated_at"])
+        row.save(update_fields=[*fields, "updated_at"])
 
 
 def measured(

@@ -122,7 +122,8 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
        j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
-       t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false)
+       t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
+       t.peak_memory_mib
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
 """
@@ -273,6 +274,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         evictable,
         joined,
         trial,
+        peak_mib,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
         if not held:
@@ -303,6 +305,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 shareable=shareable and n_gpus == 1,
                 workload=workload,
                 gpu_memory_mib=declared_mib,
+                peak_memory_mib=peak_mib,
                 slowdown_cap=_cap(caps.get(pclass, 1.5), own_cap),
                 joined_at=(started if started is not None else created)
                 if joined
@@ -311,7 +314,11 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 evictable=evictable,
             )
         )
-    knowledge, trials = load_knowledge(now)
+    knowledge, trials = load_knowledge(
+        now,
+        {p.workload for p in pending if p.shareable}
+        | {r.workload for r in running if r.shareable},
+    )
     running = _with_measured_slowdowns(running, gpus_of_attempt, now)
     cluster = policy.ClusterState(
         now=at,
@@ -506,6 +513,9 @@ def reset_interference_pairs(pks: Iterable[int], user_id: int | None) -> int:
         n=0,
         mean_log=0.0,
         m2=0.0,
+        util_n=0,
+        util_mean_log=0.0,
+        util_m2=0.0,
         harmful=False,
         harmful_reason="",
         reset_at=timezone.now(),
@@ -513,19 +523,36 @@ def reset_interference_pairs(pks: Iterable[int], user_id: int | None) -> int:
     )
 
 
-def load_knowledge(now: datetime) -> tuple[policy.Knowledge, dict[frozenset[str], int]]:
-    """What was learned about pairs (``InterferencePair``, one query) and the
-    exploration trials started in the last hour per unordered workload pair (the
-    attempts whose admission was a trial, one query)."""
+def load_knowledge(
+    now: datetime, workloads: Iterable[str] = ()
+) -> tuple[policy.Knowledge, dict[frozenset[str], int]]:
+    """What was learned about pairs (``InterferencePair``, one query), the solo busy
+    fractions of ``workloads`` and of every workload in a learned pair (one
+    query), and the exploration trials started in the last hour per unordered
+    workload pair (the attempts whose admission was a trial, one query)."""
     pairs: dict[tuple[str, str], policy.Observations] = {}
+    weak: dict[tuple[str, str], policy.Observations] = {}
     harmful: set[frozenset[str]] = set()
-    for a, b, n, mean, m2, bad in InterferencePair.objects.values_list(
-        "workload_a", "workload_b", "n", "mean_log", "m2", "harmful"
+    for a, b, n, mean, m2, un, umean, um2, bad in InterferencePair.objects.values_list(
+        "workload_a",
+        "workload_b",
+        "n",
+        "mean_log",
+        "m2",
+        "util_n",
+        "util_mean_log",
+        "util_m2",
+        "harmful",
     ):
         if n:
             pairs[a, b] = policy.Observations(n, mean, m2)
+        if un:
+            weak[a, b] = policy.Observations(un, umean, um2)
         if bad:
             harmful.add(frozenset((a, b)))
+    busy = interference.solo_busies(
+        {*workloads, *(w for pair in (*pairs, *weak) for w in pair)}
+    )
     trials: dict[frozenset[str], int] = {}
     for record in Attempt.objects.filter(
         created_at__gte=now - timedelta(hours=1), admission__trial=True
@@ -534,7 +561,10 @@ def load_knowledge(now: datetime) -> tuple[policy.Knowledge, dict[frozenset[str]
         for other in workloads[1:]:
             key = frozenset((workloads[0], other))
             trials[key] = trials.get(key, 0) + 1
-    return policy.Knowledge(pairs=pairs, harmful=frozenset(harmful)), trials
+    return (
+        policy.Knowledge(pairs=pairs, busy=busy, weak=weak, harmful=frozenset(harmful)),
+        trials,
+    )
 
 
 WAIT_FIELDS = (
