@@ -3,7 +3,6 @@ services, with the agent-reported times (the authoritative ones)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,8 @@ from scheduler.models import Attempt, Job
 from tests.factories import JobFactory, exited_data, start_job, started_data
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
