@@ -7,6 +7,7 @@ Only ``portal.quotas.services`` writes ``Quota`` (and records each change in
 from __future__ import annotations
 
 from datetime import date, datetime, time, timedelta
+from decimal import Decimal
 from typing import Any, ClassVar
 from zoneinfo import ZoneInfo
 
@@ -191,7 +192,9 @@ class Quota(models.Model):
         return {
             "group": self.group.name if self.group is not None else None,
             "user": self.user.get_username() if self.user is not None else None,
-            "gpu_hours": None if self.gpu_hours is None else str(self.gpu_hours),
+            "gpu_hours": None
+            if self.gpu_hours is None
+            else str(Decimal(self.gpu_hours).quantize(Decimal("0.01"))),
             "period": self.period,
             "period_days": self.period_days,
             "anchor": self.anchor.isoformat() if self.anchor else None,

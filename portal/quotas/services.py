@@ -59,7 +59,7 @@ def save_quota(
         old = None
         if quota.pk is not None:
             stored = (
-                Quota.objects.select_for_update()
+                Quota.objects.select_for_update(of=("self",))
                 .select_related("group", "user")
                 .filter(pk=quota.pk)
                 .first()
@@ -91,7 +91,7 @@ def delete_quota(
     already gone (a concurrent delete): nothing is recorded twice."""
     with transaction.atomic():
         quota = (
-            Quota.objects.select_for_update()
+            Quota.objects.select_for_update(of=("self",))
             .select_related("group", "user")
             .filter(pk=quota_id)
             .first()
