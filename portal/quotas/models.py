@@ -25,6 +25,19 @@ def _today() -> date:
     return timezone.localdate()
 
 
+class QuotaQuerySet(models.QuerySet["Quota"]):
+    def for_user(self, user: Any) -> QuotaQuerySet:
+        """The quotas ``user``'s jobs are subject to: their own and those of their
+        groups (a job is charged to one of them)."""
+        if not user.is_authenticated:
+            return self.none()
+        return (
+            self.filter(Q(user=user) | Q(group__membership__user=user))
+            .select_related("group", "user")
+            .distinct()
+        )
+
+
 class Quota(models.Model):
     """A group's or a user's quota: GPU-hours per period and/or a cap on the GPUs
     its jobs hold at once.
@@ -87,6 +100,8 @@ class Quota(models.Model):
     note = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
+
+    objects = QuotaQuerySet.as_manager()
 
     class Meta:
         ordering = ("group__name", "user__username")
