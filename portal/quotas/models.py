@@ -68,7 +68,7 @@ class Quota(models.Model):
     gpu_hours = models.DecimalField(
         "GPU-hours per period",
         max_digits=12,
-        decimal_places=2,
+        decimal_places=3,
         null=True,
         blank=True,
         validators=[MinValueValidator(0)],
@@ -209,7 +209,7 @@ class Quota(models.Model):
             "user": self.user.get_username() if self.user is not None else None,
             "gpu_hours": None
             if self.gpu_hours is None
-            else str(Decimal(self.gpu_hours).quantize(Decimal("0.01"))),
+            else str(Decimal(self.gpu_hours).quantize(Decimal("0.001"))),
             "period": self.period,
             "period_days": self.period_days,
             "anchor": self.anchor.isoformat() if self.anchor else None,

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 
 def _hours(x: float) -> str:
-    return f"{x:,.1f}"
+    """GPU-hours to one decimal; a small non-zero amount to three digits."""
+    return f"{x:,.1f}" if x >= 1 or x == 0 else f"{x:.3g}"
 
 
 class Quotas:

@@ -63,7 +63,7 @@ def test_create_edit_delete_are_in_the_audit_log(
     )
     assert created.old is None
     assert created.new["group"] == "vision"
-    assert created.new["gpu_hours"] == "500.00"
+    assert created.new["gpu_hours"] == "500.000"
     assert created.new["max_gpus"] == 8
 
     r = staff.post(
@@ -73,12 +73,12 @@ def test_create_edit_delete_are_in_the_audit_log(
     assert r.status_code == 302
     edited = AuditEntry.objects.latest("id")
     assert edited.action == "update"
-    assert (edited.old["gpu_hours"], edited.new["gpu_hours"]) == ("500.00", "750.00")
+    assert (edited.old["gpu_hours"], edited.new["gpu_hours"]) == ("500.000", "750.000")
     assert (edited.old["hard"], edited.new["hard"]) == (True, False)
     # shown read-only, with what changed
     page = staff.get(f"/admin/quotas/auditentry/{edited.pk}/change/").content.decode()
-    assert "&quot;500.00&quot;" in page
-    assert "&quot;750.00&quot;" in page
+    assert "&quot;500.000&quot;" in page
+    assert "&quot;750.000&quot;" in page
     assert 'name="_save"' not in page
 
     r = staff.post(f"/admin/quotas/quota/{q.pk}/delete/", {"post": "yes"})
@@ -88,7 +88,7 @@ def test_create_edit_delete_are_in_the_audit_log(
     assert (deleted.action, deleted.new, deleted.old["gpu_hours"]) == (
         "delete",
         None,
-        "750.00",
+        "750.000",
     )
     assert AuditEntry.objects.count() == 3
 
