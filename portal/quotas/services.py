@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from portal.quotas.models import AuditEntry, Quota
@@ -53,6 +54,9 @@ def save_quota(
     2. In one transaction: lock the stored row (a concurrent edit waits), take its
        old values, save, record ``old`` -> ``new``; a save that changes nothing
        records nothing.
+    3. A concurrent creation of a second quota for the same group or user passes
+       step 1 but breaks a unique constraint: the same ``ValidationError`` as step
+       1 would have raised, nothing stored.
     """
     quota.full_clean()
     with transaction.atomic():
@@ -69,7 +73,16 @@ def save_quota(
         if old == new:
             return quota
         quota.updated_at = timezone.now()
-        quota.save()
+        try:
+            with transaction.atomic():
+                quota.save()
+        except IntegrityError as exc:
+            if "one_per_" not in str(exc):
+                raise
+            field = "group" if quota.group_id is not None else "user"
+            raise ValidationError(
+                {field: f"This {field} already has a quota."}
+            ) from None
         record(
             by,
             AuditEntry.Action.CREATE if old is None else AuditEntry.Action.UPDATE,

@@ -35,7 +35,8 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     2. For each, find the schedulable nodes with enough whole free GPUs (every slot
        free, enough memory) and take the best fit: the node with the fewest such free
        GPUs, so large holes stay open for large jobs; lowest GPU indexes first.
-    A job its quotas refuse (``quota.py``) waits ``QUOTA`` and is not placed.
+    A job its quotas refuse (``quota.py``) waits ``QUOTA`` and is not placed
+    (fifo has no fair share: soft quotas change nothing here).
     3. A job that fits no node waits: ``NO_SUCH_SHAPE`` if no node could hold it even
        when empty, else ``RESOURCES``. Later jobs may still start (no reservations yet).
     """

@@ -207,3 +207,21 @@ def test_the_service_refuses_bad_values_and_stores_nothing(groups: Any) -> None:
     assert "GPU-hours cannot be negative" in str(err.value.message_dict["gpu_hours"])
     assert not Quota.objects.exists()
     assert not AuditEntry.objects.exists()
+
+
+def test_a_concurrent_second_quota_for_a_group_is_a_validation_error(
+    groups: Any,
+) -> None:
+    """Two admins adding a quota for one group at once both pass validation; the
+    unique constraint refuses the second, with the same clear error."""
+    from unittest import mock
+
+    services.save_quota(Quota(group=groups["vision"], gpu_hours=1), by=None)
+    with (
+        mock.patch.object(Quota, "full_clean", autospec=True),
+        pytest.raises(ValidationError) as err,
+    ):
+        services.save_quota(Quota(group=groups["vision"], gpu_hours=2), by=None)
+    assert err.value.message_dict == {"group": ["This group already has a quota."]}
+    assert Quota.objects.count() == 1
+    assert AuditEntry.objects.count() == 1

@@ -176,3 +176,19 @@ def test_it_reads_all_quotas_in_two_queries(
         quota(group=Group.objects.create(name=f"g{i}"), gpu_hours=i + 1)
     with django_assert_num_queries(2):
         assert len(quota_states(NOW)) == 5
+
+
+def test_periods_start_at_midnight_in_the_configured_time_zone(settings: Any) -> None:
+    from zoneinfo import ZoneInfo
+
+    from portal.quotas.models import Quota
+
+    settings.TIME_ZONE = "Europe/Berlin"
+    berlin = ZoneInfo("Europe/Berlin")
+    # 30 Nov 23:30 UTC is already 1 Dec in Berlin
+    start, end = Quota(period="month").period_bounds(
+        datetime(2026, 11, 30, 23, 30, tzinfo=UTC)
+    )
+    assert start == datetime(2026, 12, 1, tzinfo=berlin)
+    assert start.astimezone(UTC) == datetime(2026, 11, 30, 23, 0, tzinfo=UTC)
+    assert end == datetime(2027, 1, 1, tzinfo=berlin)
