@@ -189,6 +189,7 @@ KillReason = Literal[
     "peer_failed",  # another rank of a multi-node job failed
     "evicted",  # its GPU partner ran over its slowdown cap: back to the queue
     "memory_overrun",  # used more GPU memory than declared on a shared GPU
+    "quota",  # a hard quota of it is used up (GPULAB_QUOTA_OVERRUN=stop)
 ]
 
 

@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "portal",
     "scheduler",
+    "portal.quotas",
 ]
 
 MIDDLEWARE = [
@@ -256,6 +257,12 @@ GPULAB_POLICY: dict[str, Any] = {
     ),
     "colo_detect_window_s": envfloat("GPULAB_COLO_DETECT_WINDOW", 600.0, minimum=60),
     "colo_cap_margin": envfloat("GPULAB_COLO_CAP_MARGIN", 0.02, minimum=0),
+    # Quotas (issue 6): a job over a soft quota has its fair-share factor multiplied
+    # by this (0-1); a running job over a hard quota: "finish" or "stop".
+    "quota_soft_factor": envfloat(
+        "GPULAB_QUOTA_SOFT_FACTOR", 0.5, minimum=0, maximum=1
+    ),
+    "quota_overrun": envchoice("GPULAB_QUOTA_OVERRUN", "finish", ("finish", "stop")),
 }
 # Half-life of past usage in fair share, seconds (Slurm's PriorityDecayHalfLife).
 GPULAB_FAIRSHARE_HALF_LIFE = envint("GPULAB_FAIRSHARE_HALF_LIFE", 7 * 86400, minimum=60)

@@ -66,7 +66,13 @@ def envint(
     return number
 
 
-def envfloat(name: str, default: float, *, minimum: float | None = None) -> float:
+def envfloat(
+    name: str,
+    default: float,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
@@ -78,6 +84,8 @@ def envfloat(name: str, default: float, *, minimum: float | None = None) -> floa
         raise ImproperlyConfigured(f"{name}={value!r} is not a finite number")
     if minimum is not None and number < minimum:
         raise ImproperlyConfigured(f"{name}={number} must be at least {minimum}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name}={number} must be at most {maximum}")
     return number
 
 

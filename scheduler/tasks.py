@@ -13,6 +13,7 @@ from celery import shared_task
 from django.conf import settings
 from django.db import connection
 
+from portal.quotas.alerts import record_alerts
 from scheduler import metrics, policy, services
 
 if TYPE_CHECKING:
@@ -81,12 +82,16 @@ def run_one_pass() -> dict[str, Any]:
         t2 = time.perf_counter()
         # The waits' stored reasons came with the snapshot: not read a second time.
         result = services.apply_decisions(decisions, snapshot.stored_waits)
+        # Quota alerts (80 %, 100 %): one insert, only when one is due.
+        alerts = record_alerts(snapshot.quotas)
         t3 = time.perf_counter()
     return {
         "pending": len(snapshot.cluster.pending),
         "started": result.started,
         "skipped": result.skipped,
         "reasons_updated": result.updated_reasons,
+        "quota_stopped": result.quota_stopped,
+        "quota_alerts": len(alerts),
         "ms": round((t3 - t0) * 1000, 1),
         # Where the pass's time went (bench/pass_scaling.py prints these).
         "ms_state": round((t1 - t0) * 1000, 1),

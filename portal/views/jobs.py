@@ -13,6 +13,8 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from portal.forms import JobForm, format_duration
+from portal.quotas.models import Quota
+from portal.quotas.usage import quota_states
 from scheduler import services
 from scheduler.models import Allocation, Job
 
@@ -40,10 +42,18 @@ def job_list(request: AuthenticatedHttpRequest) -> HttpResponse:
     if status in Job.Status.values:
         jobs = jobs.filter(status=status)
     page = Paginator(jobs, 50).get_page(request.GET.get("page"))
+    # The quotas the user's jobs are subject to, in their current period (the
+    # full Usage page is another part of issue 6).
+    quotas = quota_states(quotas=Quota.objects.for_user(request.user))
     return render(
         request,
         "portal/jobs.html",
-        {"page": page, "status": status, "statuses": Job.Status.choices},
+        {
+            "page": page,
+            "status": status,
+            "statuses": Job.Status.choices,
+            "quotas": quotas,
+        },
     )
 
 

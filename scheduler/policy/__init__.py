@@ -20,7 +20,8 @@ What the caller must do with the decisions: apply every ``Start`` (in order; eac
 ``Placement`` is one node, rank 0 first, all of them or none), stop every ``Preempt``
 victim (SIGTERM, grace, requeue with its age kept, count it in
 ``preemptions_last_hour``) and leave ``for_job_id`` pending (the next pass starts it
-on the freed GPUs), and store each ``Wait``.
+on the freed GPUs), stop every ``QuotaStop`` job (not requeued: a hard quota of it
+is used up and ``quota_overrun`` is "stop"), and store each ``Wait``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from scheduler.policy.state import (
     Placement,
     PolicyConfig,
     Preempt,
+    QuotaStop,
+    QuotaView,
     Reason,
     RunningJob,
     Start,
@@ -126,6 +129,8 @@ __all__ = [
     "Placement",
     "PolicyConfig",
     "Preempt",
+    "QuotaStop",
+    "QuotaView",
     "Reason",
     "RunningJob",
     "Start",

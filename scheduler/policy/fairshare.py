@@ -9,6 +9,8 @@
   their job only within [F_group / 2, F_group], so a light user in a heavy group never
   jumps a whole heavy/light group gap by being light, yet heavy users in a group queue
   behind their light colleagues.
+- Quotas (issue 6): a job over a soft quota gets ``F * quota_soft_factor``
+  (``scale``, from ``policy.quota.Quotas.fairshare_scale``).
 - No usage: factor 1. Shares missing from the map default to 1 (an equal share);
   zero shares: factor 1 with no usage, 0 with any usage (2^-inf).
 """
@@ -19,6 +21,8 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from scheduler.policy.state import Usage
 
 DEFAULT_SHARES = 1.0
@@ -36,8 +40,15 @@ def factor(u: float, s: float) -> float:
 class FairShare:
     """Per-pass cache of the factors (one per group, one per user)."""
 
-    def __init__(self, usage: Usage, groups: set[str], users: set[tuple[str, str]]):
+    def __init__(
+        self,
+        usage: Usage,
+        groups: set[str],
+        users: set[tuple[str, str]],
+        scale: Callable[[str, str], float] | None = None,
+    ):
         self.usage = usage
+        self.scale = scale
         # Sums with math.fsum (exactly rounded): a plain sum over a set of strings
         # depends on the set's order, i.e. on the process's hash seed, and its
         # last-bit differences could flip a tie between two runs of one trace.
@@ -91,4 +102,5 @@ class FairShare:
         return got
 
     def of(self, group: str, user: str) -> float:
-        return self.group_factor(group) * (1.0 + self.user_factor(group, user)) / 2.0
+        f = self.group_factor(group) * (1.0 + self.user_factor(group, user)) / 2.0
+        return f if self.scale is None else f * self.scale(group, user)

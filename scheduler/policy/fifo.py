@@ -4,6 +4,7 @@ foundation's policy, kept as a baseline for the simulator."""
 
 from __future__ import annotations
 
+from scheduler.policy.quota import Quotas
 from scheduler.policy.state import (
     ClusterState,
     Decision,
@@ -34,6 +35,8 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     2. For each, find the schedulable nodes with enough whole free GPUs (every slot
        free, enough memory) and take the best fit: the node with the fewest such free
        GPUs, so large holes stay open for large jobs; lowest GPU indexes first.
+    A job its quotas refuse (``quota.py``) waits ``QUOTA`` and is not placed
+    (fifo has no fair share: soft quotas change nothing here).
     3. A job that fits no node waits: ``NO_SUCH_SHAPE`` if no node could hold it even
        when empty, else ``RESOURCES``. Later jobs may still start (no reservations yet).
     """
@@ -47,6 +50,9 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
             free[gpu.node_id].append(gpu)
 
     decisions: list[Decision] = []
+    quotas = Quotas(state.quotas, state.config.quota_soft_factor)
+    if quotas and state.config.quota_overrun == "stop":
+        decisions.extend(quotas.overruns(state.running))
     position = 0
     # Within a pass free GPUs only go: once k GPUs of some memory fail to fit, any
     # later job asking for k or more of that memory fails too (no search), and the
@@ -56,6 +62,11 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     most_free: dict[int | None, int] = {}
     for job in sorted(state.pending, key=order_key):
         mem = job.gpu_memory_mib
+        refused = quotas.refusal(job, state.now) if quotas else None
+        if refused is not None:
+            position += 1
+            decisions.append(Wait(job.id, Reason.QUOTA, refused, position))
+            continue
         candidates = []
         if failed.get(mem, job.gpus + 1) > job.gpus:
             for node_id, gpus in free.items():
@@ -71,6 +82,8 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
             decisions.append(
                 Start(job.id, (Placement(node_id, tuple(g.id for g in chosen)),))
             )
+            if quotas:
+                quotas.take(job)
             continue
         failed[mem] = min(failed.get(mem, job.gpus), job.gpus)
         position += 1

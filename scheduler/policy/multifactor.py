@@ -2,7 +2,9 @@
 
 1. ``index.build``: every static lookup, once; ``Ledger``: the free GPUs.
 2. gate: node-independent refusals (pending jobs arrive PENDING; what is left is a
-   shape no set of nodes can ever hold: ``NO_SUCH_SHAPE``).
+   shape no set of nodes can ever hold: ``NO_SUCH_SHAPE``, and a hard quota used
+   up or a concurrent-GPU cap reached: ``QUOTA``, see ``quota.py``; such a job is
+   never the top blocked job, never backfilled).
 3. ``priority.breakdown``: weighted factors; their sum is the priority.
 4. order: priority desc, submitted asc, id asc (reproducible in the simulator).
 5. place, in order, until the first job that does not fit (the top blocked job).
@@ -30,6 +32,7 @@ from scheduler.policy import backfill, colocate, index, place, preempt, priority
 from scheduler.policy.fairshare import FairShare
 from scheduler.policy.interference import model_for
 from scheduler.policy.ledger import Ledger
+from scheduler.policy.quota import Quotas
 from scheduler.policy.reasons import Messages, duration, gpus_word, when
 from scheduler.policy.state import (
     Evict,
@@ -72,11 +75,13 @@ def decide_multifactor(
     # 1. index and ledger
     idx = index.build(state, predictions=predictions)
     ledger = Ledger({n: gs.copy() for n, gs in idx.free_now.items()}, idx.node_rank)
+    quotas = Quotas(state.quotas, cfg.quota_soft_factor)
     fairshare = FairShare(
         state.usage,
         {j.group for j in state.pending} | {r.group for r in state.running},
         {(j.group, j.user) for j in state.pending}
         | {(r.group, r.user) for r in state.running},
+        quotas.fairshare_scale if quotas else None,
     )
     messages = Messages(idx)
 
@@ -124,6 +129,8 @@ def decide_multifactor(
     order = [pending[k[4]] for k in keyed]
 
     decisions: list[Decision] = evicts
+    if quotas and cfg.quota_overrun == "stop":
+        decisions.extend(quotas.overruns(state.running))
     started: list[RunningJob] = []
     failed: dict[tuple[bool, bool, Constraint], int] = {}
     reservation: Reservation | None = None
@@ -156,6 +163,8 @@ def decide_multifactor(
             RunningJob(job.id, gpu_ids, now, job.planned_s, job.time_limit_s)
         )
         decisions.append(Start(job.id, placements, backfilled=bf))
+        if quotas:
+            quotas.take(job)
         if sharing is not None and job.shareable and len(gpu_ids) == 1:
             sharing.started_alone(job, gpu_ids[0])
 
@@ -188,6 +197,8 @@ def decide_multifactor(
                 admission=adm,
             )
         )
+        if quotas:
+            quotas.take(job)
         return True
 
     # 9. reasons are rendered after the last start, against the final ledger
@@ -226,6 +237,11 @@ def decide_multifactor(
         if not ok:
             wait(job, Reason.NO_SUCH_SHAPE, messages.no_such_shape(c, job.gpus))
             continue
+        if quotas:
+            refused = quotas.refusal(job, now)
+            if refused is not None:
+                wait(job, Reason.QUOTA, refused)
+                continue
 
         # 5. place in order until the first job that does not fit (6: a shareable
         # job shares a GPU when none is free, or first when packing)

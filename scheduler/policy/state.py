@@ -77,6 +77,11 @@ class PolicyConfig:
     # admission keeps a job's predicted slowdown this fraction under its cap, so
     # a pair measured just under the cap (within the noise) is not admitted
     colo_cap_margin: float = 0.02
+    # Quotas (``policy.quota``): a job over a soft quota has its fair-share factor
+    # multiplied by this; a running job over a hard quota is stopped ("stop") or
+    # runs to its end ("finish").
+    quota_soft_factor: float = 0.5
+    quota_overrun: str = "finish"
 
     @property
     def shares(self) -> bool:
@@ -192,6 +197,38 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class QuotaView:
+    """One quota and its state now (``portal.quotas.usage`` computes it;
+    ``policy.quota`` enforces it).
+
+    Exactly one of ``group`` / ``user`` is set: the group's name (jobs charged to
+    it) or the user's name (their jobs in any group)."""
+
+    id: int
+    group: str = ""
+    user: str = ""
+    hard: bool = True
+    gpu_hours: float | None = None  # limit per period; None: no GPU-hour limit
+    used_gpu_hours: float = 0.0  # in the current period, running jobs included
+    max_gpus: int | None = None  # concurrent cap; None: no cap
+    running_gpus: int = 0  # GPUs held now by live attempts subject to it
+    period: str = "month"  # "month", "week" or e.g. "30 days": for messages
+    resets_at: float = 0.0  # the next period start, epoch seconds
+
+    @property
+    def label(self) -> str:
+        return f"group {self.group}" if self.group else f"user {self.user}"
+
+    @property
+    def exhausted(self) -> bool:
+        """Its GPU-hours for the period are used up."""
+        return self.gpu_hours is not None and self.used_gpu_hours >= self.gpu_hours
+
+    def applies_to(self, group: str, user: str) -> bool:
+        return self.user == user if self.user else self.group == group
+
+
+@dataclass(frozen=True)
 class ClusterState:
     now: float
     nodes: tuple[NodeView, ...]
@@ -209,6 +246,8 @@ class ClusterState:
     trials_last_hour: Mapping[frozenset[str], int] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # Quotas (issue 6) and their state now; the simulator passes none.
+    quotas: tuple[QuotaView, ...] = ()
 
 
 # ------------------------------------------------------------------ decisions
@@ -222,7 +261,7 @@ class Reason(StrEnum):
     RESOURCES = "resources"  # it fits the cluster, not the free GPUs now
     RESERVED_FOR_HIGHER = "reserved"  # free GPUs are held for a higher job
     NO_SUCH_SHAPE = "no_such_shape"  # no set of nodes could ever hold it
-    ACCOUNT_LIMIT = "account_limit"  # quota (issue #6)
+    QUOTA = "quota"  # quota exhausted (issue #6, ``policy.quota``)
     HELD = "held"
     DEPENDENCY = "dependency"  # issue #8
     INTERFERENCE = "interference"  # co-location refused (issue #5)
@@ -282,6 +321,16 @@ class Evict:
 
 
 @dataclass(frozen=True)
+class QuotaStop:
+    """Stop running ``job_id``: a hard quota it is subject to is used up and
+    ``GPULAB_QUOTA_OVERRUN`` is ``stop``. The job ends CANCELLED, not requeued."""
+
+    job_id: int
+    quota_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Wait:
     """``job_id`` stays pending for ``reason``; ``message`` explains it to a person."""
 
@@ -301,4 +350,4 @@ class PassStats:
     backfilled: int = 0
 
 
-Decision = Start | Preempt | Evict | Wait
+Decision = Start | Preempt | Evict | QuotaStop | Wait

@@ -592,6 +592,15 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
                 "sent back to the queue (its age is kept): a job sharing its GPU ran"
                 f" over its slowdown cap (exit code {code})"
             )
+        elif server_kill == "quota":
+            # Stopped by the scheduler: a hard quota of it was used up and
+            # GPULAB_QUOTA_OVERRUN is "stop". Not requeued (it would wait anyway).
+            # The scheduler's event before this one names the quota and its use.
+            job.status = Job.Status.CANCELLED
+            message = (
+                "stopped by the scheduler: a hard quota of it is used up"
+                f" (GPULAB_QUOTA_OVERRUN=stop), exit code {code}"
+            )
         elif server_kill == "memory_overrun":
             job.status = Job.Status.FAILED
             message = (

@@ -18,6 +18,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.quotas.usage import QuotaState, quota_states
 from scheduler import classes, policy
 from scheduler.models import (
     Allocation,
@@ -139,6 +140,9 @@ class Snapshot(NamedTuple):
 
     cluster: policy.ClusterState
     stored_waits: dict[int, StoredWait]
+    # Every quota in its current period (``cluster.quotas`` are their views); the
+    # pass records their alerts (``portal.quotas.alerts.record_alerts``).
+    quotas: tuple[QuotaState, ...] = ()
 
 
 def _cap(class_cap: float | None, own: float | None) -> float | None:
@@ -157,7 +161,8 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
 def snapshot(now: datetime | None = None) -> Snapshot:
     """Load what ``policy.decide`` needs in a fixed number of queries (never one
     per job): nodes, GPUs, live allocations, pending jobs (with their stored wait
-    fields), running attempts, users' and groups' names, usage."""
+    fields), running attempts, users' and groups' names, usage, quotas (two
+    queries: ``portal.quotas.usage.quota_states``)."""
     now = now or timezone.now()
     at = now.timestamp()
     specs = class_specs()
@@ -320,6 +325,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         | {r.workload for r in running if r.shareable},
     )
     running = _with_measured_slowdowns(running, gpus_of_attempt, now)
+    quotas = tuple(quota_states(now))
     cluster = policy.ClusterState(
         now=at,
         nodes=tuple(
@@ -338,8 +344,9 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         config=policy_config(),
         knowledge=knowledge,
         trials_last_hour=trials,
+        quotas=tuple(q.view() for q in quotas),
     )
-    return Snapshot(cluster, stored_waits)
+    return Snapshot(cluster, stored_waits, quotas)
 
 
 @dataclass
@@ -349,6 +356,7 @@ class ApplyResult:
     updated_reasons: int = 0
     preempted: int = 0
     evicted: int = 0
+    quota_stopped: int = 0
     # Wall time of each part, for the pass's log line and bench/pass_scaling.py.
     starts_ms: float = 0.0
     preempts_ms: float = 0.0
@@ -368,7 +376,8 @@ def apply_decisions(
        attempts and allocations in a fixed number of queries. The (gpu, slot)
        unique constraint is the last line of defence.
     2. After commit, each started attempt's ``job.launch`` goes to its node.
-    3. ``Preempt`` decisions ask the victims' nodes to stop them.
+    3. ``Preempt`` decisions ask the victims' nodes to stop them; ``Evict`` and
+       ``QuotaStop`` too (``kill_reason`` "evicted", "quota").
     4. ``Wait`` decisions update the job's reason only when it changed.
     """
     result = ApplyResult()
@@ -385,6 +394,8 @@ def apply_decisions(
                 result.preempted += 1
             elif isinstance(decision, policy.Evict) and _evict(decision):
                 result.evicted += 1
+            elif isinstance(decision, policy.QuotaStop) and _quota_stop(decision):
+                result.quota_stopped += 1
         result.preempts_ms = _ms_since(t0)
         t0 = time.perf_counter()
         waits = [d for d in decisions if isinstance(d, policy.Wait)]
@@ -436,6 +447,16 @@ def _preempt(decision: policy.Preempt) -> bool:
                 "preempted",
                 f"preempted for job #{decision.for_job_id}: {decision.reason}",
             )
+            is not None
+        )
+
+
+def _quota_stop(decision: policy.QuotaStop) -> bool:
+    """Stop a running job whose hard quota is used up (``GPULAB_QUOTA_OVERRUN``
+    is "stop"); its exit ends it CANCELLED (``finish_attempt``), not requeued."""
+    with transaction.atomic():
+        return (
+            _stop_for_scheduler(Q(pk=decision.job_id), "quota", decision.reason)
             is not None
         )
 

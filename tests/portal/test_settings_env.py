@@ -247,3 +247,35 @@ def test_it_keeps_a_password_out_of_the_bad_url_message(
         envurl(VAR, ("postgres",))
 
     assert "hunter2" not in str(caught.value)
+
+
+def test_it_refuses_a_float_above_the_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VAR, "1.5")
+
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}=1.5 must be at most 1"):
+        envfloat(VAR, 0.5, minimum=0, maximum=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("GPULAB_QUOTA_OVERRUN", "kill", "GPULAB_QUOTA_OVERRUN='kill' is not one of"),
+        ("GPULAB_QUOTA_SOFT_FACTOR", "2", "GPULAB_QUOTA_SOFT_FACTOR=2.0 must be at"),
+        ("GPULAB_QUOTA_SOFT_FACTOR", "x", "GPULAB_QUOTA_SOFT_FACTOR='x' is not a"),
+    ],
+)
+def test_the_quota_settings_refuse_bad_values(name: str, value: str, says: str) -> None:
+    """Settings are read at import: a process with a bad value stops with it named."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", "import portal.settings"],
+        env={**os.environ, name: value},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert says in result.stderr

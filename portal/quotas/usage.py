@@ -1,0 +1,174 @@
+"""What each quota has used in its current period: the one place quotas read usage.
+
+``quota_states`` reads ended attempts' ``UsageRecord`` rows (the part of each
+record inside the period, pro rata when a record spans the period's start) plus the
+running attempts live, up to ``now`` (each charged its share of its GPUs' live
+slots, as ``scheduler.services.cluster_state`` charges them for fair share), and
+the GPUs the live attempts hold (STARTING ones too) for the concurrent caps. One
+SQL statement for all quotas, whatever their number and the history's size.
+
+When the accounting part of issue 6 (daily rollups in ``portal/accounting``)
+lands, the ``ended`` part of ``_USAGE_SQL`` is what to point at the rollups (whole
+days from them, the partial first day from the records); the live part stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from django.db import connection
+from django.utils import timezone
+
+from portal.quotas.models import Quota
+from scheduler import policy
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from datetime import datetime
+
+# q: the quotas with the start of their current period. A record or attempt
+# counts for a quota when it is the quota's group's (charged to it) or its user's.
+_USAGE_SQL = """
+WITH q AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(groups)s::bigint[], %(users)s::int[],
+                         %(since)s::timestamptz[])
+        AS q(id, group_id, user_id, since)
+), ended AS (
+    SELECT q.id, sum(
+        CASE WHEN r.ended_at > r.started_at THEN
+            r.gpu_seconds * greatest(0.0, extract(epoch FROM
+                least(r.ended_at, %(now)s) - greatest(r.started_at, q.since)))
+            / extract(epoch FROM r.ended_at - r.started_at)
+        ELSE r.gpu_seconds END) AS seconds
+    FROM q JOIN scheduler_usagerecord r
+        ON (r.group_id = q.group_id OR r.user_id = q.user_id)
+        AND r.ended_at > q.since AND r.started_at < %(now)s
+    GROUP BY q.id
+), slots AS (
+    SELECT attempt_id, gpu_id, count(*) AS n FROM scheduler_allocation
+    WHERE released_at IS NULL GROUP BY attempt_id, gpu_id
+), gpu_slots AS (
+    SELECT gpu_id, sum(n) AS n FROM slots GROUP BY gpu_id
+), live AS (
+    SELECT t.id, t.started_at, j.owner_id, j.group_id,
+           sum(s.n::float8 / g.n) AS share, count(*) AS gpus
+    FROM scheduler_attempt t
+    JOIN scheduler_job j ON j.id = t.job_id
+    JOIN slots s ON s.attempt_id = t.id
+    JOIN gpu_slots g ON g.gpu_id = s.gpu_id
+    WHERE t.ended_at IS NULL
+    GROUP BY t.id, t.started_at, j.owner_id, j.group_id
+), running AS (
+    SELECT q.id,
+           sum(CASE WHEN l.started_at IS NULL THEN 0.0 ELSE l.share * greatest(0.0,
+               extract(epoch FROM %(now)s - greatest(l.started_at, q.since))) END)
+               AS seconds,
+           sum(l.gpus) AS gpus
+    FROM q JOIN live l ON (l.group_id = q.group_id OR l.owner_id = q.user_id)
+    GROUP BY q.id
+), alerted AS (
+    SELECT q.id, max(a.threshold) AS threshold
+    FROM q JOIN quotas_quotaalert a ON a.quota_id = q.id AND a.period_start = q.since
+    GROUP BY q.id
+)
+SELECT q.id, coalesce(e.seconds, 0.0)::float8, coalesce(r.seconds, 0.0)::float8,
+       coalesce(r.gpus, 0)::int, coalesce(al.threshold, 0)::int
+FROM q
+LEFT JOIN ended e ON e.id = q.id
+LEFT JOIN running r ON r.id = q.id
+LEFT JOIN alerted al ON al.id = q.id
+"""
+
+
+@dataclass(frozen=True)
+class QuotaState:
+    """A quota in its current period: what it used (running jobs included), the
+    GPUs its jobs hold now, and the highest alert threshold already recorded."""
+
+    quota: Quota
+    period_start: datetime
+    period_end: datetime
+    used_gpu_hours: float
+    running_gpu_hours: float  # the part of ``used_gpu_hours`` from running jobs
+    running_gpus: int
+    alerted: int  # 0, 80 or 100
+
+    @property
+    def limit_gpu_hours(self) -> float | None:
+        g = self.quota.gpu_hours
+        return None if g is None else float(g)
+
+    @property
+    def percent(self) -> float | None:
+        """Used / limit in % (None without a GPU-hour limit; a zero limit: 100 %
+        once anything is used, else 0)."""
+        limit = self.limit_gpu_hours
+        if limit is None:
+            return None
+        if limit <= 0:
+            return 100.0 if self.used_gpu_hours > 0 else 0.0
+        return 100.0 * self.used_gpu_hours / limit
+
+    @property
+    def exhausted(self) -> bool:
+        limit = self.limit_gpu_hours
+        return limit is not None and self.used_gpu_hours >= limit
+
+    def view(self) -> policy.QuotaView:
+        """The policy's input for this quota."""
+        q = self.quota
+        return policy.QuotaView(
+            id=q.pk,
+            group=q.group.name if q.group is not None else "",
+            user=q.user.get_username() if q.user is not None else "",
+            hard=q.hard,
+            gpu_hours=self.limit_gpu_hours,
+            used_gpu_hours=self.used_gpu_hours,
+            max_gpus=q.max_gpus,
+            running_gpus=self.running_gpus,
+            period=q.period_label,
+            resets_at=self.period_end.timestamp(),
+        )
+
+
+def quota_states(
+    now: datetime | None = None, quotas: Iterable[Quota] | None = None
+) -> list[QuotaState]:
+    """Every quota's state at ``now`` (or those of ``quotas``, with their group and
+    user loaded): one query for the quotas (unless given) and one for the usage."""
+    now = now or timezone.now()
+    if quotas is None:
+        quotas = Quota.objects.select_related("group", "user")
+    quotas = list(quotas)
+    if not quotas:
+        return []
+    bounds = {q.pk: q.period_bounds(now) for q in quotas}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _USAGE_SQL,
+            {
+                "ids": [q.pk for q in quotas],
+                "groups": [q.group_id for q in quotas],
+                "users": [q.user_id for q in quotas],
+                "since": [bounds[q.pk][0] for q in quotas],
+                "now": now,
+            },
+        )
+        rows = {row[0]: row[1:] for row in cursor.fetchall()}
+    out = []
+    for q in quotas:
+        ended, live, gpus, alerted = rows.get(q.pk, (0.0, 0.0, 0, 0))
+        start, end = bounds[q.pk]
+        out.append(
+            QuotaState(
+                quota=q,
+                period_start=start,
+                period_end=end,
+                used_gpu_hours=(ended + live) / 3600.0,
+                running_gpu_hours=live / 3600.0,
+                running_gpus=gpus,
+                alerted=alerted,
+            )
+        )
+    return out
