@@ -299,3 +299,16 @@ def groups_visible_to(user: Any) -> list[Group]:
             membership__user=user, membership__is_leader=True
         ).order_by("name")
     )
+
+
+def job_charges(job_id: int) -> dict[str, float | None]:
+    """What a job's ended attempts were charged: GPU-hours and energy (kWh, None
+    when no GPU of it reported an energy counter). One query."""
+    totals = UsageRecord.objects.filter(attempt__job_id=job_id).aggregate(
+        seconds=Sum("gpu_seconds"), energy=Sum("energy_j")
+    )
+    seconds, energy = totals["seconds"], totals["energy"]
+    return {
+        "gpu_hours": None if seconds is None else float(seconds) / 3600,
+        "energy_kwh": None if energy is None else float(energy) / 3.6e6,
+    }

@@ -220,3 +220,18 @@ def test_running_jobs_are_charged_live_at_their_current_share(
     assert float(by_job[str(a.pk)]["gpu_hours"]) == pytest.approx(0.625)
     assert float(by_job[str(b.pk)]["share"]) == pytest.approx(0.75)
     assert not UsageRecord.objects.filter(attempt=first).exists()
+
+
+def test_the_job_page_shows_its_charge_and_energy(
+    client: Client, alice: User, cluster: list[Node]
+) -> None:
+    node = cluster[0]
+    job = JobFactory(owner=alice)
+    attempt = run_alone(job, node, T0)
+    end(node, attempt, T0 + 1800)
+    UsageRecord.objects.filter(attempt=attempt).update(energy_j=3.6e6 * 0.15)
+    client.force_login(alice)
+
+    page = " ".join(client.get(f"/jobs/{job.pk}/").content.decode().split())
+
+    assert "0.50 GPU-hours (ended attempts); energy 0.150 kWh" in page
