@@ -27,22 +27,6 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
 DAY = "from=2027-01-15&to=2027-01-15"  # T0's UTC day
 
 
-@pytest.fixture
-def usage(alice: User, bob: User, charlie: User, cluster: list[Node]) -> None:
-    """On T0's day: alice 2 GPU-hours (2 GPUs, 1 h), bob 0.5, charlie (nlp) 1."""
-    node_a, node_b = cluster
-    runs = [
-        (run_alone(JobFactory(owner=owner, gpus=gpus), node, T0), seconds, node)
-        for owner, gpus, seconds, node in (
-            (alice, 2, 3600, node_a),
-            (bob, 1, 1800, node_a),
-            (charlie, 1, 3600, node_b),
-        )
-    ]
-    for attempt, seconds, node in runs:
-        end(node, attempt, T0 + seconds)
-
-
 def lead(user: User, group: str) -> None:
     Membership.objects.filter(user=user, group__name=group).update(is_leader=True)
 
