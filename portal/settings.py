@@ -56,6 +56,7 @@ INSTALLED_APPS = [
     "portal",
     "scheduler",
     "portal.quotas",
+    "portal.accounting",
 ]
 
 MIDDLEWARE = [
@@ -266,6 +267,10 @@ GPULAB_POLICY: dict[str, Any] = {
 }
 # Half-life of past usage in fair share, seconds (Slurm's PriorityDecayHalfLife).
 GPULAB_FAIRSHARE_HALF_LIFE = envint("GPULAB_FAIRSHARE_HALF_LIFE", 7 * 86400, minimum=60)
+# How a GPU shared by several jobs is charged (portal/accounting): "memory", in
+# proportion to each job's declared GPU memory (a job without a declaration counts
+# as the GPU's whole memory), or "equal", the same part each.
+GPULAB_SHARED_CHARGE = envchoice("GPULAB_SHARED_CHARGE", "memory", ("memory", "equal"))
 # Jobs that may share one GPU at most (its number of allocation slots).
 GPULAB_GPU_JOB_LIMIT = envint("GPULAB_GPU_JOB_LIMIT", 2, minimum=1)
 # Group that users without any group are put in when they first submit.

@@ -625,10 +625,16 @@ class JobLogChunk(models.Model):
 
 
 class UsageRecord(models.Model):
-    """GPU-seconds used by one attempt on one GPU, from agent-reported start to end.
+    """GPU-seconds charged to one attempt on one GPU, from agent-reported start to
+    end (written and, when a neighbour's times change it, rewritten by
+    ``portal.accounting.services``).
 
-    ``share`` is the fraction of the GPU the attempt held (slots held / slots), so a
-    GPU-second is never charged twice. Input of fair share and quotas.
+    ``share`` is the time-average fraction of the GPU charged to the attempt (on a
+    shared GPU by declared memory or equally, ``GPULAB_SHARED_CHARGE``), so a
+    GPU-second is never charged twice. ``energy_j``: the GPU's energy counter over
+    the attempt times ``share`` (null where the GPU reports none);
+    ``util_gpu_mean``: the GPU's mean utilisation (%) over the attempt, from the
+    persisted samples. Input of fair share, quotas and the usage reports.
     """
 
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="usage")
@@ -641,6 +647,8 @@ class UsageRecord(models.Model):
     ended_at = models.DateTimeField()
     share = models.FloatField()
     gpu_seconds = models.FloatField()
+    energy_j = models.FloatField(null=True, blank=True)
+    util_gpu_mean = models.FloatField(null=True, blank=True)
 
     class Meta:
         constraints: ClassVar = [

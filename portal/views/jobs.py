@@ -12,6 +12,7 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from portal.accounting.reports import job_charges
 from portal.forms import JobForm, format_duration
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
@@ -156,6 +157,7 @@ def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     job = _get_job_for_user(request, job_id)
     context = _job_context(job)
     context["can_cancel"] = job.can_be_cancelled_by(request.user)
+    context["charged"] = job_charges(job.pk)
     if request.htmx and not request.htmx.boosted:
         return render(request, "portal/partials/_job_live.html", context)
     return render(request, "portal/job_detail.html", context)

@@ -16,6 +16,7 @@ from django.db.models import F, Func, IntegerField, Q, Sum
 from django.utils import timezone
 
 from agents import protocol
+from portal.accounting import services as accounting
 from scheduler import metrics as metrics_store
 from scheduler.models import (
     Allocation,
@@ -26,7 +27,6 @@ from scheduler.models import (
     JobLogChunk,
     Node,
     ProgressSample,
-    UsageRecord,
     hash_token,
 )
 from scheduler.services import interference
@@ -419,6 +419,7 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
             attempt.pid = data.pid
         attempt.save(update_fields=["rank_starts", "started_at", "pid"])
         if first:
+            accounting.recharge_after_start(attempt)
             if job.status == Job.Status.STARTING:
                 job.status = Job.Status.RUNNING
             if job.started_at is None:
@@ -443,7 +444,8 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
 def _end_attempt(
     attempt: Attempt, ended: datetime, outcome: str, exit_code: int | None
 ) -> None:
-    """End a live attempt: release its slots and charge its GPU time."""
+    """End a live attempt: release its slots and charge its GPU time
+    (``portal.accounting.services.charge``: agent-reported start to ``ended``)."""
     attempt.ended_at = ended
     attempt.outcome = outcome
     attempt.exit_code = exit_code
@@ -453,82 +455,7 @@ def _end_attempt(
         released_at=ended
     )
     interference.record_episode_ends(attempt, ended)
-    if attempt.started_at is None:
-        return
-    seconds = max(0.0, (ended - attempt.started_at).total_seconds())
-    shares = _occupancy_shares(attempt, {a.gpu_id for a in allocations}, ended)
-    job = attempt.job
-    UsageRecord.objects.bulk_create(
-        [
-            UsageRecord(
-                attempt=attempt,
-                gpu_id=gpu_id,
-                user_id=job.owner_id,
-                group_id=job.group_id,
-                started_at=attempt.started_at,
-                ended_at=ended,
-                share=share,
-                gpu_seconds=seconds * share,
-            )
-            for gpu_id, share in shares.items()
-        ],
-        ignore_conflicts=True,
-    )
-
-
-def _occupancy_shares(
-    attempt: Attempt, gpu_ids: set[int], ended: datetime
-) -> dict[int, float]:
-    """Each GPU's share charged to ``attempt``: the time-average, over the time it
-    held the GPU, of (its live slots / all live slots on the GPU). Alone on a GPU
-    it pays all of it, whether it held one slot or all; two jobs sharing pay half
-    each while they share, so a GPU-second is charged once. The average is taken
-    on the allocations' own timeline (one GPU's rows all come from its node and
-    the server), then applied to the agent-reported run time. One query."""
-    rows = list(
-        Allocation.objects.filter(
-            Q(released_at__isnull=True) | Q(released_at__gt=F("allocated_at")),
-            gpu_id__in=gpu_ids,
-        )
-        .filter(
-            Q(attempt=attempt)
-            | Q(allocated_at__lt=ended)
-            & (Q(released_at__isnull=True) | Q(released_at__gt=attempt.created_at))
-        )
-        .values_list("gpu_id", "attempt_id", "allocated_at", "released_at")
-    )
-    out: dict[int, float] = {}
-    for gpu_id in gpu_ids:
-        mine = [r for r in rows if r[0] == gpu_id and r[1] == attempt.pk]
-        start = min(r[2] for r in mine)
-        span = (ended - start).total_seconds()
-        events: list[tuple[datetime, int, int]] = []
-        for _, attempt_id, begun, released in (r for r in rows if r[0] == gpu_id):
-            own = 1 if attempt_id == attempt.pk else 0
-            if released is not None and released <= start:
-                continue
-            events.append((max(begun, start), 1, own))
-            if released is not None and released < ended:
-                events.append((released, -1, -own))
-        events.sort(key=lambda e: (e[0], e[1]))  # releases before grants
-        total = held = 0
-        charged = 0.0
-        last = start
-        for at, d_total, d_mine in events:
-            if at > last:
-                if total:
-                    charged += (at - last).total_seconds() * held / total
-                last = at
-            total += d_total
-            held += d_mine
-        if total and ended > last:
-            charged += (ended - last).total_seconds() * held / total
-        if span > 0:
-            out[gpu_id] = min(1.0, charged / span)
-        else:  # clocks too close to tell: its share of the slots live at its start
-            live = [r for r in rows if r[0] == gpu_id and r[2] <= start]
-            out[gpu_id] = len(mine) / max(len(live), len(mine))
-    return out
+    accounting.charge(attempt)
 
 
 def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:

@@ -17,7 +17,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from scheduler import classes
-from scheduler.models import Attempt, Gpu, Group, Job, JobEvent, Membership
+from scheduler.models import Attempt, Gpu, Group, Job, JobEvent, Membership, Profile
 from scheduler.policy.predict import HISTORY, predict
 from scheduler.services.common import (
     JobStateError,
@@ -286,13 +286,18 @@ def groups_of(user: User) -> list[Group]:
 
 def _charge_group(user: User, name: str) -> Group:
     """The group a job is charged to: the named one (if the user is a member), else
-    the user's first group; a user in no group joins the default group."""
+    the user's primary group (``Profile.primary_group``, if still a member), else
+    their first group; a user in no group joins the default group."""
     mine = groups_of(user)
     if name:
         for group in mine:
             if group.name == name:
                 return group
         raise ValidationError({"group": f"You are not a member of group {name!r}."})
+    primary = Profile.objects.filter(user=user).values_list("primary_group", flat=True)
+    for group in mine:
+        if group.pk in primary:
+            return group
     if mine:
         return mine[0]
     group, _ = Group.objects.get_or_create(name=settings.GPULAB_DEFAULT_GROUP)

@@ -17,16 +17,18 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-def submit_shareable(client, name: str, workload: str) -> int:
+def submit_shareable(
+    client, name: str, workload: str, command: str = "sleep 300", memory: str = "8G"
+) -> int:
     resp = csrf_post(
         client,
         "/jobs/new/",
         {
             "name": name,
-            "command": "sleep 300",
+            "command": command,
             "workdir": "/tmp",
             "gpus": "1",
-            "gpu_memory": "8G",
+            "gpu_memory": memory,
             "priority_class": "normal",
             "shareable": "on",
             "workload": workload,

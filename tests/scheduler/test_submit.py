@@ -12,7 +12,7 @@ from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 
 from scheduler import services
-from scheduler.models import Job, JobEvent, Membership
+from scheduler.models import Job, JobEvent, Membership, Profile
 from scheduler.services import JobRequest
 
 pytestmark = pytest.mark.django_db
@@ -209,6 +209,31 @@ def test_it_charges_the_named_group(cluster: list[Any], groups: dict[str, Any]) 
     Membership.objects.create(user=user, group=groups["nlp"])
 
     job = services.submit_job(user, request(group="nlp"))
+
+    assert job.group == groups["nlp"]
+
+
+def test_it_charges_the_primary_group_by_default(
+    cluster: list[Any], groups: dict[str, Any]
+) -> None:
+    user = User.objects.create_user("dora")
+    Membership.objects.create(user=user, group=groups["vision"])
+    Membership.objects.create(user=user, group=groups["nlp"])
+    Profile.objects.create(user=user, primary_group=groups["vision"])
+
+    job = services.submit_job(user, request())
+
+    assert job.group == groups["vision"]  # not nlp, the first by name
+
+
+def test_a_primary_group_the_user_left_is_not_charged(
+    cluster: list[Any], groups: dict[str, Any]
+) -> None:
+    user = User.objects.create_user("dora")
+    Membership.objects.create(user=user, group=groups["nlp"])
+    Profile.objects.create(user=user, primary_group=groups["vision"])
+
+    job = services.submit_job(user, request())
 
     assert job.group == groups["nlp"]
 

@@ -1,0 +1,1 @@
+"""Accounting: who is charged for which GPU-seconds (and energy), per day."""

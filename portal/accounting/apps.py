@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class AccountingConfig(AppConfig):
+    name = "portal.accounting"
+    label = "accounting"
+    verbose_name = "Accounting"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,114 @@
+"""The charging rule, pure (no ORM, no clock): how one GPU's time is split between
+the attempts that ran on it, and by UTC day.
+
+At every instant a GPU runs attempts ``a1..ak`` (agent-reported start to end), each
+is charged ``w_i / (w_1 + ... + w_k)`` of that instant, so over any interval the
+GPU-seconds charged add up to exactly the time the GPU ran something: never twice,
+never lost, whoever comes and goes. The weight ``w`` is the attempt's declared GPU
+memory (``GPULAB_SHARED_CHARGE=memory``) or 1 (``equal``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One attempt's run on one GPU: epoch seconds from its agent-reported start to
+    its end (None: still running) and its weight on a shared GPU."""
+
+    attempt_id: int
+    start: float
+    end: float | None
+    weight: float
+
+
+def weight(mode: str, declared_mib: int | None, gpu_memory_mib: int) -> float:
+    """An attempt's weight on a shared GPU. ``memory``: its declared GPU memory, at
+    most the GPU's; a job that declared none counts as the whole GPU (it asked for
+    no less). ``equal``: 1 each (what the occupancy of slots gave before)."""
+    if mode == "equal":
+        return 1.0
+    whole = max(1, gpu_memory_mib)
+    if declared_mib is None:
+        return float(whole)
+    return float(min(max(1, declared_mib), whole))
+
+
+def day_of(at: float) -> date:
+    """The UTC day an epoch second falls in."""
+    return datetime.fromtimestamp(at, UTC).date()
+
+
+def _midnights(since: float, until: float) -> list[float]:
+    """UTC midnights strictly inside (since, until)."""
+    first = datetime.combine(day_of(since), datetime.min.time(), UTC) + timedelta(1)
+    out = []
+    at = first.timestamp()
+    while at < until:
+        out.append(at)
+        at += DAY
+    return out
+
+
+def split(runs: Iterable[Run], until: float) -> dict[int, dict[date, float]]:
+    """GPU-seconds charged to each attempt on one GPU, by UTC day, up to ``until``
+    (a running attempt is charged up to then at its current share).
+
+    A sweep over the runs' starts and ends (and the midnights between): in each
+    piece the attempts running share it by weight. Attempts that ran no time get
+    no entry."""
+    pieces: list[tuple[float, int, Run]] = []
+    for run in runs:
+        end = until if run.end is None else min(run.end, until)
+        if end <= run.start:
+            continue
+        pieces.append((run.start, 1, run))
+        pieces.append((end, -1, run))
+    if not pieces:
+        return {}
+    times = sorted({t for t, _, _ in pieces})
+    times = sorted({*times, *_midnights(times[0], times[-1])})
+    pieces.sort(key=lambda p: (p[0], p[1]))  # ends before starts at one instant
+    out: dict[int, dict[date, float]] = {}
+    active: dict[int, float] = {}
+    i = 0
+    for t0, t1 in itertools.pairwise(times):
+        while i < len(pieces) and pieces[i][0] <= t0:
+            _, kind, run = pieces[i]
+            if kind > 0:
+                active[run.attempt_id] = run.weight
+            else:
+                active.pop(run.attempt_id, None)
+            i += 1
+        total = sum(active.values())
+        if not active or total <= 0:
+            continue
+        day = day_of(t0)
+        for attempt_id, w in active.items():
+            by_day = out.setdefault(attempt_id, {})
+            by_day[day] = by_day.get(day, 0.0) + (t1 - t0) * w / total
+    return out
+
+
+def share_at(runs: Sequence[Run], attempt_id: int, at: float) -> float:
+    """The attempt's share of the GPU at one instant (of the runs live then, itself
+    counted live): the share of an attempt that ran no time."""
+    live = {
+        r.attempt_id: r.weight
+        for r in runs
+        if r.start <= at and (r.end is None or r.end > at)
+    }
+    mine = next((r.weight for r in runs if r.attempt_id == attempt_id), 1.0)
+    live[attempt_id] = mine
+    total = sum(live.values())
+    return mine / total if total > 0 else 1.0

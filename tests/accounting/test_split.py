@@ -1,0 +1,60 @@
+"""The charging rule alone (no database): a GPU's time split between its runs."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, date, datetime
+
+import pytest
+
+from portal.accounting.charging import Run, split, weight
+
+
+def union(runs: list[Run], until: float) -> float:
+    spans = sorted((r.start, min(r.end or until, until)) for r in runs)
+    total, reach = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_gpu_second_is_charged_exactly_once(seed: int) -> None:
+    rng = random.Random(seed)
+    runs = []
+    for i in range(rng.randint(1, 8)):
+        start = rng.uniform(0, 3 * 86400)
+        end = None if rng.random() < 0.2 else start + rng.uniform(0, 86400)
+        runs.append(Run(i, start, end, rng.choice([1.0, 8192.0, 40960.0, 81920.0])))
+    until = 4 * 86400.0
+
+    charges = split(runs, until)
+
+    total = sum(s for days in charges.values() for s in days.values())
+    assert total == pytest.approx(union(runs, until))
+
+
+def test_it_splits_by_weight_and_by_utc_day() -> None:
+    midnight = datetime(2027, 3, 2, tzinfo=UTC).timestamp()
+    runs = [Run(1, midnight - 100, midnight + 100, 1.0), Run(2, midnight, None, 3.0)]
+
+    charges = split(runs, midnight + 200)
+
+    assert charges[1] == {date(2027, 3, 1): 100, date(2027, 3, 2): 25}
+    assert charges[2] == {date(2027, 3, 2): 75 + 100}
+
+
+@pytest.mark.parametrize(
+    ("mode", "declared", "expected"),
+    [
+        ("memory", 20480, 20480.0),
+        ("memory", None, 81920.0),  # undeclared: the whole GPU
+        ("memory", 10**9, 81920.0),  # at most the GPU's memory
+        ("memory", 0, 1.0),
+        ("equal", 20480, 1.0),
+    ],
+)
+def test_weights(mode: str, declared: int | None, expected: float) -> None:
+    assert weight(mode, declared, 81920) == expected
