@@ -14,6 +14,8 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from portal.accounting import reports
+from portal.quotas.models import Quota
+from portal.quotas.usage import quota_states
 from scheduler.models import Group, Membership
 
 if TYPE_CHECKING:
@@ -87,9 +89,13 @@ def usage(request: AuthenticatedHttpRequest) -> HttpResponse:
         "group": group,
         "groups": reports.groups_visible_to(request.user),
         "report": None,
-        # Remaining quota: built in portal/quotas (issue 6, another branch); wired
-        # in at merge as portal.quotas.services.status_for(user=..., group=...).
-        "quota": None,
+        # The quotas of what is shown, in their current period: the user's own and
+        # their groups' (their jobs are subject to both), or the group's.
+        "quotas": quota_states(
+            quotas=Quota.objects.filter(group=group).select_related("group", "user")
+            if group is not None
+            else Quota.objects.for_user(request.user)
+        ),
     }
     status = 200
     if valid:

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import time_machine
 
-from scheduler.models import Membership, UsageRecord
+from scheduler.models import Group, Membership, UsageRecord
 from tests.accounting.test_charges import GIB, T0, end, join, run_alone
 from tests.conftest import make_node
 from tests.factories import JobFactory
+from tests.portal.quotas.helpers import quota
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -219,3 +220,22 @@ def test_the_job_page_shows_its_charge_and_energy(
     page = " ".join(client.get(f"/jobs/{job.pk}/").content.decode().split())
 
     assert "0.50 GPU-hours (ended attempts); energy 0.150 kWh" in page
+
+
+def test_the_usage_page_shows_the_quotas_of_what_it_shows(
+    client: Client, alice: User, usage: None
+) -> None:
+    """Alone, a user sees their own quota and their groups'; a leader looking at a
+    group sees that group's, not their own."""
+    own = quota(user=alice, gpu_hours=100, period="month")
+    vision = quota(group=Group.objects.get(name="vision"), gpu_hours=10, period="week")
+    lead(alice, "vision")
+    client.force_login(alice)
+
+    mine = client.get(f"/usage/?{DAY}")
+    theirs = client.get(f"/usage/?group=vision&{DAY}")
+
+    assert {s.quota for s in mine.context["quotas"]} == {own, vision}
+    assert [s.quota for s in theirs.context["quotas"]] == [vision]
+    assert b"Quotas of vision" in theirs.content
+    assert f'data-testid="quota-{own.pk}"'.encode() in mine.content
