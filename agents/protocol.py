@@ -189,6 +189,7 @@ KillReason = Literal[
     "peer_failed",  # another rank of a multi-node job failed
     "evicted",  # its GPU partner ran over its slowdown cap: back to the queue
     "memory_overrun",  # used more GPU memory than declared on a shared GPU
+    "requeued",  # an admin sent it back to the queue (its age kept)
 ]
 
 

@@ -560,6 +560,12 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
                 "sent back to the queue (its age is kept): a job sharing its GPU ran"
                 f" over its slowdown cap (exit code {code})"
             )
+        elif server_kill == "requeued":
+            job.status = Job.Status.PENDING
+            message = (
+                "sent back to the queue by an admin (its age is kept;"
+                f" exit code {code})"
+            )
         elif server_kill == "memory_overrun":
             job.status = Job.Status.FAILED
             message = (
