@@ -17,6 +17,8 @@ urlpatterns = [
     path("jobs/new/", jobs.job_new, name="portal-job-new"),
     path("jobs/<int:job_id>/", jobs.job_detail, name="portal-job"),
     path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),
+    path("jobs/<int:job_id>/hold/", jobs.job_hold, name="portal-job-hold"),
+    path("jobs/<int:job_id>/release/", jobs.job_release, name="portal-job-release"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
