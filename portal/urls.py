@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from portal.views import cluster, jobs
+from portal.views import admin_overview, cluster, jobs
 
 urlpatterns = [
     path("", cluster.overview, name="portal-overview"),
@@ -21,5 +21,11 @@ urlpatterns = [
     path("jobs/<int:job_id>/release/", jobs.job_release, name="portal-job-release"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    # Before the admin's own URLs, which would take every /admin/... path.
+    path(
+        "admin/overview/",
+        admin_overview.admin_overview,
+        name="admin-overview",
+    ),
     path("admin/", admin.site.urls),
 ]
