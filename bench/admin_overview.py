@@ -8,6 +8,10 @@ per minute for 30 days (2.76 million rows at 64 GPUs) plus the hourly ones. Then
 times ``group_usage``, ``daily_figures`` and ``nodes_needing_attention`` (median
 of ``--repeat``) and prints them; writes ``bench/results/admin_overview.json``.
 
+Measured once on our 2-core machine (shared): group usage 33 ms (1 query), nodes
+needing attention 2 ms (1 query), but the daily figures 13.5 s (4 queries): the
+30-day figures miss the goal at this scale (docs/architecture.md, "Admin console").
+
 Run through ``make bench`` (it provides DATABASE_URL / REDIS_URL), or:
 ``python -m portal.stack.run -- python bench/admin_overview.py``.
 """
