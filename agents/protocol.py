@@ -190,6 +190,7 @@ KillReason = Literal[
     "evicted",  # its GPU partner ran over its slowdown cap: back to the queue
     "memory_overrun",  # used more GPU memory than declared on a shared GPU
     "quota",  # a hard quota of it is used up (GPULAB_QUOTA_OVERRUN=stop)
+    "requeued",  # an admin sent it back to the queue (its age kept)
 ]
 
 

@@ -7,7 +7,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from portal.accounting import views as accounting
-from portal.views import cluster, jobs
+from portal.views import admin_overview, cluster, jobs
 
 urlpatterns = [
     path("", cluster.overview, name="portal-overview"),
@@ -20,7 +20,15 @@ urlpatterns = [
     path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),
     path("usage/", accounting.usage, name="portal-usage"),
     path("usage/csv/", accounting.usage_csv, name="portal-usage-csv"),
+    path("jobs/<int:job_id>/hold/", jobs.job_hold, name="portal-job-hold"),
+    path("jobs/<int:job_id>/release/", jobs.job_release, name="portal-job-release"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    # Before the admin's own URLs, which would take every /admin/... path.
+    path(
+        "admin/overview/",
+        admin_overview.admin_overview,
+        name="admin-overview",
+    ),
     path("admin/", admin.site.urls),
 ]

@@ -72,7 +72,13 @@ def hash_token(token: str) -> str:
 
 class NodeQuerySet(models.QuerySet["Node"]):
     def schedulable(self) -> NodeQuerySet:
-        return self.filter(status=Node.Status.UP, draining=False)
+        return self.filter(status=Node.Status.UP, draining=False, maintenance=False)
+
+    def needing_attention(self) -> NodeQuerySet:
+        """Lost, draining or in maintenance: what an admin should look at."""
+        return self.filter(
+            Q(status=Node.Status.LOST) | Q(draining=True) | Q(maintenance=True)
+        )
 
 
 class Node(models.Model):
@@ -84,7 +90,10 @@ class Node(models.Model):
                         ^                                               |
                         +-------------------- hello --------------------+
 
-    ``draining`` is orthogonal: a draining node takes no new jobs.
+    ``draining`` and ``maintenance`` are orthogonal to the status: either keeps a
+    node from taking new jobs (running ones finish). Draining is "let it empty";
+    maintenance says why (an admin works on it) and is shown as such; resume
+    clears both (``services.set_node_mode``).
     """
 
     class Status(models.TextChoices):
@@ -117,6 +126,10 @@ class Node(models.Model):
 
     class Meta:
         ordering = ("name",)
+        permissions: ClassVar = [
+            ("drain_node", "Can drain, resume and put nodes in maintenance"),
+            ("rotate_node_token", "Can rotate a node's agent token"),
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -130,6 +143,18 @@ class Node(models.Model):
 
     def check_token(self, token: str) -> bool:
         return hmac.compare_digest(self.token_hash, hash_token(token))
+
+    @property
+    def takes_jobs(self) -> bool:
+        """Up, and neither draining nor in maintenance."""
+        return self.status == self.Status.UP and not (self.draining or self.maintenance)
+
+    @property
+    def mode(self) -> str:
+        """What the admin set: "maintenance", "draining" or "" (takes jobs)."""
+        if self.maintenance:
+            return "maintenance"
+        return "draining" if self.draining else ""
 
     def is_stale(self, now: datetime) -> bool:
         if self.last_seen_at is None:
@@ -213,9 +238,10 @@ class Job(models.Model):
     States (DESIGN.md "Job states"; only ``scheduler.services`` changes them)::
 
         PENDING -> STARTING -> RUNNING -> COMPLETED | FAILED | CANCELLED | TIMEOUT
-        PENDING <-> HELD
-        PENDING -> CANCELLED
-        STARTING | RUNNING -> PREEMPTED -> PENDING        (requeue)
+        PENDING <-> HELD                                   (hold / release)
+        PENDING | HELD -> CANCELLED
+        STARTING | RUNNING -> PREEMPTED -> PENDING        (preemption)
+        STARTING | RUNNING -> PENDING                      (an admin's requeue)
         STARTING | RUNNING -> PENDING | FAILED             (node lost)
 
     Each start is an ``Attempt``; ``attempts`` counts them.
@@ -284,6 +310,15 @@ class Job(models.Model):
     est_start = models.DateTimeField(null=True, blank=True)
     preemptions = models.PositiveIntegerField(default=0)
     last_preempted_at = models.DateTimeField(null=True, blank=True)
+    # Who put a HELD job on hold: its owner may release only their own hold; an
+    # admin's hold needs an admin (Slurm's user / admin holds).
+    held_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
     # Set when a cancel was asked for a job on a node; the job ends when the agent
     # confirms the process group is gone.
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
@@ -318,6 +353,13 @@ class Job(models.Model):
                 name="scheduler_job_pending_idx",
             ),
             models.Index(fields=["owner", "-id"], name="scheduler_job_owner_idx"),
+        ]
+        # Per-action permissions of the admin console (superusers have them all).
+        permissions: ClassVar = [
+            ("cancel_any_job", "Can cancel any user's job"),
+            ("hold_job", "Can hold and release any user's job"),
+            ("requeue_job", "Can requeue a running job"),
+            ("change_job_priority", "Can change the priority class of a waiting job"),
         ]
 
     def __str__(self) -> str:
@@ -367,6 +409,25 @@ class Job(models.Model):
             and self.status in self.ACTIVE
             and self.cancel_requested_at is None
         )
+
+    def can_be_held_by(self, user: User | AnonymousUser) -> bool:
+        """Its owner may hold their own pending job; an admin with ``hold_job``
+        any pending job."""
+        return (
+            self.status == self.Status.PENDING
+            and self.cancel_requested_at is None
+            and user.is_authenticated
+            and (self.owner_id == user.pk or user.has_perm("scheduler.hold_job"))
+        )
+
+    def can_be_released_by(self, user: User | AnonymousUser) -> bool:
+        """Its owner may release a hold they put on it; an admin with ``hold_job``
+        any hold."""
+        if self.status != self.Status.HELD or not user.is_authenticated:
+            return False
+        if user.has_perm("scheduler.hold_job"):
+            return True
+        return self.owner_id == user.pk and self.held_by_id == user.pk
 
     def runtime(self, now: datetime | None = None) -> timedelta | None:
         if self.started_at is None:

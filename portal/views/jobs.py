@@ -1,4 +1,5 @@
-"""Job pages: list, submit, detail (with a polled live fragment), cancel."""
+"""Job pages: list, submit, detail (with a polled live fragment), cancel, hold and
+release."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
@@ -158,6 +159,8 @@ def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     context = _job_context(job)
     context["can_cancel"] = job.can_be_cancelled_by(request.user)
     context["charged"] = job_charges(job.pk)
+    context["can_hold"] = job.can_be_held_by(request.user)
+    context["can_release"] = job.can_be_released_by(request.user)
     if request.htmx and not request.htmx.boosted:
         return render(request, "portal/partials/_job_live.html", context)
     return render(request, "portal/job_detail.html", context)
@@ -176,4 +179,32 @@ def job_cancel(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
         messages.error(request, str(exc))
     else:
         messages.success(request, f"Cancelling job #{job.pk}.")
+    return redirect("portal-job", job.pk)
+
+
+@require_POST
+@login_required
+def job_hold(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
+    """Its owner holds their pending job (an admin with ``hold_job`` any)."""
+    job = _get_job_for_user(request, job_id)
+    try:
+        services.hold_job(job.pk, by=request.user)
+    except (services.JobStateError, PermissionDenied) as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Job #{job.pk} is held: it waits until released.")
+    return redirect("portal-job", job.pk)
+
+
+@require_POST
+@login_required
+def job_release(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
+    """Its owner releases their own hold (an admin with ``hold_job`` any hold)."""
+    job = _get_job_for_user(request, job_id)
+    try:
+        services.release_job(job.pk, by=request.user)
+    except (services.JobStateError, PermissionDenied) as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Job #{job.pk} is released: it waits its turn.")
     return redirect("portal-job", job.pk)

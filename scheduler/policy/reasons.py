@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from scheduler.policy.ledger import Ledger
 
 # Node refusal categories, most severe first (Kueue's reasonSeverity).
-DOWN = "down or draining"
+DOWN = "down, draining or in maintenance"
 MODEL = "model mismatch"
 MEMORY = "too little GPU memory"
 TOO_SMALL = "too few GPUs"

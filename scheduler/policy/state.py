@@ -105,7 +105,7 @@ class PolicyConfig:
 class NodeView:
     id: int
     name: str
-    schedulable: bool = True  # up and not draining
+    schedulable: bool = True  # up, not draining, not in maintenance
 
 
 @dataclass(frozen=True)

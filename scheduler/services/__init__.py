@@ -14,6 +14,8 @@ and management commands are adapters around these functions: they call
   logs, progress) and the stored output read back;
 - ``liveness``: lost nodes, time limits and lost launches (beat);
 - ``nodes``: admin verbs on nodes and headline counts;
+- ``console``: the admin console's verbs: hold / release, requeue, priority
+  class, node drain / maintenance / resume;
 - ``common``: events, after-commit helpers and kill frames the others share.
 """
 
@@ -34,6 +36,14 @@ from scheduler.services.agent_verbs import (
     record_progress,
 )
 from scheduler.services.common import JobStateError, kill_frame
+from scheduler.services.console import (
+    NodeMode,
+    hold_job,
+    release_job,
+    requeue_job,
+    set_node_mode,
+    set_priority_class,
+)
 from scheduler.services.jobs import (
     ALLOWED_GPULAB_ENV,
     ENV_NAME_RE,
@@ -101,6 +111,7 @@ __all__ = [
     "HelloResult",
     "JobRequest",
     "JobStateError",
+    "NodeMode",
     "Snapshot",
     "StoredWait",
     "_charge_group",
@@ -118,6 +129,7 @@ __all__ = [
     "gpu_models",
     "gpu_summary",
     "groups_of",
+    "hold_job",
     "kill_frame",
     "launch_frame",
     "load_knowledge",
@@ -133,10 +145,14 @@ __all__ = [
     "record_hello",
     "record_metrics",
     "record_progress",
+    "release_job",
+    "requeue_job",
     "resend_launches",
     "reset_interference_pairs",
     "rotate_node_token",
     "set_draining",
+    "set_node_mode",
+    "set_priority_class",
     "snapshot",
     "start_jobs",
     "submit_job",

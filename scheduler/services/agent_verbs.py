@@ -528,6 +528,12 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
                 "stopped by the scheduler: a hard quota of it is used up"
                 f" (GPULAB_QUOTA_OVERRUN=stop), exit code {code}"
             )
+        elif server_kill == "requeued":
+            job.status = Job.Status.PENDING
+            message = (
+                "sent back to the queue by an admin (its age is kept;"
+                f" exit code {code})"
+            )
         elif server_kill == "memory_overrun":
             job.status = Job.Status.FAILED
             message = (

@@ -166,7 +166,13 @@ def snapshot(now: datetime | None = None) -> Snapshot:
     now = now or timezone.now()
     at = now.timestamp()
     specs = class_specs()
-    nodes = list(Node.objects.values_list("pk", "name", "status", "draining"))
+    # A node in maintenance takes no new jobs, like a draining one.
+    nodes = [
+        (pk, name, status, draining or maintenance)
+        for pk, name, status, draining, maintenance in Node.objects.values_list(
+            "pk", "name", "status", "draining", "maintenance"
+        )
+    ]
     users = dict(get_user_model().objects.values_list("pk", "username"))
     groups = dict(Group.objects.values_list("pk", "name"))
     used: dict[int, int] = {}

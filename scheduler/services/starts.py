@@ -65,7 +65,7 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
        each other in a cycle.
     2. Check each start in the policy's order (``_placed_gpus``): anything changed
        since the state was read (job no longer pending, a GPU taken, gone or given
-       to an earlier start of this batch, a node down or draining): skip it.
+       to an earlier start of this batch, a node down, draining or in maintenance): skip it.
     3. Create the attempts (``node`` = rank 0; ``ranks`` = every node, for a job
        spanning nodes) and one allocation per GPU slot in two bulk inserts; the jobs
        go STARTING in one UPDATE; one event each, in one insert.
@@ -245,15 +245,15 @@ def _joined_slot(
     live: Mapping[int, Mapping[int, int]],
 ) -> tuple[Gpu, int] | None:
     """The GPU and free slot a shared start takes, if the GPU still runs exactly
-    the partners it was admitted with (each on one slot) and its node is UP and
-    not draining. Else None: the start is skipped (the next pass decides again)."""
+    the partners it was admitted with (each on one slot) and its node takes jobs
+    (UP, not draining, not in maintenance). Else None: the start is skipped (the next pass decides again)."""
     assert decision.admission is not None
     (gpu_id,) = decision.gpu_ids
     gpu = gpus.get(gpu_id)
     if gpu is None or not gpu.schedulable:
         return None
     node = nodes.get(gpu.node_id)
-    if node is None or node.status != Node.Status.UP or node.draining:
+    if node is None or not node.takes_jobs:
         return None
     slots = live.get(gpu_id, {})
     if sorted(slots.values()) != sorted(decision.admission.partners):
@@ -270,7 +270,8 @@ def _placed_gpus(
 ) -> list[Gpu] | None:
     """The start's GPUs (locked, id order) if it can go ahead: each exists on one
     of its placements' nodes, is schedulable and has no live allocation; each node
-    is UP and not draining. Else None: the start is skipped."""
+    takes jobs (UP, not draining, not in maintenance). Else None: the start is
+    skipped."""
     node_ids = {p.node_id for p in decision.placements}
     wanted = sorted({g for p in decision.placements for g in p.gpu_ids})
     held = [gpus[g] for g in wanted if g in gpus]
@@ -278,10 +279,7 @@ def _placed_gpus(
         g.node_id not in node_ids or not g.schedulable or g.pk in busy for g in held
     ):
         return None
-    if any(
-        n not in nodes or nodes[n].status != Node.Status.UP or nodes[n].draining
-        for n in node_ids
-    ):
+    if any(n not in nodes or not nodes[n].takes_jobs for n in node_ids):
         return None
     return held
 

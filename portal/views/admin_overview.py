@@ -1,0 +1,71 @@
+"""The admin overview (staff only): usage per group this month, cluster
+utilisation and idle GPU-hours per day over the last 30 days, nodes needing
+attention. Figures from ``scheduler.overview`` (SQL aggregates)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.contrib import admin
+from django.contrib.admin.views.decorators import staff_member_required
+from django.shortcuts import render
+from django.utils import timezone
+
+from portal.quotas.models import Quota
+from portal.quotas.usage import quota_states
+from scheduler import overview
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest, HttpResponse
+
+
+def quotas_by_group(group_ids: list[int]) -> dict[int, str]:
+    """Each group's use of its quota in the quota's current period, as text
+    ("12.0 of 100.0 GPU-h (month, 12 %)", and its concurrent-GPU cap): one query
+    for the quotas, one for their usage (``portal.quotas.usage``)."""
+    out: dict[int, str] = {}
+    for state in quota_states(
+        quotas=Quota.objects.filter(group_id__in=group_ids).select_related(
+            "group", "user"
+        )
+    ):
+        q = state.quota
+        parts = []
+        if state.limit_gpu_hours is not None:
+            parts.append(
+                f"{state.used_gpu_hours:.1f} of {state.limit_gpu_hours:.1f} GPU-h"
+                f" ({q.period_label}, {state.percent or 0:.0f} %)"
+            )
+        if q.max_gpus is not None:
+            parts.append(f"{state.running_gpus} of {q.max_gpus} GPUs at once")
+        if q.group_id is not None:
+            out[q.group_id] = f"{'; '.join(parts)} [{'hard' if q.hard else 'soft'}]"
+    return out
+
+
+@staff_member_required
+def admin_overview(request: HttpRequest) -> HttpResponse:
+    now = timezone.now()
+    since = overview.month_start(now)
+    usage = overview.group_usage(since, now)
+    quotas = quotas_by_group([u.group_id for u in usage])
+    days = overview.daily_figures(now)
+    series = {
+        "days": [d.day.isoformat() for d in days],
+        "allocated": [d.allocated_percent for d in days],
+        "util": [d.util_percent for d in days],
+        "idle": [round(d.idle_hours, 2) for d in days],
+    }
+    context = {
+        **admin.site.each_context(request),
+        "title": "Cluster overview",
+        "since": since,
+        "usage": [(u, quotas.get(u.group_id, "")) for u in usage],
+        "total_hours": sum(u.hours for u in usage),
+        "days": days,
+        "idle_total": sum(d.idle_hours for d in days),
+        "idle_threshold": overview.IDLE_UTIL_PERCENT,
+        "series": series,
+        "nodes": list(overview.nodes_needing_attention()),
+    }
+    return render(request, "admin/overview.html", context)

@@ -1,0 +1,239 @@
+"""Admin verbs (the admin console, and an owner's own hold / release): hold and
+release a waiting job, requeue a running one, change a waiting job's priority
+class, and put a node in drain / maintenance or back in service.
+
+Each verb locks its row (``select_for_update``), re-checks the state under the
+lock, so two admins acting at once never both act (the second gets a
+``JobStateError`` naming what the first did), records a ``JobEvent`` naming who,
+and only after commit broadcasts and asks for a scheduling pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from django.core.exceptions import PermissionDenied
+from django.db import transaction
+
+from scheduler import classes
+from scheduler.models import Attempt, Job, JobEvent, Node
+from scheduler.services.common import (
+    JobStateError,
+    _after_commit_state_change,
+    _event,
+    _pass_after_commit,
+    _send_kill_on_commit,
+)
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+NodeMode = Literal["drain", "maintenance", "resume"]
+
+
+def _locked_job(job_id: int) -> Job:
+    try:
+        return Job.objects.select_for_update().get(pk=job_id)
+    except Job.DoesNotExist:
+        raise JobStateError(f"Job #{job_id} does not exist.") from None
+
+
+def _state_error(job: Job, wanted: str) -> JobStateError:
+    """ "Job #5 is running; only a pending job can be held." and the like."""
+    if job.is_terminal:
+        now = f"has ended ({job.status})"
+    elif job.cancel_requested_at is not None:
+        now = "is being cancelled"
+    else:
+        now = f"is {job.status}"
+    return JobStateError(f"Job #{job.pk} {now}; {wanted}.")
+
+
+def hold_job(job_id: int, *, by: User) -> Job:
+    """PENDING -> HELD: the policy never sees it (the pass loads PENDING jobs
+    only, and a start re-checks PENDING under the job's lock).
+
+    1. Lock the job; it must be PENDING, and ``by`` its owner or an admin with
+       ``scheduler.hold_job`` (else ``PermissionDenied``).
+    2. Mark it held by ``by`` (its owner may release only their own hold), clear
+       its place in the queue, one event; browsers told on commit.
+    """
+    with transaction.atomic():
+        job = _locked_job(job_id)
+        if job.status != Job.Status.PENDING:
+            raise _state_error(job, "only a pending job can be held")
+        if not job.can_be_held_by(by):
+            raise PermissionDenied(f"You may not hold job #{job.pk}.")
+        who = by.get_username()
+        job.status = Job.Status.HELD
+        job.held_by = by
+        job.pending_reason = "held"
+        job.pending_message = f"held by {who}; it waits until released"
+        job.queue_position = None
+        job.est_start = None
+        job.save(
+            update_fields=[
+                "status",
+                "held_by",
+                "pending_reason",
+                "pending_message",
+                "queue_position",
+                "est_start",
+            ]
+        )
+        _event(
+            job,
+            f"held by {who}",
+            source=JobEvent.Source.USER,
+            actor=by,
+            from_status=Job.Status.PENDING,
+            to_status=Job.Status.HELD,
+        )
+        _after_commit_state_change(job, "held")
+    return job
+
+
+def release_job(job_id: int, *, by: User) -> Job:
+    """HELD -> PENDING, with its submit time (hence its age) kept.
+
+    1. Lock the job; it must be HELD, and ``by`` an admin with
+       ``scheduler.hold_job`` or its owner releasing their own hold.
+    2. PENDING again, one event; a scheduling pass after commit.
+    """
+    with transaction.atomic():
+        job = _locked_job(job_id)
+        if job.status != Job.Status.HELD:
+            raise _state_error(job, "only a held job can be released")
+        if not job.can_be_released_by(by):
+            raise PermissionDenied(
+                f"Job #{job.pk} was held by an admin; only an admin can release it."
+            )
+        who = by.get_username()
+        job.status = Job.Status.PENDING
+        job.held_by = None
+        job.pending_reason = ""
+        job.pending_message = "waiting for the scheduler"
+        job.save(
+            update_fields=["status", "held_by", "pending_reason", "pending_message"]
+        )
+        _event(
+            job,
+            f"released by {who} (its age is kept)",
+            source=JobEvent.Source.USER,
+            actor=by,
+            from_status=Job.Status.HELD,
+            to_status=Job.Status.PENDING,
+        )
+        _after_commit_state_change(job, "released")
+        _pass_after_commit()
+    return job
+
+
+def requeue_job(job_id: int, *, by: User) -> Job:
+    """Send a job on a node back to the queue (an admin's verb).
+
+    1. Lock the job; it must be STARTING or RUNNING and not being cancelled. A
+       waiting job is already queued; an ended job is not requeued (its run, exit
+       and charges stay as they were): resubmit a copy instead.
+    2. Lock its live attempt; one already being stopped (preempted, evicted,
+       at its time limit, or a requeue asked before) is left alone.
+    3. Mark the attempt ``requeued`` and, after commit, send ``job.kill`` (SIGTERM,
+       the job's grace, SIGKILL) to its nodes. The agent's exit report moves the
+       job back to PENDING with its submit time, hence its age, kept
+       (``finish_attempt``); a lost node requeues it the same way.
+    """
+    with transaction.atomic():
+        job = _locked_job(job_id)
+        if job.status not in Job.ON_NODE or job.cancel_requested_at is not None:
+            if job.is_terminal:
+                raise _state_error(
+                    job, "an ended job is not requeued (resubmit a copy instead)"
+                )
+            raise _state_error(job, "only a starting or running job can be requeued")
+        attempt = (
+            Attempt.objects.select_for_update()
+            .filter(job=job, ended_at__isnull=True)
+            .first()
+        )
+        if attempt is None:
+            raise JobStateError(f"Job #{job.pk} has no live attempt to stop.")
+        if attempt.kill_reason:
+            raise JobStateError(
+                f"Job #{job.pk} is already being stopped ({attempt.kill_reason})."
+            )
+        attempt.kill_reason = "requeued"
+        attempt.save(update_fields=["kill_reason"])
+        _event(
+            job,
+            f"requeue asked by {by.get_username()}; stopping the process",
+            source=JobEvent.Source.USER,
+            actor=by,
+        )
+        _send_kill_on_commit(attempt, "requeued", job.kill_grace_s)
+        _after_commit_state_change(job, "requeueing")
+    return job
+
+
+def set_priority_class(job_id: int, priority_class: str, *, by: User) -> Job:
+    """Move a waiting (PENDING or HELD) job to another priority class.
+
+    1. The class must exist (``GPULAB_PRIORITY_CLASSES``) and allow the job's
+       time limit; else ``ValueError`` naming the problem.
+    2. Lock the job; it must be PENDING or HELD (a running job keeps the class it
+       was started with: its preemptibility and caps were decided by it).
+    3. Save, one event naming the old and new class; a pass after commit (the
+       class weighs in its priority).
+    """
+    spec = classes.get_class(priority_class)
+    if spec is None:
+        names = ", ".join(classes.all_classes())
+        raise ValueError(f"Unknown class {priority_class!r}; choose one of: {names}.")
+    with transaction.atomic():
+        job = _locked_job(job_id)
+        if job.status not in (Job.Status.PENDING, Job.Status.HELD):
+            raise _state_error(
+                job, "only a pending or held job can change its priority class"
+            )
+        if job.priority_class == spec.name:
+            raise JobStateError(f"Job #{job.pk} is already in class {spec.name}.")
+        if job.time_limit_s > spec.max_time_limit:
+            raise ValueError(
+                f"Job #{job.pk}'s time limit ({job.time_limit_s // 3600} h) is above"
+                f" the {spec.name} class's maximum ({spec.max_time_limit // 3600} h)."
+            )
+        old = job.priority_class
+        job.priority_class = spec.name
+        job.save(update_fields=["priority_class"])
+        _event(
+            job,
+            f"priority class changed from {old} to {spec.name} by {by.get_username()}",
+            source=JobEvent.Source.USER,
+            actor=by,
+        )
+        _after_commit_state_change(job, f"class {spec.name}")
+        _pass_after_commit()
+    return job
+
+
+def set_node_mode(node_id: int, mode: NodeMode) -> bool:
+    """Drain a node, put it in maintenance, or resume it (clears both); either
+    of the first two keeps it from taking new jobs while running ones finish.
+    Returns whether anything changed (under the node's row lock, so two admins
+    acting at once change it once). Resuming asks for a pass."""
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node_id)
+        before = (node.draining, node.maintenance)
+        if mode == "drain":
+            node.draining = True
+        elif mode == "maintenance":
+            node.maintenance = True
+        elif mode == "resume":
+            node.draining = node.maintenance = False
+        else:
+            raise ValueError(f"Unknown node mode {mode!r}.")
+        if (node.draining, node.maintenance) == before:
+            return False
+        node.save(update_fields=["draining", "maintenance"])
+        if mode == "resume":
+            _pass_after_commit()
+    return True

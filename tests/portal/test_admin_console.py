@@ -1,0 +1,419 @@
+"""The admin console: only staff get in; every job and node action checks its own
+permission and reports per object; nodes show their live state; groups their
+leaders; users their primary group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import pytest
+from django.contrib import admin
+from django.contrib.auth.models import Permission
+from django.contrib.messages import get_messages
+from django.test import Client
+from django.urls import reverse
+
+from scheduler.models import Attempt, Group, Job, Membership, Node, Profile
+from tests.factories import JobFactory, start_job
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+    from django.http import HttpResponse
+
+pytestmark = pytest.mark.django_db
+
+JOBS = reverse("admin:scheduler_job_changelist")
+NODES = reverse("admin:scheduler_node_changelist")
+
+
+@pytest.fixture(autouse=True)
+def _no_io() -> Any:
+    with (
+        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
+        mock.patch("scheduler.events.send_to_agent", autospec=True) as send,
+        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
+    ):
+        yield send
+
+
+def staff_with(user: User, *codenames: str) -> Client:
+    """A client logged in as ``user`` (staff) holding only these permissions."""
+    user.user_permissions.set(Permission.objects.filter(codename__in=codenames))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def act(client: Client, url: str, action: str, *pks: int, **extra: str) -> HttpResponse:
+    return client.post(
+        url, {"action": action, "_selected_action": [str(p) for p in pks], **extra}
+    )
+
+
+def flash(response: HttpResponse) -> list[str]:
+    return [str(m) for m in get_messages(response.wsgi_request)]
+
+
+# ------------------------------------------------------------------ who gets in
+
+
+def admin_urls() -> list[str]:
+    urls = [reverse("admin:index")]
+    for model in admin.site._registry:
+        meta = model._meta
+        urls.append(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist"))
+    return urls
+
+
+@pytest.mark.parametrize("persona", ["alice", "anonymous"])
+def test_only_staff_get_into_any_admin_page(
+    request: pytest.FixtureRequest, persona: str
+) -> None:
+    client = Client()
+    if persona != "anonymous":
+        client.force_login(request.getfixturevalue(persona))
+
+    for url in admin_urls():
+        response = client.get(url)
+        assert response.status_code == 302, url
+        assert response.url.startswith(reverse("admin:login")), url
+
+
+def test_a_non_staff_user_cannot_post_an_action(alice: User) -> None:
+    job = JobFactory(owner=alice)
+    client = Client()
+    client.force_login(alice)
+
+    response = act(client, JOBS, "hold_jobs", job.pk)
+
+    job.refresh_from_db()
+    assert response.status_code == 302
+    assert job.status == Job.Status.PENDING
+
+
+# ------------------------------------------------------------------ job actions
+
+# action, the permission it needs, the state it starts from, the state it leads to
+JOB_ACTIONS = [
+    ("cancel_jobs", "cancel_any_job", Job.Status.PENDING, Job.Status.CANCELLED),
+    ("hold_jobs", "hold_job", Job.Status.PENDING, Job.Status.HELD),
+    ("release_jobs", "hold_job", Job.Status.HELD, Job.Status.PENDING),
+]
+
+
+@pytest.mark.parametrize(("action", "perm", "before", "after"), JOB_ACTIONS)
+def test_each_job_action_needs_its_permission(
+    alice: User, admin_user: User, action: str, perm: str, before: str, after: str
+) -> None:
+    job = JobFactory(owner=alice, status=before)
+    others = [p for _, p, _, _ in JOB_ACTIONS if p != perm]
+    client = staff_with(admin_user, "view_job", "change_job", *others)
+
+    listed = client.get(JOBS).context["action_form"].fields["action"].choices
+    response = act(client, JOBS, action, job.pk)
+
+    job.refresh_from_db()
+    assert action not in [name for name, _ in listed]
+    assert job.status == before
+    assert flash(response) == ["No action selected."]
+
+
+@pytest.mark.parametrize(("action", "perm", "before", "after"), JOB_ACTIONS)
+def test_each_job_action_works_with_its_permission(
+    alice: User, admin_user: User, action: str, perm: str, before: str, after: str
+) -> None:
+    job = JobFactory(owner=alice, status=before)
+    client = staff_with(admin_user, "view_job", perm)
+
+    response = act(client, JOBS, action, job.pk)
+
+    job.refresh_from_db()
+    assert response.status_code == 302
+    assert job.status == after
+    assert job.events.order_by("-id")[0].actor == admin_user
+
+
+def test_hold_reports_each_job(alice: User, admin_user: User) -> None:
+    pending = [JobFactory(owner=alice), JobFactory(owner=alice)]
+    running = JobFactory(owner=alice, status=Job.Status.RUNNING)
+    client = staff_with(admin_user, "view_job", "hold_job")
+
+    response = act(client, JOBS, "hold_jobs", *(j.pk for j in [*pending, running]))
+
+    assert flash(response) == [
+        f"2 held, 1 skipped: Job #{running.pk} is running; only a pending job can"
+        " be held."
+    ]
+    assert [j.status for j in Job.objects.filter(pk__in=[p.pk for p in pending])] == [
+        Job.Status.HELD,
+        Job.Status.HELD,
+    ]
+
+
+def test_requeue_needs_its_permission_and_stops_the_job(
+    alice: User, admin_user: User, cluster: list[Node], _no_io: Any
+) -> None:
+    job = JobFactory(owner=alice)
+    attempt = start_job(job, cluster[0])
+    without = staff_with(admin_user, "view_job", "hold_job")
+
+    act(without, JOBS, "requeue_jobs", job.pk)
+    attempt.refresh_from_db()
+    assert attempt.kill_reason == ""
+
+    client = staff_with(admin_user, "view_job", "requeue_job")
+    response = act(client, JOBS, "requeue_jobs", job.pk)
+
+    attempt.refresh_from_db()
+    assert flash(response) == ["1 requeued"]
+    assert attempt.kill_reason == "requeued"
+
+
+def test_requeue_skips_an_ended_job_with_the_reason(
+    alice: User, admin_user: User
+) -> None:
+    job = JobFactory(owner=alice, status=Job.Status.COMPLETED)
+    client = staff_with(admin_user, "view_job", "requeue_job")
+
+    response = act(client, JOBS, "requeue_jobs", job.pk)
+
+    assert flash(response) == [
+        f"0 requeued, 1 skipped: Job #{job.pk} has ended (completed); an ended job"
+        " is not requeued (resubmit a copy instead)."
+    ]
+
+
+def test_change_priority_asks_for_the_class_then_applies_it(
+    alice: User, admin_user: User
+) -> None:
+    waiting = JobFactory(owner=alice)
+    running = JobFactory(owner=alice, status=Job.Status.RUNNING)
+    client = staff_with(admin_user, "view_job", "change_job_priority")
+
+    page = act(client, JOBS, "change_priority", waiting.pk, running.pk)
+    body = page.content.decode()
+    assert page.status_code == 200
+    assert "New priority class" in body
+    assert f'name="_selected_action" value="{waiting.pk}"' in body
+    assert waiting.priority_class == "normal"
+
+    response = act(
+        client,
+        JOBS,
+        "change_priority",
+        waiting.pk,
+        running.pk,
+        apply="1",
+        priority_class="best-effort",
+    )
+
+    waiting.refresh_from_db()
+    running.refresh_from_db()
+    assert waiting.priority_class == "best-effort"
+    assert running.priority_class == "normal"
+    assert flash(response) == [
+        f"1 moved to class best-effort, 1 skipped: Job #{running.pk} is running;"
+        " only a pending or held job can change its priority class."
+    ]
+
+
+def test_change_priority_refuses_an_unknown_class_on_its_form(
+    alice: User, admin_user: User
+) -> None:
+    job = JobFactory(owner=alice)
+    client = staff_with(admin_user, "view_job", "change_job_priority")
+
+    response = act(
+        client, JOBS, "change_priority", job.pk, apply="1", priority_class="urgent"
+    )
+
+    job.refresh_from_db()
+    assert response.status_code == 200
+    assert "Select a valid choice. urgent is not one of" in response.content.decode()
+    assert job.priority_class == "normal"
+
+
+def test_change_priority_needs_its_permission(alice: User, admin_user: User) -> None:
+    job = JobFactory(owner=alice)
+    client = staff_with(admin_user, "view_job", "hold_job")
+
+    act(client, JOBS, "change_priority", job.pk, apply="1", priority_class="high")
+
+    job.refresh_from_db()
+    assert job.priority_class == "normal"
+
+
+def test_the_job_list_shows_node_and_why_a_job_waits(
+    alice: User, admin_user: User, cluster: list[Node]
+) -> None:
+    running = JobFactory(owner=alice, name="job-on-a-node")
+    start_job(running, cluster[0])
+    JobFactory(owner=alice, name="job-in-queue", pending_message="behind 3 jobs")
+    client = staff_with(admin_user, "view_job")
+
+    body = client.get(JOBS, {"q": "queue"}).content.decode()
+    assert "behind 3 jobs" in body
+    assert "job-on-a-node" not in body
+    body = client.get(JOBS, {"status__exact": "starting"}).content.decode()
+    assert '<td class="field-node">node-a</td>' in body
+    assert "job-in-queue" not in body
+
+
+def test_jobs_are_neither_added_nor_deleted_in_the_console(
+    alice: User, admin_user: User
+) -> None:
+    job = JobFactory(owner=alice)
+    client = Client()
+    client.force_login(admin_user)
+    admin_user.is_superuser = True
+    admin_user.save()
+
+    add = client.get(reverse("admin:scheduler_job_add"))
+    delete = client.post(reverse("admin:scheduler_job_delete", args=[job.pk]))
+
+    assert add.status_code == 403
+    assert delete.status_code == 403
+    assert Job.objects.filter(pk=job.pk).exists()
+
+
+# ------------------------------------------------------------------ node actions
+
+NODE_ACTIONS = [
+    ("drain", (False, False), (True, False)),
+    ("maintenance", (False, False), (False, True)),
+    ("resume", (True, True), (False, False)),
+]
+
+
+@pytest.mark.parametrize(("action", "before", "after"), NODE_ACTIONS)
+def test_each_node_action_needs_drain_node(
+    admin_user: User,
+    cluster: list[Node],
+    action: str,
+    before: tuple[bool, bool],
+    after: tuple[bool, bool],
+) -> None:
+    node = cluster[0]
+    Node.objects.filter(pk=node.pk).update(draining=before[0], maintenance=before[1])
+    without = staff_with(admin_user, "view_node", "rotate_node_token")
+
+    act(without, NODES, action, node.pk)
+    node.refresh_from_db()
+    assert (node.draining, node.maintenance) == before
+
+    client = staff_with(admin_user, "view_node", "drain_node")
+    response = act(client, NODES, action, node.pk)
+
+    node.refresh_from_db()
+    assert response.status_code == 302
+    assert (node.draining, node.maintenance) == after
+
+
+def test_node_actions_report_nodes_left_as_they_were(
+    admin_user: User, cluster: list[Node]
+) -> None:
+    node_a, node_b = cluster
+    Node.objects.filter(pk=node_b.pk).update(maintenance=True)
+    client = staff_with(admin_user, "view_node", "drain_node")
+
+    response = act(client, NODES, "maintenance", node_a.pk, node_b.pk)
+
+    assert flash(response) == [
+        "1 put in maintenance, 1 skipped: node-b was already in maintenance."
+    ]
+
+
+def test_rotate_token_needs_its_permission(
+    admin_user: User, cluster: list[Node]
+) -> None:
+    node = cluster[0]
+    old = node.token_hash
+    without = staff_with(admin_user, "view_node", "drain_node")
+
+    act(without, NODES, "rotate_token", node.pk)
+    node.refresh_from_db()
+    assert node.token_hash == old
+
+    client = staff_with(admin_user, "view_node", "rotate_node_token")
+    response = act(client, NODES, "rotate_token", node.pk)
+
+    node.refresh_from_db()
+    assert node.token_hash != old
+    [message] = flash(response)
+    token = message.rsplit(": ", 1)[1]
+    assert node.check_token(token)
+
+
+def test_the_node_list_shows_live_state(
+    alice: User, admin_user: User, cluster: list[Node]
+) -> None:
+    node_a, node_b = cluster
+    start_job(JobFactory(owner=alice, gpus=2), node_a)
+    start_job(JobFactory(owner=alice), node_a)
+    Node.objects.filter(pk=node_b.pk).update(
+        maintenance=True, status=Node.Status.LOST, connected=False
+    )
+    client = staff_with(admin_user, "view_node")
+
+    response = client.get(NODES)
+
+    rows = {
+        row.name: row
+        for row in response.context["cl"].result_list  # the annotated nodes
+    }
+    assert (rows["node-a"].n_busy, rows["node-a"].n_gpus) == (3, 4)
+    assert rows["node-a"].n_running == 2
+    assert (rows["node-b"].n_busy, rows["node-b"].n_gpus) == (0, 2)
+    body = response.content.decode()
+    assert "3 / 4" in body
+    assert '<span class="node-state maintenance">maintenance</span>' in body
+    assert '<span class="node-state lost">lost</span>' in body
+
+
+# ------------------------------------------------------------------ groups, users
+
+
+def test_groups_show_members_and_leaders_and_edit_the_leader_flag(
+    alice: User, bob: User, admin_user: User, groups: dict[str, Group]
+) -> None:
+    vision = groups["vision"]
+    Membership.objects.filter(user=alice, group=vision).update(is_leader=True)
+    client = staff_with(
+        admin_user, "view_group", "change_group", "view_membership", "change_membership"
+    )
+
+    listing = client.get(reverse("admin:scheduler_group_changelist"))
+    change = client.get(reverse("admin:scheduler_group_change", args=[vision.pk]))
+
+    row = next(g for g in listing.context["cl"].result_list if g.name == "vision")
+    assert row.member_count == 3  # alice, bob, root
+    assert "alice" in listing.content.decode()
+    assert 'name="membership_set-0-is_leader"' in change.content.decode()
+
+
+def test_users_show_their_primary_group(
+    alice: User, admin_user: User, groups: dict[str, Group]
+) -> None:
+    Profile.objects.update_or_create(
+        user=alice, defaults={"primary_group": groups["vision"]}
+    )
+    client = staff_with(admin_user, "view_user")
+
+    body = client.get(reverse("admin:auth_user_changelist")).content.decode()
+
+    assert 'class="field-primary_group">vision<' in body
+
+
+def test_no_attempt_is_made_for_a_held_job_by_the_admin_actions(
+    alice: User, admin_user: User, cluster: list[Node]
+) -> None:
+    job = JobFactory(owner=alice)
+    client = staff_with(admin_user, "view_job", "hold_job")
+    act(client, JOBS, "hold_jobs", job.pk)
+
+    from scheduler import tasks
+
+    tasks.run_one_pass()
+
+    assert not Attempt.objects.filter(job=job).exists()
