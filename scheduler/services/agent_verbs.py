@@ -16,6 +16,7 @@ from django.db.models import F, Func, IntegerField, Q, Sum
 from django.utils import timezone
 
 from agents import protocol
+from portal.notifications import services as notifications
 from scheduler import metrics as metrics_store
 from scheduler.models import (
     Allocation,
@@ -405,6 +406,8 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
         )
         if first:
             _after_commit_state_change(job, "running")
+            if job.status == Job.Status.RUNNING:
+                notifications.job_started(job, f"running on {name}")
     return True
 
 
