@@ -157,7 +157,6 @@ def send(delivery_id: int, now: datetime | None = None) -> SendResult | None:
             _send_webhook(row)
     except Exception as exc:
         error = _describe(exc)
-        done = timezone.now()
         if row.attempts >= settings.GPULAB_NOTIFY_MAX_ATTEMPTS:
             Delivery.objects.filter(pk=row.pk).update(
                 status=Delivery.Status.FAILED,
@@ -170,7 +169,7 @@ def send(delivery_id: int, now: datetime | None = None) -> SendResult | None:
         Delivery.objects.filter(pk=row.pk).update(
             status=Delivery.Status.PENDING,
             claimed_until=None,
-            next_attempt_at=done + timedelta(seconds=wait),
+            next_attempt_at=now + timedelta(seconds=wait),
             last_error=f"attempt {row.attempts}: {error}"[:500],
         )
         return SendResult(row.pk, Delivery.Status.PENDING, retry_in=wait)
