@@ -6,6 +6,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
+from portal.notifications import views as notifications
 from portal.views import cluster, jobs
 
 urlpatterns = [
@@ -17,6 +18,8 @@ urlpatterns = [
     path("jobs/new/", jobs.job_new, name="portal-job-new"),
     path("jobs/<int:job_id>/", jobs.job_detail, name="portal-job"),
     path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),
+    path("notifications/", notifications.preferences, name="notifications"),
+    path("notifications/test/", notifications.send_test, name="notifications-test"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

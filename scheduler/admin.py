@@ -8,6 +8,7 @@ from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin
 from django.contrib.auth.models import User
 
+from portal.idle.admin import IdleJobFilter
 from scheduler import services
 from scheduler.models import (
     Allocation,
@@ -227,7 +228,7 @@ class JobAdmin(admin.ModelAdmin[Job]):
         "priority_class",
         "submitted_at",
     )
-    list_filter = ("status", "priority_class", "group")
+    list_filter = ("status", "priority_class", "group", IdleJobFilter)
     search_fields = ("name", "owner__username", "command")
     # State is changed only through scheduler.services (cancel from the job page).
     readonly_fields = (

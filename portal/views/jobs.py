@@ -13,6 +13,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from portal.forms import JobForm, format_duration
+from portal.idle.models import IdleFlag
 from scheduler import services
 from scheduler.models import Allocation, Job
 
@@ -138,6 +139,8 @@ def _job_context(job: Job) -> dict[str, object]:
         "ahead": ahead,
         "plans_with_prediction": services.policy_config().plans_with_prediction,
         "partners": partners,
+        # idle GPUs: the open flag, if the job is idle now
+        "idle_flag": IdleFlag.objects.filter(job=job, cleared_at__isnull=True).first(),
     }
 
 
