@@ -13,6 +13,7 @@ from typing import Any
 
 import dj_database_url
 import django_stubs_ext
+from django.core.exceptions import ImproperlyConfigured
 
 from agents.protocol import MAX_COMMAND_CHARS
 from portal.settings_env import (
@@ -57,6 +58,8 @@ INSTALLED_APPS = [
     "scheduler",
     "portal.quotas",
     "portal.accounting",
+    "portal.notifications",
+    "portal.idle",
 ]
 
 MIDDLEWARE = [
@@ -149,6 +152,53 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 10.0,
     },
 }
+# Notification deliveries (webhooks, e-mail) go to a queue of their own, which the
+# `notifier` worker consumes: a slow receiver never holds up a scheduling pass.
+CELERY_TASK_ROUTES = ("portal.notifications.tasks.route",)
+
+# ------------------------------------------------------------------ notifications
+# E-mail: Django's mail backend. console (prints mail: the default with DEBUG),
+# smtp (the default otherwise), file (GPULAB_EMAIL_FILE_PATH), locmem, dummy.
+_EMAIL_BACKENDS = {
+    "smtp": "django.core.mail.backends.smtp.EmailBackend",
+    "console": "django.core.mail.backends.console.EmailBackend",
+    "file": "django.core.mail.backends.filebased.EmailBackend",
+    "locmem": "django.core.mail.backends.locmem.EmailBackend",
+    "dummy": "django.core.mail.backends.dummy.EmailBackend",
+}
+EMAIL_BACKEND = _EMAIL_BACKENDS[
+    envchoice(
+        "GPULAB_EMAIL_BACKEND", "console" if DEBUG else "smtp", tuple(_EMAIL_BACKENDS)
+    )
+]
+if _EMAIL_BACKENDS["file"] == EMAIL_BACKEND:
+    EMAIL_FILE_PATH = envstr("GPULAB_EMAIL_FILE_PATH", str(STATE_DIR / "mail"))
+EMAIL_HOST = envstr("GPULAB_EMAIL_HOST", "localhost")
+EMAIL_PORT = envint("GPULAB_EMAIL_PORT", 25, minimum=1, maximum=65535)
+EMAIL_HOST_USER = envstr("GPULAB_EMAIL_USER", "")
+EMAIL_HOST_PASSWORD = envsecret("GPULAB_EMAIL_PASSWORD", "")
+EMAIL_USE_TLS = envbool("GPULAB_EMAIL_TLS", default=False)
+EMAIL_TIMEOUT = envint("GPULAB_EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = envstr("GPULAB_EMAIL_FROM", "gpulab <gpulab@localhost>")
+# The portal's public address, for links in notifications (e.g.
+# https://gpulab.lab.example); empty: notifications carry no links.
+GPULAB_BASE_URL = envstr("GPULAB_BASE_URL", "").rstrip("/")
+if GPULAB_BASE_URL and not GPULAB_BASE_URL.startswith(("http://", "https://")):
+    raise ImproperlyConfigured(
+        f"GPULAB_BASE_URL={GPULAB_BASE_URL!r} must start with http:// or https://"
+    )
+# A delivery is tried at most this many times, waiting base * 2^(n-1) seconds
+# (capped) after the n-th failure; a webhook gets this many seconds to answer.
+GPULAB_NOTIFY_MAX_ATTEMPTS = envint("GPULAB_NOTIFY_MAX_ATTEMPTS", 6, minimum=1)
+GPULAB_NOTIFY_BACKOFF = envfloat("GPULAB_NOTIFY_BACKOFF", 30.0, minimum=0.1)
+GPULAB_NOTIFY_BACKOFF_CAP = envfloat("GPULAB_NOTIFY_BACKOFF_CAP", 3600.0, minimum=1)
+GPULAB_WEBHOOK_TIMEOUT = envfloat("GPULAB_WEBHOOK_TIMEOUT", 10.0, minimum=0.1)
+CELERY_BEAT_SCHEDULE["notifications-sweep"] = {
+    "task": "portal.notifications.tasks.sweep",
+    "schedule": 30.0,
+    # Not piled up while the notifier is down: the next sweep does the same work.
+    "options": {"expires": 30.0},
+}
 
 # ------------------------------------------------------------------ Auth
 AUTH_PASSWORD_VALIDATORS = [
@@ -224,6 +274,21 @@ GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
     },
 }
 GPULAB_DEFAULT_CLASS = "normal"
+# Idle GPUs (portal/idle): a running job whose own processes' SM utilisation stays
+# below GPULAB_IDLE_THRESHOLD percent on every GPU it holds for GPULAB_IDLE_WINDOW
+# seconds is flagged idle and its owner told; when its class's ``idle_action`` is
+# "cancel", it is cancelled GPULAB_IDLE_CANCEL_GRACE seconds later if still idle.
+# A class may set its own ``idle_threshold`` / ``idle_window`` / ``idle_grace``
+# (same units) in GPULAB_PRIORITY_CLASSES. Checked every GPULAB_IDLE_CHECK_INTERVAL s.
+GPULAB_IDLE_THRESHOLD = envfloat("GPULAB_IDLE_THRESHOLD", 5.0, minimum=0)
+GPULAB_IDLE_WINDOW = envint("GPULAB_IDLE_WINDOW", 1800, minimum=1)
+GPULAB_IDLE_CANCEL_GRACE = envint("GPULAB_IDLE_CANCEL_GRACE", 1800, minimum=0)
+GPULAB_IDLE_CHECK_INTERVAL = envfloat("GPULAB_IDLE_CHECK_INTERVAL", 60.0, minimum=1)
+CELERY_BEAT_SCHEDULE["idle-check"] = {
+    "task": "portal.idle.tasks.check_idle",
+    "schedule": GPULAB_IDLE_CHECK_INTERVAL,
+    "options": {"expires": GPULAB_IDLE_CHECK_INTERVAL},
+}
 # The scheduling policy (scheduler.policy.PolicyConfig): name and weights.
 GPULAB_POLICY: dict[str, Any] = {
     "name": envchoice(

@@ -7,6 +7,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from portal.accounting import views as accounting
+from portal.notifications import views as notifications
 from portal.views import admin_overview, cluster, jobs
 
 urlpatterns = [
@@ -22,6 +23,8 @@ urlpatterns = [
     path("usage/csv/", accounting.usage_csv, name="portal-usage-csv"),
     path("jobs/<int:job_id>/hold/", jobs.job_hold, name="portal-job-hold"),
     path("jobs/<int:job_id>/release/", jobs.job_release, name="portal-job-release"),
+    path("notifications/", notifications.preferences, name="notifications"),
+    path("notifications/test/", notifications.send_test, name="notifications-test"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     # Before the admin's own URLs, which would take every /admin/... path.

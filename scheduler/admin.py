@@ -18,6 +18,7 @@ from django.db.models.functions import Coalesce
 from django.template.response import TemplateResponse
 from django.utils.html import format_html_join
 
+from portal.idle.admin import IdleJobFilter
 from scheduler import classes, services
 from scheduler.models import (
     Allocation,
@@ -397,7 +398,14 @@ class JobAdmin(admin.ModelAdmin[Job]):
         "waiting_because",
     )
     list_display_links = ("id", "name")
-    list_filter = ("status", "priority_class", "group", "shareable", "submitted_at")
+    list_filter = (
+        "status",
+        "priority_class",
+        "group",
+        "shareable",
+        IdleJobFilter,
+        "submitted_at",
+    )
     list_select_related = ("owner", "group")
     search_fields = ("=id", "name", "owner__username", "workload", "command")
     date_hierarchy = "submitted_at"

@@ -17,6 +17,10 @@ class PriorityClass:
     max_time_limit: int
     preemptible: bool
     idle_action: str
+    # Idle detection (portal/idle): None = the GPULAB_IDLE_* default.
+    idle_threshold: float | None = None
+    idle_window: int | None = None
+    idle_grace: int | None = None
 
 
 def all_classes() -> dict[str, PriorityClass]:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from django.db import connection, transaction
 from django.utils import timezone
 
+from portal.notifications import services as notifications
 from portal.quotas.models import QuotaAlert
+from scheduler.models import Membership
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -36,8 +38,9 @@ RETURNING id, quota_id, threshold, period_start, used_gpu_hours, limit_gpu_hours
 
 
 def on_alert(alert: QuotaAlert) -> None:
-    """The hook for a new alert. For now a log line; the notifications part of
-    issue 6 (email, webhook) is wired here at merge."""
+    """A new alert (after the pass committed it): a log line, and a "quota
+    warning" notification (``portal.notifications``: e-mail and webhook, as each
+    user chose) to the quota's user, or to every member of the quota's group."""
     quota = alert.quota
     log.warning(
         "quota alert: %s reached %d%% of its %.1f GPU-hours this %s (used %.1f,"
@@ -49,6 +52,33 @@ def on_alert(alert: QuotaAlert) -> None:
         alert.used_gpu_hours,
         alert.period_start.isoformat(),
     )
+    if quota.user is not None:
+        users = [quota.user]
+    else:
+        users = [m.user for m in Membership.objects.filter(group=quota.group_id)
+                 .select_related("user").order_by("user_id")]  # fmt: skip
+    what = "used up" if alert.threshold >= 100 else f"at {alert.threshold} %"
+    subject = f"Quota {what}: {quota.target}"
+    text = (
+        f"The quota {quota.target} has used {alert.used_gpu_hours:.1f} of its"
+        f" {alert.limit_gpu_hours:.1f} GPU-hours this {quota.period_label}."
+        + (
+            " New jobs charged to it wait until it resets."
+            if alert.threshold >= 100 and quota.hard
+            else ""
+        )
+    )
+    payload = {
+        "quota": quota.pk,
+        "target": quota.target,
+        "threshold": alert.threshold,
+        "used_gpu_hours": alert.used_gpu_hours,
+        "limit_gpu_hours": alert.limit_gpu_hours,
+        "hard": quota.hard,
+        "period_start": alert.period_start.isoformat(),
+    }
+    for user in users:
+        notifications.notify(user, "quota_warning", subject, text, payload)
 
 
 def due(states: Iterable[QuotaState]) -> list[tuple[QuotaState, int]]:

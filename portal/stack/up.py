@@ -127,6 +127,12 @@ def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list
             py, "-m", "celery", "-A", "portal", "worker",
             "--loglevel", "INFO", "--concurrency", "2",
         ],
+        # Notification deliveries only (webhooks may be slow): never a pass.
+        "notifier": [
+            py, "-m", "celery", "-A", "portal", "worker", "--loglevel", "INFO",
+            "--concurrency", "2", "--hostname", "notifier@%h",
+            "-Q", f"{os.environ.get('GPULAB_REDIS_PREFIX') or 'gpulab'}.notifications",
+        ],
         "beat": [
             py, "-m", "celery", "-A", "portal", "beat", "--loglevel", "INFO",
             "--schedule", str(state / "celerybeat-schedule"),

@@ -15,6 +15,7 @@ from django.views.decorators.http import require_POST
 
 from portal.accounting.reports import job_charges
 from portal.forms import JobForm, format_duration
+from portal.idle.models import IdleFlag
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import services
@@ -150,6 +151,8 @@ def _job_context(job: Job) -> dict[str, object]:
         "ahead": ahead,
         "plans_with_prediction": services.policy_config().plans_with_prediction,
         "partners": partners,
+        # idle GPUs: the open flag, if the job is idle now
+        "idle_flag": IdleFlag.objects.filter(job=job, cleared_at__isnull=True).first(),
     }
 
 

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from agents import protocol
 from portal.accounting import services as accounting
+from portal.notifications import services as notifications
 from scheduler import metrics as metrics_store
 from scheduler.models import (
     Allocation,
@@ -438,6 +439,8 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
         )
         if first:
             _after_commit_state_change(job, "running")
+            if job.status == Job.Status.RUNNING:
+                notifications.job_started(job, f"running on {name}")
     return True
 
 

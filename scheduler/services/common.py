@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agents import protocol
+from portal.notifications import services as notifications
 from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
 
@@ -49,6 +50,7 @@ def _event(
 
 
 def _after_commit_state_change(job: Job, message: str) -> None:
+    notifications.job_changed(job, message)  # an end or failure: the owner's outbox
     transaction.on_commit(
         partial(events.broadcast_job_status, job.pk, job.status, message)
     )

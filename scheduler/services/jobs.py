@@ -333,13 +333,14 @@ def submit_job(owner: User, req: JobRequest) -> Job:
     return job
 
 
-def cancel_job(job_id: int, *, by: User) -> Job:
+def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
     """Cancel a job.
 
     1. Lock the job row.
     2. PENDING / HELD: it becomes CANCELLED at once.
     3. STARTING / RUNNING: record the request and, after commit, send ``job.kill``
        to its node; the job becomes CANCELLED when the agent reports the exit.
+    ``by`` None: gpulab cancels it itself (an idle job), ``reason`` says why.
     """
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job_id)
@@ -348,14 +349,16 @@ def cancel_job(job_id: int, *, by: User) -> Job:
         if job.cancel_requested_at is not None:
             raise JobStateError(f"Job #{job.pk} is already being cancelled.")
         now = timezone.now()
-        who = by.get_username()
+        who = by.get_username() if by is not None else "gpulab"
+        who += f" ({reason})" if reason else ""
+        source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
         if job.status in (Job.Status.PENDING, Job.Status.HELD):
             old = job.status
             job.status = Job.Status.CANCELLED
             job.finished_at = now
             job.cancel_requested_at = now
             job.pending_reason = job.pending_message = ""
-            job.end_reason = f"cancelled by {who}"
+            job.end_reason = f"cancelled by {who}"[:200]
             job.save(
                 update_fields=[
                     "status",
@@ -369,7 +372,7 @@ def cancel_job(job_id: int, *, by: User) -> Job:
             _event(
                 job,
                 f"cancelled by {who}",
-                source=JobEvent.Source.USER,
+                source=source,
                 actor=by,
                 from_status=old,
                 to_status=job.status,
@@ -382,7 +385,7 @@ def cancel_job(job_id: int, *, by: User) -> Job:
         _event(
             job,
             f"cancel requested by {who}; stopping the process",
-            source=JobEvent.Source.USER,
+            source=source,
             actor=by,
         )
         if attempt is not None:

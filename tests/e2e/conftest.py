@@ -159,6 +159,19 @@ class Stack:
             extra_env=extra_env,
         )
 
+    def start_notifier(self) -> Proc:
+        """The worker of the notifications queue (as ``make up``'s notifier)."""
+        proc = self.start(
+            "notifier",
+            sys.executable, "-m", "celery", "-A", "portal", "worker",
+            "--loglevel", "INFO", "--concurrency", "1", "--pool", "solo",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "--hostname", "notifier@%h",
+            "-Q", f"{self.env['GPULAB_REDIS_PREFIX']}.notifications",
+        )  # fmt: skip
+        proc.wait_for(r"\bready\.")
+        return proc
+
     def start_agent(
         self, node: str, token: str, spec: str = "2xA100-80GB", *extra: str
     ) -> Proc:

@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 
+from portal.notifications.models import Delivery, Preference
 from portal.quotas import alerts
 from portal.quotas.alerts import record_alerts
 from portal.quotas.models import QuotaAlert
@@ -113,3 +114,22 @@ def test_on_alert_writes_a_log_line(
         "quota alert: group vision reached 80% of its 10.0 GPU-hours this month"
         " (used 8.2, period from 2026-11-01T00:00:00+00:00)"
     ]
+
+
+@pytest.mark.usefixtures("send")
+def test_an_alert_notifies_every_member_of_the_quotas_group(
+    groups: Any, alice: Any, bob: Any, charlie: Any
+) -> None:
+    Preference.objects.create(user=bob, kinds=["job_failed"])  # chose not to hear
+    q = quota(group=groups["vision"], gpu_hours=10)
+    alert = QuotaAlert(
+        quota=q, threshold=100, period_start=datetime(2026, 11, 1, tzinfo=UTC),
+        used_gpu_hours=10.5, limit_gpu_hours=10.0,
+    )  # fmt: skip
+
+    with mock.patch("portal.notifications.services.enqueue"):
+        alerts.on_alert(alert)
+
+    sent = list(Delivery.objects.values_list("user__username", "kind", "subject"))
+    assert sent == [("alice", "quota_warning", "Quota used up: group vision")]
+    assert Delivery.objects.get().payload["threshold"] == 100

@@ -1,0 +1,289 @@
+"""Notify users: ``notify`` writes outbox rows; ``send`` delivers one (a task).
+
+Nothing here talks to a mail server or a webhook inside the caller's transaction:
+``notify`` only inserts ``Delivery`` rows (in the caller's transaction, so a
+notification exists exactly when the change it reports was committed) and, on
+commit, enqueues ``deliver`` on the notifications queue, which a worker of its own
+consumes. A slow or failing receiver therefore never delays scheduling or agent
+messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from portal.notifications import signing
+from portal.notifications.models import Delivery, Kind, Preference
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+    from scheduler.models import Job
+
+log = logging.getLogger(__name__)
+
+
+def preference_of(user: AbstractBaseUser) -> Preference:
+    """The user's preferences (unsaved defaults when they never edited them)."""
+    pref = Preference.objects.filter(user_id=user.pk).first()
+    return pref if pref is not None else Preference(user_id=user.pk)
+
+
+def notify(
+    user: AbstractBaseUser,
+    kind: str,
+    subject: str,
+    text: str,
+    payload: dict[str, Any] | None = None,
+) -> list[Delivery]:
+    """Tell ``user`` about ``kind`` by the channels they chose (none: nothing).
+
+    Writes one ``Delivery`` per channel in the current transaction; each is sent
+    after commit by ``tasks.deliver`` (retried with backoff; see ``send``).
+    Returns the rows made.
+    """
+    if kind not in Kind.values:
+        raise ValueError(f"unknown notification kind {kind!r}")
+    pref = preference_of(user)
+    if not pref.wants(kind):
+        return []
+    rows = []
+    common = {
+        "user_id": user.pk,
+        "kind": kind,
+        "subject": subject[:200],
+        "text": text,
+        "payload": payload or {},
+    }
+    email = getattr(user, "email", "")
+    if pref.email_enabled and email:
+        rows.append(Delivery(channel=Delivery.Channel.EMAIL, target=email, **common))
+    if pref.webhook_url:
+        rows.append(
+            Delivery(
+                channel=Delivery.Channel.WEBHOOK, target=pref.webhook_url, **common
+            )
+        )
+    if not rows:
+        return []
+    made = Delivery.objects.bulk_create(rows)
+    for row in made:
+        transaction.on_commit(partial(enqueue, row.pk))
+    return made
+
+
+def enqueue(delivery_id: int, countdown: float | None = None) -> None:
+    """Hand a delivery to the notifications queue. A broker that is down loses
+    nothing: the row stays due and ``sweep`` (beat) enqueues it again."""
+    from portal.notifications.tasks import deliver
+
+    try:
+        if countdown is None:
+            deliver.delay(delivery_id)
+        else:
+            deliver.apply_async((delivery_id,), countdown=countdown)
+    except Exception:
+        log.exception("could not enqueue notification %s; beat will retry", delivery_id)
+
+
+# ------------------------------------------------------------------ sending
+
+
+@dataclass(frozen=True)
+class SendResult:
+    delivery_id: int
+    status: str
+    retry_in: float | None = None
+
+
+def backoff(attempts: int) -> float:
+    """Seconds to wait after the ``attempts``-th failure: base * 2^(attempts-1),
+    capped."""
+    base = settings.GPULAB_NOTIFY_BACKOFF
+    return float(min(settings.GPULAB_NOTIFY_BACKOFF_CAP, base * 2 ** (attempts - 1)))
+
+
+def _claim(delivery_id: int, now: datetime) -> Delivery | None:
+    """Take a due delivery (PENDING, or SENDING whose claim expired: a worker died
+    mid-send) for one send. Two tasks never send the same row at once."""
+    hold = timedelta(seconds=settings.GPULAB_WEBHOOK_TIMEOUT + 60)
+    with transaction.atomic():
+        row = (
+            Delivery.objects.select_for_update(skip_locked=True)
+            .select_related("user")
+            .filter(pk=delivery_id, next_attempt_at__lte=now)
+            .filter(
+                Q(status=Delivery.Status.PENDING)
+                | Q(status=Delivery.Status.SENDING, claimed_until__lt=now)
+            )
+            .first()
+        )
+        if row is None:
+            return None
+        row.status = Delivery.Status.SENDING
+        row.claimed_until = now + hold
+        row.attempts += 1
+        row.save(update_fields=["status", "claimed_until", "attempts"])
+    return row
+
+
+def send(delivery_id: int, now: datetime | None = None) -> SendResult | None:
+    """Send one due delivery once. Returns None when it is not due (or is taken).
+
+    A failure sets it PENDING again ``backoff(attempts)`` later, or FAILED with the
+    error after ``GPULAB_NOTIFY_MAX_ATTEMPTS`` tries; the user sees both on their
+    notifications page.
+    """
+    now = now or timezone.now()
+    row = _claim(delivery_id, now)
+    if row is None:
+        return None
+    try:
+        if row.channel == Delivery.Channel.EMAIL:
+            _send_email(row)
+        else:
+            _send_webhook(row)
+    except Exception as exc:
+        error = _describe(exc)
+        if row.attempts >= settings.GPULAB_NOTIFY_MAX_ATTEMPTS:
+            Delivery.objects.filter(pk=row.pk).update(
+                status=Delivery.Status.FAILED,
+                claimed_until=None,
+                last_error=f"gave up after {row.attempts} attempts: {error}"[:500],
+            )
+            log.warning("notification %s failed for good: %s", row.pk, error)
+            return SendResult(row.pk, Delivery.Status.FAILED)
+        wait = backoff(row.attempts)
+        Delivery.objects.filter(pk=row.pk).update(
+            status=Delivery.Status.PENDING,
+            claimed_until=None,
+            next_attempt_at=now + timedelta(seconds=wait),
+            last_error=f"attempt {row.attempts}: {error}"[:500],
+        )
+        return SendResult(row.pk, Delivery.Status.PENDING, retry_in=wait)
+    Delivery.objects.filter(pk=row.pk).update(
+        status=Delivery.Status.SENT, claimed_until=None, sent_at=timezone.now()
+    )
+    return SendResult(row.pk, Delivery.Status.SENT)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code} from the webhook"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {settings.GPULAB_WEBHOOK_TIMEOUT} s"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _send_email(row: Delivery) -> None:
+    send_mail(
+        f"[gpulab] {row.subject}",
+        row.text,
+        settings.DEFAULT_FROM_EMAIL,
+        [row.target],
+        fail_silently=False,
+    )
+
+
+def webhook_request(
+    row: Delivery, secret: str, now: float
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of the webhook POST (signed when a secret is set)."""
+    body = json.dumps(row.body(), separators=(",", ":"), sort_keys=True).encode()
+    timestamp = int(now)
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "gpulab-webhook/1",
+        "X-Gpulab-Event": row.kind,
+        "X-Gpulab-Delivery": str(row.pk),
+        signing.TIMESTAMP_HEADER: str(timestamp),
+    }
+    if secret:
+        headers[signing.SIGNATURE_HEADER] = signing.sign(secret, timestamp, body)
+    return body, headers
+
+
+def _send_webhook(row: Delivery) -> None:
+    secret = (
+        Preference.objects.filter(user_id=row.user_id)
+        .values_list("webhook_secret", flat=True)
+        .first()
+    ) or ""
+    body, headers = webhook_request(row, secret, timezone.now().timestamp())
+    with httpx.Client(
+        timeout=settings.GPULAB_WEBHOOK_TIMEOUT, follow_redirects=False
+    ) as client:
+        response = client.post(row.target, content=body, headers=headers)
+        response.raise_for_status()
+
+
+def due(now: datetime | None = None, limit: int = 500) -> list[int]:
+    """Deliveries due now (and sends whose worker died): what ``sweep`` enqueues."""
+    now = now or timezone.now()
+    return list(
+        Delivery.objects.filter(next_attempt_at__lte=now)
+        .filter(
+            Q(status=Delivery.Status.PENDING)
+            | Q(status=Delivery.Status.SENDING, claimed_until__lt=now)
+        )
+        .order_by("next_attempt_at")
+        .values_list("pk", flat=True)[:limit]
+    )
+
+
+# ------------------------------------------------------------------ job events
+
+_END_KINDS = {
+    "completed": Kind.JOB_ENDED,
+    "cancelled": Kind.JOB_ENDED,
+    "timeout": Kind.JOB_ENDED,
+    "failed": Kind.JOB_FAILED,
+}
+
+
+def _job_notice(job: Job, kind: str, what: str, message: str) -> None:
+    url = (
+        f"{settings.GPULAB_BASE_URL}/jobs/{job.pk}/" if settings.GPULAB_BASE_URL else ""
+    )
+    text = f"Job #{job.pk} ({job.name}) {what}: {message}"
+    if url:
+        text += f"\n\n{url}"
+    notify(
+        job.owner,
+        kind,
+        f"Job #{job.pk} {job.name} {what}",
+        text,
+        {
+            "job_id": job.pk,
+            "name": job.name,
+            "status": str(job.status),
+            "message": message,
+            "exit_code": job.exit_code,
+            "url": url,
+        },
+    )
+
+
+def job_changed(job: Job, message: str) -> None:
+    """Called (inside its transaction) wherever ``scheduler.services`` records a
+    job's new status: an end or a failure is told to its owner."""
+    kind = _END_KINDS.get(str(job.status))
+    if kind is not None:
+        _job_notice(job, kind, str(job.status), message)
+
+
+def job_started(job: Job, message: str) -> None:
+    """Called by ``scheduler.services.mark_started`` when a job starts running."""
+    _job_notice(job, Kind.JOB_STARTED, "started", message)

@@ -1,0 +1,59 @@
+"""Bad idle and notification settings stop the process at start, naming the
+variable (a real Django start in a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"GPULAB_EMAIL_BACKEND": "pigeon"},
+            "GPULAB_EMAIL_BACKEND='pigeon' is not one of: smtp, console",
+        ),
+        (
+            {"GPULAB_BASE_URL": "gpulab.lab.example"},
+            "GPULAB_BASE_URL='gpulab.lab.example' must start with http:// or https://",
+        ),
+        (
+            {"GPULAB_IDLE_THRESHOLD": "lots"},
+            "GPULAB_IDLE_THRESHOLD='lots' is not a number",
+        ),
+        (
+            {"GPULAB_IDLE_THRESHOLD": "120"},
+            "GPULAB_IDLE_THRESHOLD=120.0 must be from 0 to 100",
+        ),
+        (
+            {"GPULAB_IDLE_WINDOW": "15"},
+            "GPULAB_IDLE_WINDOW=15 must be at least twice GPULAB_METRICS_PERSIST_INTERVAL",
+        ),
+        (
+            {"GPULAB_WEBHOOK_TIMEOUT": "0"},
+            "GPULAB_WEBHOOK_TIMEOUT=0.0 must be at least",
+        ),
+    ],
+)
+def test_a_bad_setting_stops_the_start_naming_it(
+    env: dict[str, str], message: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        cwd=ROOT,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "ImproperlyConfigured" in proc.stderr
+    assert message in proc.stderr
