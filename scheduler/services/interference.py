@@ -90,14 +90,14 @@ def _points(attempts: Iterable[Attempt]) -> dict[int, list[tuple[datetime, int]]
     return out
 
 
-def solo_rates(workloads: Iterable[str]) -> dict[str, float]:
-    """Each workload's solo rate: the median over its last ``SOLO_HISTORY``
-    attempts that measured one. One query for all the workloads."""
+def _recent_medians(field: str, workloads: Iterable[str]) -> dict[str, float]:
+    """Per workload, the median of ``field`` over its last ``SOLO_HISTORY``
+    attempts that measured one (by end time). One query for all of them."""
     wanted = {w for w in workloads if w}
     if not wanted:
         return {}
     recent = (
-        Attempt.objects.filter(job__workload__in=wanted, solo_rate__isnull=False)
+        Attempt.objects.filter(job__workload__in=wanted, **{f"{field}__isnull": False})
         .annotate(
             nth=Window(
                 RowNumber(),
@@ -106,38 +106,25 @@ def solo_rates(workloads: Iterable[str]) -> dict[str, float]:
             )
         )
         .filter(nth__lte=SOLO_HISTORY)
-        .values_list("job__workload", "solo_rate")
+        .values_list("job__workload", field)
     )
-    rates: dict[str, list[float]] = {}
-    for w, r in recent:
-        if r is not None:
-            rates.setdefault(w, []).append(r)
-    return {w: statistics.median(rs) for w, rs in rates.items()}
+    found: dict[str, list[float]] = {}
+    for w, x in recent:
+        if x is not None:
+            found.setdefault(w, []).append(x)
+    return {w: statistics.median(xs) for w, xs in found.items()}
+
+
+def solo_rates(workloads: Iterable[str]) -> dict[str, float]:
+    """Each workload's solo rate (steps/s): the median over its last
+    ``SOLO_HISTORY`` attempts that measured one. One query for all of them."""
+    return _recent_medians("solo_rate", workloads)
 
 
 def solo_busies(workloads: Iterable[str]) -> dict[str, float]:
     """Each workload's solo busy fraction (0-1): the median over its last
     ``SOLO_HISTORY`` attempts that measured one. One query for all of them."""
-    wanted = {w for w in workloads if w}
-    if not wanted:
-        return {}
-    recent = (
-        Attempt.objects.filter(job__workload__in=wanted, solo_busy__isnull=False)
-        .annotate(
-            nth=Window(
-                RowNumber(),
-                partition_by=F("job__workload"),
-                order_by=F("ended_at").desc(),
-            )
-        )
-        .filter(nth__lte=SOLO_HISTORY)
-        .values_list("job__workload", "solo_busy")
-    )
-    found: dict[str, list[float]] = {}
-    for w, u in recent:
-        if u is not None:
-            found.setdefault(w, []).append(u)
-    return {w: statistics.median(us) for w, us in found.items()}
+    return _recent_medians("solo_busy", workloads)
 
 
 # Per persisted sample, the SM utilisation of each wanted attempt's processes on
