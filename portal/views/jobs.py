@@ -22,6 +22,8 @@ from scheduler import services
 from scheduler.models import Allocation, Job
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from portal.http import AuthenticatedHttpRequest
 
 
@@ -185,29 +187,43 @@ def job_cancel(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     return redirect("portal-job", job.pk)
 
 
+def _job_verb(
+    request: AuthenticatedHttpRequest,
+    job_id: int,
+    verb: Callable[..., object],
+    done: str,
+) -> HttpResponse:
+    """Run a service verb on a job the user may see; its refusal (wrong state, not
+    allowed) as an error message, else ``done``; back to the job's page."""
+    job = _get_job_for_user(request, job_id)
+    try:
+        verb(job.pk, by=request.user)
+    except (services.JobStateError, PermissionDenied) as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, done.format(id=job.pk))
+    return redirect("portal-job", job.pk)
+
+
 @require_POST
 @login_required
 def job_hold(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     """Its owner holds their pending job (an admin with ``hold_job`` any)."""
-    job = _get_job_for_user(request, job_id)
-    try:
-        services.hold_job(job.pk, by=request.user)
-    except (services.JobStateError, PermissionDenied) as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Job #{job.pk} is held: it waits until released.")
-    return redirect("portal-job", job.pk)
+    return _job_verb(
+        request,
+        job_id,
+        services.hold_job,
+        "Job #{id} is held: it waits until released.",
+    )
 
 
 @require_POST
 @login_required
 def job_release(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     """Its owner releases their own hold (an admin with ``hold_job`` any hold)."""
-    job = _get_job_for_user(request, job_id)
-    try:
-        services.release_job(job.pk, by=request.user)
-    except (services.JobStateError, PermissionDenied) as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Job #{job.pk} is released: it waits its turn.")
-    return redirect("portal-job", job.pk)
+    return _job_verb(
+        request,
+        job_id,
+        services.release_job,
+        "Job #{id} is released: it waits its turn.",
+    )

@@ -289,6 +289,27 @@ def csrf_post(client: httpx.Client, path: str, data: dict[str, Any]) -> httpx.Re
     )
 
 
+def submit(client: httpx.Client, name: str, command: str, **fields: str) -> int:
+    """Submit a one-GPU ``normal`` job through the web form (``fields`` add to or
+    override the form's fields); its id, from the redirect to its page."""
+    resp = csrf_post(
+        client,
+        "/jobs/new/",
+        {
+            "name": name,
+            "command": command,
+            "workdir": "/tmp",
+            "gpus": "1",
+            "priority_class": "normal",
+            **fields,
+        },
+    )
+    assert resp.status_code == 302, resp.text
+    match = re.fullmatch(r"/jobs/(\d+)/", resp.headers["location"])
+    assert match, resp.headers["location"]
+    return int(match.group(1))
+
+
 def wait_for_job(job_id: int, wanted: set[str], timeout: float = 60.0) -> str:
     """Wait until the job's status is one of ``wanted``.
 

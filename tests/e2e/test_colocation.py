@@ -4,12 +4,11 @@ both on the same GPU, and /nodes/ and each job's page show the two of them."""
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.e2e.conftest import Stack, csrf_post, login, wait_for_job, wait_until
+from tests.e2e.conftest import Stack, csrf_post, login, submit, wait_for_job, wait_until
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -20,24 +19,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 def submit_shareable(
     client, name: str, workload: str, command: str = "sleep 300", memory: str = "8G"
 ) -> int:
-    resp = csrf_post(
-        client,
-        "/jobs/new/",
-        {
-            "name": name,
-            "command": command,
-            "workdir": "/tmp",
-            "gpus": "1",
-            "gpu_memory": memory,
-            "priority_class": "normal",
-            "shareable": "on",
-            "workload": workload,
-        },
+    return submit(
+        client, name, command, gpu_memory=memory, shareable="on", workload=workload
     )
-    assert resp.status_code == 302, resp.text
-    match = re.fullmatch(r"/jobs/(\d+)/", resp.headers["location"])
-    assert match, resp.headers["location"]
-    return int(match.group(1))
 
 
 def test_two_shareable_jobs_share_one_gpu_and_both_show(

@@ -6,12 +6,11 @@ job (idle action "cancel") is cancelled after the grace period."""
 from __future__ import annotations
 
 import json
-import re
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, csrf_post, login, wait_for_job, wait_until
+from tests.e2e.conftest import Stack, login, submit, wait_for_job, wait_until
 from tests.notifications.conftest import receiver  # noqa: F401
 
 if TYPE_CHECKING:
@@ -60,20 +59,10 @@ def test_an_idle_job_is_flagged_notified_and_cancelled(
     )  # fmt: skip
     node, _agent = stack.start_node("idle-node", "1xA100-80GB", 1)
     client = login(stack.base_url, "alice", "pw-alice")
-    resp = csrf_post(
-        client,
-        "/jobs/new/",
-        {
-            "name": "holds-memory",
-            "command": "sleep 200",
-            "workdir": "/tmp",
-            "gpus": "1",
-            "priority_class": "best-effort",
-            "env": "GPULAB_SIM_UTIL=0\nGPULAB_SIM_MEM_MIB=20000",
-        },
-    )
-    assert resp.status_code == 302, resp.text
-    job_id = int(re.findall(r"\d+", resp.headers["location"])[0])
+    job_id = submit(
+        client, "holds-memory", "sleep 200", priority_class="best-effort",
+        env="GPULAB_SIM_UTIL=0\nGPULAB_SIM_MEM_MIB=20000",
+    )  # fmt: skip
     assert wait_for_job(job_id, {"running"}) == "running"
     gpu = node.gpus.get()
 

@@ -3,7 +3,6 @@ worker, a simulated node agent, PostgreSQL and Redis."""
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 import pytest
@@ -16,6 +15,9 @@ from tests.e2e.conftest import (
     wait_for_job,
     wait_until,
 )
+from tests.e2e.conftest import (
+    submit as submit_form,
+)
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -26,21 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 def submit(client, name: str, command: str) -> int:
     page = client.get("/jobs/new/")
     assert page.status_code == 200
-    resp = csrf_post(
-        client,
-        "/jobs/new/",
-        {
-            "name": name,
-            "command": command,
-            "workdir": "/tmp",
-            "gpus": "1",
-            "priority_class": "normal",
-        },
-    )
-    assert resp.status_code == 302, resp.text
-    match = re.fullmatch(r"/jobs/(\d+)/", resp.headers["location"])
-    assert match, resp.headers["location"]
-    return int(match.group(1))
+    return submit_form(client, name, command)
 
 
 def statuses(job_id: int) -> list[str]:

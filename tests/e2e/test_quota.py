@@ -5,36 +5,17 @@ on the only GPU."""
 
 from __future__ import annotations
 
-import re
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.e2e.conftest import Stack, csrf_post, login, wait_for_job, wait_until
+from tests.e2e.conftest import Stack, csrf_post, login, submit, wait_for_job, wait_until
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
-
-
-def submit(client, name: str, command: str) -> int:
-    resp = csrf_post(
-        client,
-        "/jobs/new/",
-        {
-            "name": name,
-            "command": command,
-            "workdir": "/tmp",
-            "gpus": "1",
-            "priority_class": "normal",
-        },
-    )
-    assert resp.status_code == 302, resp.text
-    match = re.fullmatch(r"/jobs/(\d+)/", resp.headers["location"])
-    assert match, resp.headers["location"]
-    return int(match.group(1))
 
 
 def test_a_group_over_its_hard_quota_waits_and_another_group_starts(
