@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
     from tests.notifications.conftest import Receiver
 
-NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
 SECRET = "s3cret-shared-with-the-receiver"
 
 
@@ -86,37 +85,41 @@ def test_a_failing_webhook_is_retried_with_backoff_then_recorded_as_failed(
     receiver.statuses = [500]
     webhook_only(alice, receiver.url)
     [row] = services.notify(alice, Kind.JOB_FAILED, "Job #1 failed", "text")
+    # The clock of the sends starts when the row became due (its creation), so
+    # the test does not depend on today's date.
+    now = row.next_attempt_at
 
-    first = services.send(row.pk, now=NOW)
+    first = services.send(row.pk, now=now)
     assert first is not None and first.retry_in == 30.0
     row.refresh_from_db()
     assert row.status == Delivery.Status.PENDING
-    assert row.next_attempt_at == NOW + timedelta(seconds=30)
+    assert row.next_attempt_at == now + timedelta(seconds=30)
     assert row.last_error == "attempt 1: HTTP 500 from the webhook"
     # Not due yet: nothing is sent.
-    assert services.send(row.pk, now=NOW + timedelta(seconds=29)) is None
+    assert services.send(row.pk, now=now + timedelta(seconds=29)) is None
     assert len(receiver.requests) == 1
 
-    second = services.send(row.pk, now=NOW + timedelta(seconds=30))
+    second = services.send(row.pk, now=now + timedelta(seconds=30))
     assert second is not None and second.retry_in == 60.0  # doubled
-    assert services.send(row.pk, now=NOW + timedelta(seconds=89)) is None
-    third = services.send(row.pk, now=NOW + timedelta(seconds=90))
+    assert services.send(row.pk, now=now + timedelta(seconds=89)) is None
+    third = services.send(row.pk, now=now + timedelta(seconds=90))
 
     assert third is not None and third.status == Delivery.Status.FAILED
     assert len(receiver.requests) == 3
     row.refresh_from_db()
     assert row.status == Delivery.Status.FAILED and row.attempts == 3
     assert row.last_error == "gave up after 3 attempts: HTTP 500 from the webhook"
-    assert services.send(row.pk, now=NOW + timedelta(days=1)) is None
+    assert services.send(row.pk, now=now + timedelta(days=1)) is None
 
 
 def test_a_webhook_that_recovers_is_sent(alice: User, receiver: Receiver) -> None:
     receiver.statuses = [503, 200]
     webhook_only(alice, receiver.url)
     [row] = services.notify(alice, Kind.JOB_ENDED, "Job #1 completed", "text")
+    now = row.next_attempt_at
 
-    services.send(row.pk, now=NOW)
-    result = services.send(row.pk, now=NOW + timedelta(seconds=30))
+    services.send(row.pk, now=now)
+    result = services.send(row.pk, now=now + timedelta(seconds=30))
 
     assert result is not None and result.status == Delivery.Status.SENT
     assert [r.headers["X-Gpulab-Delivery"] for r in receiver.requests] == [
