@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import time_machine
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
 
 from portal.idle import detect
 from portal.idle.models import IdleFlag
@@ -32,6 +33,10 @@ STEP = timedelta(seconds=10)  # GPULAB_METRICS_PERSIST_INTERVAL's default
 
 @pytest.fixture
 def node(db: None) -> Node:
+    # The samples are at the fixed NOW: its daily partitions must exist whatever
+    # today is (migrations make them around the real date only).
+    with connection.cursor() as cursor:
+        metrics.ensure_partitions(cursor, NOW)
     return make_node("idle-node", 2)[0]
 
 

@@ -31,6 +31,10 @@ def sample_frame(gpus: list[Any], at: datetime, util: float, **extra: Any) -> An
 
 @pytest.fixture
 def node(db: None) -> Any:
+    # The samples are at the fixed NOW: its daily partitions must exist whatever
+    # today is (migrations make them around the real date only).
+    with connection.cursor() as cursor:
+        metrics.ensure_partitions(cursor, NOW)
     return make_node("hist-node", 2)[0]
 
 
