@@ -620,7 +620,12 @@ class Allocation(models.Model):
                 fields=["gpu"],
                 condition=Q(released_at__isnull=True),
                 name="scheduler_alloc_live_idx",
-            )
+            ),
+            # A GPU's allocations released since a time (running attempts'
+            # neighbours: portal.accounting.live), whatever the GPU's history.
+            models.Index(
+                fields=["gpu", "released_at"], name="scheduler_alloc_released_idx"
+            ),
         ]
 
     def __str__(self) -> str:

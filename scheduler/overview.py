@@ -3,8 +3,8 @@ queries whatever the number of jobs, records or samples):
 
 - ``group_usage``: GPU-hours per group since a time (this month), from the usage
   records (each clipped to the window in proportion to its span) plus the
-  running attempts' GPU time so far (each slot held counts 1/n of its GPU, n the
-  slots held on that GPU now: the occupancy ``finish_attempt`` charges by);
+  running attempts' GPU time so far by the charging rule their records will
+  follow (``portal.accounting.live``);
 - ``daily_utilisation``: per day, the share of the cluster's GPU time held by
   jobs (slots held / slots, from allocations) and the mean GPU utilisation the
   agents measured (hourly rollups of the persisted samples, weighted by sample
@@ -26,6 +26,7 @@ from django.db.models import Count, OuterRef, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from portal.accounting import live
 from scheduler.models import Allocation, Gpu, Node
 
 if TYPE_CHECKING:
@@ -74,38 +75,28 @@ WITH recorded AS (
     FROM scheduler_usagerecord r
     WHERE r.ended_at >= %(since)s AND r.started_at <= %(now)s
     GROUP BY r.group_id
-), occupancy AS (
-    SELECT gpu_id, count(*) AS n FROM scheduler_allocation
-    WHERE released_at IS NULL GROUP BY gpu_id
-), running AS (
-    SELECT j.group_id,
-           sum(extract(epoch FROM %(now)s - greatest(t.started_at, %(since)s))
-               / o.n) AS seconds
-    FROM scheduler_allocation a
-    JOIN occupancy o ON o.gpu_id = a.gpu_id
-    JOIN scheduler_attempt t ON t.id = a.attempt_id
-    JOIN scheduler_job j ON j.id = t.job_id
-    WHERE a.released_at IS NULL AND t.ended_at IS NULL
-      AND t.started_at IS NOT NULL AND t.started_at < %(now)s
-      -- an attempt whose usage is already recorded is counted there only
-      AND NOT EXISTS (SELECT 1 FROM scheduler_usagerecord u WHERE u.attempt_id = t.id)
-    GROUP BY j.group_id
 )
-SELECT g.id, g.name, coalesce(rec.seconds, 0), coalesce(run.seconds, 0)
+SELECT g.id, g.name, coalesce(rec.seconds, 0)
 FROM scheduler_group g
 LEFT JOIN recorded rec ON rec.group_id = g.id
-LEFT JOIN running run ON run.group_id = g.id
 """
 
 
 def group_usage(since: datetime, now: datetime) -> list[GroupUsage]:
-    """Every group's GPU-hours in [since, now], most used first. One query."""
+    """Every group's GPU-hours in [since, now], most used first. Two queries: the
+    records, and the running attempts charged by the charging rule
+    (``portal.accounting.live``)."""
     with connection.cursor() as cursor:
         cursor.execute(_GROUP_USAGE_SQL, {"since": since, "now": now})
         rows = cursor.fetchall()
+    charges = live.load(now)
+    running: dict[int, float] = {}
+    for attempt_id, seconds in charges.seconds(since).items():
+        group_id = charges.running[attempt_id][2]
+        running[group_id] = running.get(group_id, 0.0) + seconds
     usage = [
-        GroupUsage(pk, name, float(rec) / 3600, float(run) / 3600)
-        for pk, name, rec, run in rows
+        GroupUsage(pk, name, float(rec) / 3600, running.get(pk, 0.0) / 3600)
+        for pk, name, rec in rows
     ]
     usage.sort(key=lambda u: (-u.hours, u.name))
     return usage
