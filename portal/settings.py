@@ -45,7 +45,7 @@ CSRF_TRUSTED_ORIGINS = envlist("DJANGO_CSRF_TRUSTED_ORIGINS", [])
 STATE_DIR = Path(envstr("GPULAB_STATE_DIR", str(BASE_DIR / "var")))
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "portal.apps.GpulabAdminConfig",  # django.contrib.admin; 403 for non-staff
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
