@@ -46,8 +46,14 @@ SELECT DISTINCT a.gpu_id, t.id, date_part('epoch', t.started_at),
        date_part('epoch', t.ended_at), j.gpu_memory_mib, g.memory_total_mib,
        j.owner_id, j.group_id, j.id
 FROM held h
-JOIN scheduler_allocation a ON a.gpu_id = h.gpu_id
-    AND (a.released_at IS NULL OR a.released_at > h.since)
+CROSS JOIN LATERAL (
+    -- two index ranges on (gpu, released_at), not every allocation of the GPU
+    SELECT attempt_id, gpu_id FROM scheduler_allocation
+    WHERE gpu_id = h.gpu_id AND released_at IS NULL
+    UNION ALL
+    SELECT attempt_id, gpu_id FROM scheduler_allocation
+    WHERE gpu_id = h.gpu_id AND released_at > h.since
+) a
 JOIN scheduler_attempt t ON t.id = a.attempt_id
 JOIN scheduler_job j ON j.id = t.job_id
 JOIN scheduler_gpu g ON g.id = a.gpu_id
