@@ -63,15 +63,19 @@ def month_start(now: datetime) -> datetime:
     return local.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
+# A record inside the window counts whole; one across its start or end, pro rata
+# (date_part, not extract: numeric arithmetic on every row took half the time).
 _GROUP_USAGE_SQL = """
 WITH recorded AS (
     SELECT r.group_id,
-           sum(r.gpu_seconds * CASE
+           sum(CASE
+               WHEN r.started_at >= %(since)s AND r.ended_at <= %(now)s
+                   THEN r.gpu_seconds
                WHEN r.ended_at > r.started_at THEN
-                   extract(epoch FROM least(r.ended_at, %(now)s)
-                                      - greatest(r.started_at, %(since)s))
-                   / extract(epoch FROM r.ended_at - r.started_at)
-               ELSE 1 END) AS seconds
+                   r.gpu_seconds * date_part('epoch', least(r.ended_at, %(now)s)
+                                            - greatest(r.started_at, %(since)s))
+                   / date_part('epoch', r.ended_at - r.started_at)
+               ELSE r.gpu_seconds END) AS seconds
     FROM scheduler_usagerecord r
     WHERE r.ended_at >= %(since)s AND r.started_at <= %(now)s
     GROUP BY r.group_id
@@ -106,12 +110,15 @@ def group_usage(
     return usage
 
 
+# Both sum per hour first, then convert the ~720 hour starts to local days
+# (not every row's).
 _UTIL_SQL = """
-SELECT (start AT TIME ZONE %(tz)s)::date,
-       sum(util_gpu_mean * samples) / nullif(sum(samples), 0)
-FROM scheduler_gpurollup
-WHERE resolution = '1h' AND start >= %(since)s AND start < %(now)s
-  AND util_gpu_mean IS NOT NULL
+SELECT (start AT TIME ZONE %(tz)s)::date, sum(s) / nullif(sum(n), 0)
+FROM (SELECT start, sum(util_gpu_mean * samples) AS s, sum(samples) AS n
+      FROM scheduler_gpurollup
+      WHERE resolution = '1h' AND start >= %(since)s AND start < %(now)s
+        AND util_gpu_mean IS NOT NULL
+      GROUP BY start) h
 GROUP BY 1
 """
 
@@ -120,10 +127,12 @@ GROUP BY 1
 # unknown for a day none of whose held hours has it (computed after its samples
 # were dropped).
 _HOURS_SQL = """
-SELECT (start AT TIME ZONE %(tz)s)::date, sum(held_seconds), sum(idle_seconds),
-       count(idle_seconds)
-FROM accounting_gpuhour
-WHERE start >= %(since)s AND start < %(now)s
+SELECT (start AT TIME ZONE %(tz)s)::date, sum(held), sum(idle), sum(known)
+FROM (SELECT start, sum(held_seconds) AS held, sum(idle_seconds) AS idle,
+             count(idle_seconds) AS known
+      FROM accounting_gpuhour
+      WHERE start >= %(since)s AND start < %(now)s
+      GROUP BY start) h
 GROUP BY 1
 """
 

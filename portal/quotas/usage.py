@@ -37,10 +37,12 @@ WITH q AS (
         AS q(id, group_id, user_id, since)
 ), ended AS (
     SELECT q.id, sum(
-        CASE WHEN r.ended_at > r.started_at THEN
-            r.gpu_seconds * greatest(0.0, extract(epoch FROM
+        CASE WHEN r.started_at >= q.since AND r.ended_at <= %(now)s
+            THEN r.gpu_seconds
+        WHEN r.ended_at > r.started_at THEN
+            r.gpu_seconds * greatest(0.0, date_part('epoch',
                 least(r.ended_at, %(now)s) - greatest(r.started_at, q.since)))
-            / extract(epoch FROM r.ended_at - r.started_at)
+            / date_part('epoch', r.ended_at - r.started_at)
         ELSE r.gpu_seconds END) AS seconds
     FROM q JOIN scheduler_usagerecord r
         ON (r.group_id = q.group_id OR r.user_id = q.user_id)
