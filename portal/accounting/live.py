@@ -41,24 +41,28 @@ WITH held AS (
     WHERE a.released_at IS NULL AND t.ended_at IS NULL
       AND t.started_at IS NOT NULL AND t.started_at <= %(now)s {scope}
     GROUP BY a.gpu_id
+), near AS MATERIALIZED (
+    -- per GPU two index ranges on (gpu, released_at), not all its allocations;
+    -- materialized so the attempts are then joined once, not once per GPU
+    SELECT h.gpu_id, h.since, a.attempt_id
+    FROM held h
+    CROSS JOIN LATERAL (
+        SELECT attempt_id FROM scheduler_allocation
+        WHERE gpu_id = h.gpu_id AND released_at IS NULL
+        UNION ALL
+        SELECT attempt_id FROM scheduler_allocation
+        WHERE gpu_id = h.gpu_id AND released_at > h.since
+    ) a
 )
-SELECT DISTINCT a.gpu_id, t.id, date_part('epoch', t.started_at),
+SELECT DISTINCT n.gpu_id, t.id, date_part('epoch', t.started_at),
        date_part('epoch', t.ended_at), j.gpu_memory_mib, g.memory_total_mib,
        j.owner_id, j.group_id, j.id
-FROM held h
-CROSS JOIN LATERAL (
-    -- two index ranges on (gpu, released_at), not every allocation of the GPU
-    SELECT attempt_id, gpu_id FROM scheduler_allocation
-    WHERE gpu_id = h.gpu_id AND released_at IS NULL
-    UNION ALL
-    SELECT attempt_id, gpu_id FROM scheduler_allocation
-    WHERE gpu_id = h.gpu_id AND released_at > h.since
-) a
-JOIN scheduler_attempt t ON t.id = a.attempt_id
+FROM near n
+JOIN scheduler_attempt t ON t.id = n.attempt_id
 JOIN scheduler_job j ON j.id = t.job_id
-JOIN scheduler_gpu g ON g.id = a.gpu_id
+JOIN scheduler_gpu g ON g.id = n.gpu_id
 WHERE t.started_at IS NOT NULL AND t.started_at <= %(now)s
-  AND (t.ended_at IS NULL OR t.ended_at > h.since)
+  AND (t.ended_at IS NULL OR t.ended_at > n.since)
 """
 
 
