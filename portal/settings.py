@@ -22,6 +22,7 @@ from portal.settings_env import (
     envfloat,
     envint,
     envlist,
+    envnetworks,
     envsecret,
     envstr,
     envurl,
@@ -45,7 +46,7 @@ CSRF_TRUSTED_ORIGINS = envlist("DJANGO_CSRF_TRUSTED_ORIGINS", [])
 STATE_DIR = Path(envstr("GPULAB_STATE_DIR", str(BASE_DIR / "var")))
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "portal.apps.GpulabAdminConfig",  # django.contrib.admin; 403 for non-staff
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -193,6 +194,28 @@ GPULAB_NOTIFY_MAX_ATTEMPTS = envint("GPULAB_NOTIFY_MAX_ATTEMPTS", 6, minimum=1)
 GPULAB_NOTIFY_BACKOFF = envfloat("GPULAB_NOTIFY_BACKOFF", 30.0, minimum=0.1)
 GPULAB_NOTIFY_BACKOFF_CAP = envfloat("GPULAB_NOTIFY_BACKOFF_CAP", 3600.0, minimum=1)
 GPULAB_WEBHOOK_TIMEOUT = envfloat("GPULAB_WEBHOOK_TIMEOUT", 10.0, minimum=0.1)
+# Webhooks may not reach the portal's own network: a URL whose host resolves to a
+# loopback, private, link-local, multicast or reserved address is refused (when
+# saved, and again at each send, against the address connected to) unless it is
+# in one of these networks (comma-separated CIDRs, e.g. 10.20.0.0/16; default
+# none).
+GPULAB_WEBHOOK_ALLOWED_NETWORKS = envnetworks("GPULAB_WEBHOOK_ALLOWED_NETWORKS")
+# Users' webhook secrets are stored encrypted (Fernet) with a key derived from
+# this passphrase (default: from DJANGO_SECRET_KEY). Comma-separated: the first
+# encrypts, each one decrypts (to rotate, put the new one first). A secret no key
+# can read any more is not sent unsigned: its owner is asked to set it again.
+GPULAB_WEBHOOK_SECRET_KEY = [
+    key.strip()
+    for key in envsecret("GPULAB_WEBHOOK_SECRET_KEY", "").split(",")
+    if key.strip()
+]
+for _key in GPULAB_WEBHOOK_SECRET_KEY:
+    if len(_key) < 16:
+        raise ImproperlyConfigured(
+            "GPULAB_WEBHOOK_SECRET_KEY: each key must be at least 16 characters"
+            f" long (one has {len(_key)})"
+        )
+GPULAB_WEBHOOK_SECRET_KEY = GPULAB_WEBHOOK_SECRET_KEY or [SECRET_KEY]
 CELERY_BEAT_SCHEDULE["notifications-sweep"] = {
     "task": "portal.notifications.tasks.sweep",
     "schedule": 30.0,

@@ -218,12 +218,15 @@ class Gpu(models.Model):
 
 class JobQuerySet(models.QuerySet["Job"]):
     def visible_to(self, user: User | AnonymousUser) -> JobQuerySet:
-        """Jobs the user may see: their own; staff see all."""
+        """Jobs the user may see: their own and, for a group's leader, the jobs
+        charged to that group (issue 6: leaders see their group's usage and
+        jobs, read only); staff see all."""
         if not user.is_authenticated:
             return self.none()
         if user.is_staff:
             return self
-        return self.filter(owner=user)
+        led = Membership.objects.filter(user=user, is_leader=True).values("group_id")
+        return self.filter(Q(owner=user) | Q(group_id__in=led))
 
     def pending(self) -> JobQuerySet:
         return self.filter(status=Job.Status.PENDING)
@@ -401,11 +404,13 @@ class Job(models.Model):
         return self.cancel_requested_at is not None and not self.is_terminal
 
     def can_be_seen_by(self, user: User | AnonymousUser) -> bool:
-        return user.is_authenticated and (user.is_staff or self.owner_id == user.pk)
+        return Job.objects.visible_to(user).filter(pk=self.pk).exists()
 
     def can_be_cancelled_by(self, user: User | AnonymousUser) -> bool:
+        """Its owner or staff (a group's leader sees the job, read only)."""
         return (
-            self.can_be_seen_by(user)
+            user.is_authenticated
+            and (user.is_staff or self.owner_id == user.pk)
             and self.status in self.ACTIVE
             and self.cancel_requested_at is None
         )
@@ -620,7 +625,12 @@ class Allocation(models.Model):
                 fields=["gpu"],
                 condition=Q(released_at__isnull=True),
                 name="scheduler_alloc_live_idx",
-            )
+            ),
+            # A GPU's allocations released since a time (running attempts'
+            # neighbours: portal.accounting.live), whatever the GPU's history.
+            models.Index(
+                fields=["gpu", "released_at"], name="scheduler_alloc_released_idx"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -18,6 +18,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.accounting import live
 from portal.quotas.usage import QuotaState, quota_states
 from scheduler import classes, policy
 from scheduler.models import (
@@ -161,8 +162,9 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
 def snapshot(now: datetime | None = None) -> Snapshot:
     """Load what ``policy.decide`` needs in a fixed number of queries (never one
     per job): nodes, GPUs, live allocations, pending jobs (with their stored wait
-    fields), running attempts, users' and groups' names, usage, quotas (two
-    queries: ``portal.quotas.usage.quota_states``)."""
+    fields), running attempts, users' and groups' names, usage (the running
+    attempts' by the charging rule: ``portal.accounting.live``, one query),
+    quotas (two queries: ``portal.quotas.usage.quota_states``)."""
     now = now or timezone.now()
     at = now.timestamp()
     specs = class_specs()
@@ -262,6 +264,10 @@ def snapshot(now: datetime | None = None) -> Snapshot:
             )
         )
         stored_waits[pk] = (reason, message, position, breakdown, est_start)
+    # The running attempts' GPU time so far by the charging rule (one query),
+    # for fair share here and the quotas' live usage below.
+    live_charges = live.load(now)
+    charged = live_charges.seconds()
     running = []
     running_usage: dict[tuple[str, str], float] = {}
     for (
@@ -291,10 +297,9 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         if not held:
             continue  # ended or released between the two reads
         user, group = users.get(owner_id, ""), groups.get(group_id, "")
-        if started is not None:
-            # Fair-share usage so far: its share of each GPU's live slots now
-            # (a job alone on a GPU is charged all of it, two sharing half each).
-            seconds = (at - started) * sum(1 / used[g] for g in held)
+        if attempt_id in charged:
+            # Fair-share usage so far, by the rule its usage records will follow.
+            seconds = charged[attempt_id]
             running_usage[group, user] = running_usage.get((group, user), 0) + seconds
         spec = specs.get(pclass)
         running.append(
@@ -331,7 +336,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         | {r.workload for r in running if r.shareable},
     )
     running = _with_measured_slowdowns(running, gpus_of_attempt, now)
-    quotas = tuple(quota_states(now))
+    quotas = tuple(quota_states(now, live_charges=live_charges))
     cluster = policy.ClusterState(
         now=at,
         nodes=tuple(
