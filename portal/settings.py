@@ -60,6 +60,9 @@ INSTALLED_APPS = [
     "portal.accounting",
     "portal.notifications",
     "portal.idle",
+    "rest_framework",
+    "drf_spectacular",
+    "portal.api",
 ]
 
 MIDDLEWARE = [
