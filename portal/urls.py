@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 
 from portal.accounting import views as accounting
 from portal.notifications import views as notifications
@@ -34,4 +34,5 @@ urlpatterns = [
         name="admin-overview",
     ),
     path("admin/", admin.site.urls),
+    path("api/v1/", include("portal.api.urls")),
 ]

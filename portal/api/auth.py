@@ -7,10 +7,11 @@ never logged or stored."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db.models import Q
 from django.utils import timezone
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
 from portal.api.models import LAST_USED_EVERY, TOKEN_PREFIX, ApiToken
@@ -66,3 +67,27 @@ class TokenAuthentication(authentication.BaseAuthentication):
 
 class SessionAuthentication(authentication.SessionAuthentication):
     """The browser's session; CSRF checked on unsafe methods (DRF's rule)."""
+
+
+class TokenScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+    """The token in the OpenAPI schema: HTTP bearer."""
+
+    target_class = "portal.api.auth.TokenAuthentication"
+    name = "token"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A personal API token (Tokens page): gpl_...",
+        }
+
+
+class SessionScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+    """The browser's session cookie (unsafe methods also need the CSRF token)."""
+
+    target_class = "portal.api.auth.SessionAuthentication"
+    name = "session"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "apiKey", "in": "cookie", "name": "sessionid"}
