@@ -7,6 +7,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from portal.accounting import views as accounting
+from portal.api import pages as api_pages
 from portal.notifications import views as notifications
 from portal.views import admin_overview, cluster, jobs
 
@@ -35,4 +36,8 @@ urlpatterns = [
     ),
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api.urls")),
+    path("tokens/", api_pages.token_list, name="api-tokens"),
+    path(
+        "tokens/<int:token_id>/revoke/", api_pages.token_revoke, name="api-token-revoke"
+    ),
 ]

@@ -25,6 +25,8 @@ class Text(serializers.CharField):
         super().__init__(**kwargs)
 
     def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            raise serializers.ValidationError("Must be a string.")
         value = super().to_internal_value(data)
         try:
             value.encode("utf-8")

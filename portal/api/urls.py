@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.permissions import AllowAny
 
 from portal.api.views import cluster, jobs
 
@@ -48,12 +49,15 @@ urlpatterns = [
     path("me/", cluster.Me.as_view(), name="api-me"),
     path(
         "schema/",
-        SpectacularAPIView.as_view(throttle_classes=[]),
+        # public: the schema says what exists, never whose data
+        SpectacularAPIView.as_view(throttle_classes=[], permission_classes=[AllowAny]),
         name="api-schema",
     ),
     path(
         "docs/",
-        SpectacularSwaggerView.as_view(url_name="api-schema"),
+        SpectacularSwaggerView.as_view(
+            url_name="api-schema", permission_classes=[AllowAny]
+        ),
         name="api-docs",
     ),
 ]

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from django.http import Http404
 from drf_spectacular.utils import OpenApiResponse
-from rest_framework import serializers
 
 from portal.api.serializers import ErrorSerializer
 from scheduler.models import Attempt, Job, Node
 
 if TYPE_CHECKING:
+    from rest_framework import serializers
     from rest_framework.request import Request
 
 _ERRORS = {
