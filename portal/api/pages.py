@@ -44,7 +44,7 @@ def token_list(request: AuthenticatedHttpRequest) -> HttpResponse:
         if form.is_valid():
             days = form.cleaned_data["days"]
             try:
-                token, secret = tokens.create_token(
+                _token, secret = tokens.create_token(
                     request.user,
                     form.cleaned_data["name"],
                     settings.GPULAB_API_TOKEN_DAYS if days is None else days,

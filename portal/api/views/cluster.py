@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 from portal.accounting import reports
 from portal.accounting.views import RangeForm, _scope_for
 from portal.api.serializers import STATES, Text
-from portal.api.views.common import errors
+from portal.api.views.common import errors, no_empty
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import services
@@ -275,6 +275,7 @@ class Usage(APIView):
         " and the quotas that apply",
     )
     def get(self, request: Request) -> Response:
+        no_empty(request)
         today = timezone.now().astimezone(UTC).date()
         form = RangeForm(request.query_params, today)
         if not form.is_valid():

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from django.http import Http404
 from drf_spectacular.utils import OpenApiResponse
+from rest_framework import serializers
 
 from portal.api.serializers import ErrorSerializer
 from scheduler.models import Attempt, Job, Node
 
 if TYPE_CHECKING:
-    from rest_framework import serializers
     from rest_framework.request import Request
 
 _ERRORS = {
@@ -36,9 +36,21 @@ def errors(*codes: int) -> dict[int, OpenApiResponse]:
 
 def query(serializer: type[serializers.Serializer[Any]], request: Request) -> Any:
     """Parse query parameters; a 400 naming each bad one."""
+    no_empty(request)
     parsed = serializer(data=request.query_params)
     parsed.is_valid(raise_exception=True)
     return parsed.validated_data
+
+
+def no_empty(request: Request) -> None:
+    """``?until=`` is a mistake, not "no limit": name it (400)."""
+    empty = {
+        k: ["Give a value or leave the parameter out."]
+        for k, v in request.query_params.items()
+        if v == ""
+    }
+    if empty:
+        raise serializers.ValidationError(empty)
 
 
 def jobs_for(request: Request) -> Any:
