@@ -69,7 +69,7 @@ class SessionAuthentication(authentication.SessionAuthentication):
     """The browser's session; CSRF checked on unsafe methods (DRF's rule)."""
 
 
-class TokenScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+class TokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
     """The token in the OpenAPI schema: HTTP bearer."""
 
     target_class = "portal.api.auth.TokenAuthentication"
@@ -83,7 +83,7 @@ class TokenScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
         }
 
 
-class SessionScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+class SessionScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
     """The browser's session cookie (unsafe methods also need the CSRF token)."""
 
     target_class = "portal.api.auth.SessionAuthentication"

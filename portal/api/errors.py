@@ -106,7 +106,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         code = codes if isinstance(codes, str) else exc.default_code
         if isinstance(exc, exceptions.Throttled):
             code = "throttled"
-            wait = exc.wait
+            wait = getattr(exc, "wait", None)
             text = (
                 f"Too many requests; try again in {int(wait)} s."
                 if wait is not None

@@ -43,7 +43,7 @@ class ErrorSerializer(serializers.Serializer[Any]):
 
     error = serializers.CharField(help_text="invalid, not_found, wrong_state, ...")
     detail = serializers.CharField()
-    fields = serializers.DictField(
+    fields = serializers.DictField(  # type: ignore[assignment]
         child=serializers.ListField(child=serializers.CharField()),
         help_text="Field name -> messages (400 only; empty otherwise).",
     )
@@ -230,7 +230,7 @@ class JobListQuery(serializers.Serializer[Any]):
 
 class EventSerializer(serializers.Serializer[JobEvent]):
     at = serializers.DateTimeField()
-    source = serializers.CharField()
+    source = serializers.CharField()  # type: ignore[assignment]
     actor = serializers.SerializerMethodField()
     from_state = serializers.CharField(source="from_status")
     to_state = serializers.CharField(source="to_status")
@@ -283,7 +283,7 @@ class LogSerializer(serializers.Serializer[Any]):
     node = serializers.CharField(allow_null=True)
     offset = serializers.IntegerField()
     next_offset = serializers.IntegerField()
-    data = serializers.CharField()
+    data = serializers.CharField()  # type: ignore[assignment]
     complete = serializers.BooleanField(
         help_text="The attempt has ended and nothing is left after next_offset."
     )

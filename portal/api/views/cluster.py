@@ -75,7 +75,7 @@ def _nodes(node_id: int | None = None) -> list[dict[str, Any]]:
     gpus = Gpu.objects.order_by("index").prefetch_related(
         Prefetch("allocations", queryset=live, to_attr="live")
     )
-    nodes = Node.objects.prefetch_related(Prefetch("gpus", queryset=gpus))
+    nodes = Node.objects.prefetch_related(Prefetch("gpus", queryset=gpus))  # type: ignore[arg-type, misc, unused-ignore]
     if node_id is not None:
         nodes = nodes.filter(pk=node_id)
     out = []
@@ -218,7 +218,7 @@ class Queue(APIView):
             .select_related("owner", "group")
             .order_by("queue_position", "submitted_at", "id")
         )
-        return Response(QueueEntry([*running, *pending], many=True).data)
+        return Response(QueueEntry([*running, *pending], many=True).data)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ usage, me

@@ -77,7 +77,7 @@ def _attempts() -> Any:
 
 def visible_job(request: Request, job_id: int) -> Job:
     """The job if the requester may see it; 404 otherwise (no existence leak)."""
-    job = jobs_for(request).filter(pk=job_id).first()
+    job: Job | None = jobs_for(request).filter(pk=job_id).first()
     if job is None:
         raise Http404(f"No job {job_id} visible to you.")
     return job

@@ -94,7 +94,9 @@ class JobList(APIView):
             "next": link(offset + limit) if offset + limit < count else None,
             "previous": link(max(0, offset - limit)) if offset > 0 else None,
             "results": s.JobSerializer(
-                page, many=True, context={"node_names": node_names()}
+                page,  # type: ignore[arg-type]
+                many=True,
+                context={"node_names": node_names()},
             ).data,
         }
         return Response(data)
@@ -183,7 +185,7 @@ class JobEvents(APIView):
         job = visible_job(request, job_id)
         events = list(job.events.select_related("actor").order_by("-at", "-id")[:1000])
         events.reverse()
-        return Response(s.EventSerializer(events, many=True).data)
+        return Response(s.EventSerializer(events, many=True).data)  # type: ignore[arg-type]
 
 
 _BYTES = Func(F("data"), function="octet_length", output_field=IntegerField())
