@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from django.contrib.auth.models import Permission
 
-from scheduler.models import Job, Membership, Node
-from tests.factories import JobFactory
+from scheduler import services
+from scheduler.models import Attempt, Job, Membership, Node
+from scheduler.tasks import run_one_pass
+from tests.factories import JobFactory, exited_data, started_data
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -87,3 +90,20 @@ def test_the_schema_is_public_openapi_3(settings: Any) -> None:
     schema = got.json()
     assert schema["openapi"].startswith("3.")
     assert "/api/v1/jobs/{job_id}/logs/" in schema["paths"]
+
+
+def test_usage_lists_the_jobs_that_used_most(
+    alice: User, as_alice: Api, cluster: Any, quiet: Any
+) -> None:
+    job = services.submit_job(
+        alice, services.JobRequest(name="big", command="x", workdir="/tmp")
+    )
+    run_one_pass()
+    attempt = Attempt.objects.get(job=job)
+    services.mark_started(attempt.node_id, started_data(attempt, time.time() - 7200))
+    services.finish_attempt(attempt.node_id, exited_data(attempt, 0))
+    got = as_alice.get("/api/v1/usage/")
+    assert got.status_code == 200, got.content
+    top = got.json()["top_jobs"]
+    assert [(t["job"], t["name"]) for t in top] == [(job.pk, "big")]
+    assert 1.9 < top[0]["gpu_hours"] < 2.1

@@ -244,6 +244,12 @@ class QuotaOut(serializers.Serializer[Any]):
     exhausted = serializers.BooleanField()
 
 
+class TopJobOut(serializers.Serializer[Any]):
+    job = serializers.IntegerField(source="job.pk")
+    name = serializers.CharField(source="job.name")
+    gpu_hours = serializers.FloatField()
+
+
 class UsageOut(serializers.Serializer[Any]):
     first = serializers.DateField()
     last = serializers.DateField()
@@ -256,7 +262,7 @@ class UsageOut(serializers.Serializer[Any]):
     series = serializers.DictField(
         child=serializers.ListField(child=serializers.FloatField())
     )
-    top_jobs = serializers.ListField(child=serializers.DictField())
+    top_jobs = TopJobOut(many=True, help_text="The 10 jobs that used most.")
     quotas = QuotaOut(many=True)
 
 
