@@ -164,13 +164,17 @@ class JobSerializer(serializers.Serializer[Job]):
         return job.held_by.username if job.held_by is not None else None
 
     def get_nodes(self, job: Job) -> list[str]:
-        """The nodes of its latest attempt, rank 0 first (none before a start)."""
-        names: dict[int, str] = self.context.get("node_names", {})
-        attempts = list(job.attempt_set.all())
-        if not attempts:
-            return []
-        last = max(attempts, key=lambda a: a.number)
-        return [names.get(n, str(n)) for n in last.node_ids]
+        return latest_nodes(job, self.context.get("node_names", {}))
+
+
+def latest_nodes(job: Job, names: dict[int, str]) -> list[str]:
+    """The nodes of its latest attempt, rank 0 first (none before a start);
+    reads the prefetched ``attempt_set`` (``views.common.jobs_for``)."""
+    attempts = list(job.attempt_set.all())
+    if not attempts:
+        return []
+    last = max(attempts, key=lambda a: a.number)
+    return [names.get(n, str(n)) for n in last.node_ids]
 
 
 class JobPageSerializer(serializers.Serializer[Any]):

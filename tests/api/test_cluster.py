@@ -11,7 +11,7 @@ from django.contrib.auth.models import Permission
 from scheduler import services
 from scheduler.models import Attempt, Job, Membership, Node
 from scheduler.tasks import run_one_pass
-from tests.factories import JobFactory, exited_data, started_data
+from tests.factories import JobFactory, exited_data, start_job, started_data
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -52,13 +52,19 @@ def test_draining_needs_drain_node(
 
 
 def test_the_queue_shows_everyones_waiting_jobs(
-    alice: User, charlie: User, as_bob: Api
+    alice: User, charlie: User, as_bob: Api, cluster: list[Node], quiet: Any
 ) -> None:
+    running = JobFactory(owner=alice)
+    start_job(running, cluster[1])
     a = JobFactory(owner=alice, queue_position=2)
     c = JobFactory(owner=charlie, queue_position=1)
     JobFactory(owner=alice, status=Job.Status.COMPLETED)
     got = as_bob.get("/api/v1/queue/").json()
-    assert [(j["id"], j["owner"]) for j in got] == [(c.pk, "charlie"), (a.pk, "alice")]
+    assert [(j["id"], j["owner"], j["nodes"]) for j in got] == [
+        (running.pk, "alice", ["node-b"]),
+        (c.pk, "charlie", []),
+        (a.pk, "alice", []),
+    ]
 
 
 def test_usage_is_mine_and_a_groups_for_its_leaders(

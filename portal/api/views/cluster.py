@@ -17,8 +17,8 @@ from rest_framework.views import APIView
 
 from portal.accounting import reports
 from portal.accounting.views import RangeForm, _scope_for
-from portal.api.serializers import STATES, Text
-from portal.api.views.common import errors, no_empty
+from portal.api.serializers import STATES, Text, latest_nodes
+from portal.api.views.common import attempts_for_nodes, errors, no_empty, node_names
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import services
@@ -198,6 +198,12 @@ class QueueEntry(serializers.Serializer[Job]):
     reason_message = serializers.CharField(source="pending_message")
     array = serializers.IntegerField(source="array_id", allow_null=True)
     array_index = serializers.IntegerField(allow_null=True)
+    nodes = serializers.SerializerMethodField(
+        help_text="The nodes of a running job, rank 0 first."
+    )
+
+    def get_nodes(self, job: Job) -> list[str]:
+        return latest_nodes(job, self.context.get("node_names", {}))
 
 
 class Queue(APIView):
@@ -211,14 +217,22 @@ class Queue(APIView):
         running = (
             Job.objects.filter(status__in=Job.ON_NODE)
             .select_related("owner", "group")
+            .prefetch_related(attempts_for_nodes())
             .order_by("started_at", "id")
         )
         pending = (
             Job.objects.pending()
             .select_related("owner", "group")
+            .prefetch_related(attempts_for_nodes())
             .order_by("queue_position", "submitted_at", "id")
         )
-        return Response(QueueEntry([*running, *pending], many=True).data)  # type: ignore[arg-type]
+        return Response(
+            QueueEntry(
+                [*running, *pending],  # type: ignore[arg-type]
+                many=True,
+                context={"node_names": node_names()},
+            ).data
+        )
 
 
 # ------------------------------------------------------------------ usage, me

@@ -60,13 +60,13 @@ def jobs_for(request: Request) -> Any:
         .select_related("owner", "group", "held_by")
         .prefetch_related(
             "dependencies__depends_on",
-            # only what ``nodes`` reads
-            _attempts(),
+            attempts_for_nodes(),
         )
     )
 
 
-def _attempts() -> Any:
+def attempts_for_nodes() -> Any:
+    """The attempts' fields ``serializers.latest_nodes`` reads, prefetched."""
     from django.db.models import Prefetch
 
     return Prefetch(
