@@ -71,7 +71,7 @@ def frame(
     head = Text.assemble(
         ("gpulab top", "bold"),
         f"  {server}  {now.astimezone().strftime('%H:%M:%S')}   ",
-        (f"{len(nodes)} nodes", "bold"),
+        (f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}", "bold"),
         ", ",
         (f"{busy}/{len(gpus)} GPUs in use", "bold"),
         ", ",
