@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission
 
 from scheduler import services
@@ -49,6 +50,12 @@ def test_draining_needs_drain_node(
     ]
     node.refresh_from_db()
     assert node.draining is False
+    # in the node's admin history, as the console's actions are, under alice
+    history = LogEntry.objects.filter(object_id=str(node.pk)).order_by("pk")
+    assert [(e.user_id, e.change_message) for e in history] == [
+        (alice.pk, "drained"),
+        (alice.pk, "resumed"),
+    ]
 
 
 def test_the_queue_shows_everyones_waiting_jobs(
