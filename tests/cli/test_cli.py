@@ -561,3 +561,61 @@ def test_the_console_script_is_installed() -> None:
         check=False,
     )
     assert (done.returncode, done.stdout.split()[:2]) == (0, ["gpulab,", "version"])
+
+
+# ------------------------------------------------------------------ top, live
+
+
+def _until(fd: int, seen: bytearray, pattern: bytes, times: int = 1) -> None:
+    """Read the terminal's output until ``pattern`` has appeared ``times`` times
+    (each frame is drawn on the screen: an event the program announces)."""
+    import select
+
+    deadline = time.monotonic() + 60
+    while seen.count(pattern) < times:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{pattern!r} not seen {times}x: {bytes(seen)[-2000:]!r}"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            seen += os.read(fd, 65536)
+
+
+@pytest.mark.parametrize(("key", "code"), [(b"q", 0), (b"\x03", 130)])
+def test_top_runs_live_in_a_terminal_until_q_or_ctrl_c(
+    gpulab: Gpulab, alice: User, cluster: list[Node], key: bytes, code: int
+) -> None:
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+    env = {
+        **os.environ,
+        "GPULAB_SERVER": gpulab.server,
+        "GPULAB_TOKEN": gpulab.token_of(alice),
+        "TERM": "xterm",
+        "COLUMNS": "140",
+        "LINES": "40",
+    }
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "gpulab"), "top", "--interval", "0.5"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        # a session of its own whose controlling terminal is the pty, as in a
+        # terminal window: ^C there is SIGINT
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    os.close(slave)
+    try:
+        seen = bytearray()
+        _until(master, seen, b"node-b")
+        _until(master, seen, b"gpulab top", times=2)  # it redraws
+        os.write(master, key)
+        assert proc.wait(timeout=60) == code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
