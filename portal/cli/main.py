@@ -64,6 +64,7 @@ Exit codes:
   3  not logged in, or a bad, expired or revoked token
   4  no such job, array or node visible to you
   5  the server could not be reached
+  130  interrupted (Ctrl-C)
 """
 
 
@@ -143,24 +144,36 @@ def login(ctx: click.Context) -> None:
 
     Create the token on the portal's Tokens page. The server comes from
     --server, $GPULAB_SERVER, or a prompt; the token from a prompt that does not
-    echo it, or from stdin when it is not a terminal. The token is checked with
-    the server before it is stored, in your config directory, readable by you
-    only (mode 600).
+    echo it, or from stdin when it is not a terminal
+    (echo "$TOKEN" | gpulab --server URL login). The token is checked with the
+    server before it is stored, in your config directory, readable by you only
+    (mode 600), for that server only.
     """
     state: State = ctx.obj
     stored = config.load()
     raw = state.server_option or os.environ.get(config.SERVER_ENV)
-    if not raw:
+    if not raw and sys.stdin.isatty():
         raw = click.prompt(
             "Server", default=stored.server or config.DEFAULT_SERVER, err=True
         )
+    if not raw:  # stdin carries the token: it cannot answer a prompt too
+        raise CliError(
+            Exit.USAGE,
+            f"which server? give --server URL (or set {config.SERVER_ENV})",
+        )
     server = config.normalise_server(str(raw))
+    if not server.startswith("https://") and not config.is_loopback(server):
+        click.echo(
+            f"gpulab: warning: {server} is plain http: the token crosses the"
+            " network unencrypted; use https:// if the portal has it",
+            err=True,
+        )
     token = _read_token()
     if not token:
         raise CliError(Exit.USAGE, "no token given; create one on the Tokens page")
     api = Api(server, token)
     try:
-        me = api.get("me/")
+        me = api.get("me/")  # a bad token stops here: nothing is stored
     finally:
         api.close()
     stored.server = server
@@ -168,16 +181,10 @@ def login(ctx: click.Context) -> None:
     path = config.save(stored)
     expires = me.get("token_expires_at")
     click.echo(
-        f"Logged in to {server} as {me['username']}"
-        + (f" (token {me['token']!r}" if me.get("token") else " (")
-        + (f", expires {output.clock(expires)})" if expires else ", no expiry)")
+        f"Logged in to {server} as {me['username']} (token {me.get('token')!r}, "
+        + (f"expires {output.clock(expires)})" if expires else "no expiry)")
     )
     click.echo(f"Token stored in {path} (mode 600).")
-    if not server.startswith("https://") and not config.is_loopback(server):
-        click.echo(
-            "gpulab: warning: http:// sends the token unencrypted; use https://",
-            err=True,
-        )
 
 
 @cli.command()
@@ -726,7 +733,8 @@ def _logs(
 @pass_state
 def top(state: State, *, once: bool, interval: float) -> None:
     """The cluster live, like nvitop: nodes, GPUs with utilisation and memory
-    bars, temperature, power and the jobs that hold them. q or Ctrl-C quits."""
+    bars, temperature, power and the jobs that hold them. q or Ctrl-C quits.
+    Into a pipe or a file it prints one frame, as --once does."""
     from rich.console import Console
 
     from portal.cli import top as view
@@ -734,7 +742,8 @@ def top(state: State, *, once: bool, interval: float) -> None:
     api = state.api()
     if once or not sys.stdout.isatty():
         # a pipe or a file gets one frame at a readable width
-        width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", 120))
+        columns = os.environ.get("COLUMNS", "")
+        width = int(columns) if columns.isdigit() else 120
         view.print_once(api, Console(width=width, highlight=False))
         return
     with _interruptible():

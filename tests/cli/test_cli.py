@@ -129,6 +129,11 @@ def test_login_refuses_a_bad_token_and_stores_nothing(
     assert not (gpulab.config_home / "gpulab" / "config.json").exists()
     empty = gpulab("login", input="\n")
     assert (empty.exit_code, "no token given" in empty.stderr) == (Exit.USAGE, True)
+    # a token on stdin leaves no way to ask for the server
+    nowhere = gpulab("login", input=token + "\n", server=None)
+    assert nowhere.exit_code == Exit.USAGE
+    assert "which server? give --server URL" in nowhere.stderr
+    assert not (gpulab.config_home / "gpulab" / "config.json").exists()
 
 
 def test_a_stored_token_goes_only_to_its_server(gpulab: Gpulab, alice: User) -> None:
