@@ -21,10 +21,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from portal.api.errors import body
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, MutableMapping
+    from collections.abc import Awaitable, Callable, Mapping
 
-    Scope = MutableMapping[str, Any]
-    Message = MutableMapping[str, Any]
+    # as Django's ASGIHandler declares them
+    Scope = dict[str, Any]
+    Message = Mapping[str, Any]
     Receive = Callable[[], Awaitable[Message]]
     Send = Callable[[Message], Awaitable[None]]
     AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
