@@ -28,12 +28,13 @@ class Gpulab:
 
     server: str
     config_home: Path
-    tokens: dict[str, str]
+    secrets: dict[str, str]
 
     def token_of(self, user: User) -> str:
-        if user.username not in self.tokens:
-            self.tokens[user.username] = tokens.create_token(user, "cli", None)[1]
-        return self.tokens[user.username]
+        """The user's token (made once per test, named 'cli')."""
+        if user.username not in self.secrets:
+            self.secrets[user.username] = tokens.create_token(user, "cli", None)[1]
+        return self.secrets[user.username]
 
     def __call__(
         self,
