@@ -8,6 +8,11 @@ class PortalConfig(AppConfig):
     name = "portal"
     verbose_name = "Portal"
 
+    def ready(self) -> None:
+        # Binds the tasks declared with @shared_task to our Celery app (its
+        # settings, broker and queues) in every Django process.
+        import portal.celery  # noqa: F401
+
 
 class GpulabAdminConfig(admin_apps.AdminConfig):
     """``django.contrib.admin`` with ``portal.admin_site.GpulabAdminSite`` as

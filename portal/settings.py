@@ -61,6 +61,9 @@ INSTALLED_APPS = [
     "portal.accounting",
     "portal.notifications",
     "portal.idle",
+    "rest_framework",
+    "drf_spectacular",
+    "portal.api",
 ]
 
 MIDDLEWARE = [
@@ -73,6 +76,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "portal.api.middleware.ApiErrorMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -252,6 +256,47 @@ WHITENOISE_USE_FINDERS = True
 # Largest request body (the submit form, the API): generous for commands and envs.
 DATA_UPLOAD_MAX_MEMORY_SIZE = 512 * 1024
 
+# ------------------------------------------------------------------ REST API
+# /api/v1/ (portal/api): personal tokens (Authorization: Bearer gpl_...) or the
+# browser's session (with CSRF); JSON only; errors as {"error", "detail", "fields"}.
+REST_FRAMEWORK: dict[str, Any] = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "portal.api.auth.TokenAuthentication",
+        "portal.api.auth.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.RedisRateThrottle"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS: dict[str, Any] = {
+    "TITLE": "gpulab API",
+    "DESCRIPTION": "Jobs, job arrays, nodes and usage of the lab's GPU pool. "
+    "Authenticate with a personal token (Tokens page): "
+    "`Authorization: Bearer gpl_...`.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {},
+}
+# Requests per token (or per signed-in user, or per client address before it is
+# known who asks) per window, Redis-backed (GCRA: a burst of the whole limit,
+# then one request per window/limit); over it: 429 with Retry-After.
+GPULAB_API_RATE_LIMIT = envint("GPULAB_API_RATE_LIMIT", 600, minimum=1)
+GPULAB_API_RATE_WINDOW = envint("GPULAB_API_RATE_WINDOW", 60, minimum=1)
+# Largest API request body, bytes: 413 above it.
+GPULAB_API_MAX_BODY_BYTES = envint(
+    "GPULAB_API_MAX_BODY_BYTES", 256 * 1024, minimum=1024, maximum=16 * 1024 * 1024
+)
+# Days a new API token lives unless its owner picks otherwise (0: no expiry).
+GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
+
 # ------------------------------------------------------------------ logging
 LOGGING = {
     "version": 1,
@@ -379,6 +424,12 @@ GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
 GPULAB_MAX_COMMAND_BYTES = envint(
     "GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256, maximum=MAX_COMMAND_CHARS
 )
+# Job arrays (issue 8): tasks per array at most; jobs one job may wait for
+# (dependencies, after an array's expansion into its tasks).
+GPULAB_MAX_ARRAY_SIZE = envint(
+    "GPULAB_MAX_ARRAY_SIZE", 1000, minimum=1, maximum=100_000
+)
+GPULAB_MAX_DEPENDENCIES = envint("GPULAB_MAX_DEPENDENCIES", 1000, minimum=1)
 # Job log kept by the portal per job, bytes (the agent keeps the whole file).
 GPULAB_LOG_MAX_BYTES = envint("GPULAB_LOG_MAX_BYTES", 4 * 1024 * 1024, minimum=4096)
 # Metric history: one sample per GPU persisted every N seconds (the 1 Hz stream stays
