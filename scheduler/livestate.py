@@ -116,12 +116,12 @@ def _gpu_live(
     for attempt_id, holder in holders:
         jobs.append({**holder, "used_mib": used.get(attempt_id)})
     reason = ""
-    if node["status"] != Node.Status.UP:
-        reason = f"node {Node.Status(node['status']).label}"
-    elif not row["present"] or latest.get("lost"):
+    if not row["present"] or latest.get("lost"):
         reason = "GPU lost"
     elif row["mig_enabled"]:
         reason = "MIG mode (not supported yet)"
+    elif node["status"] != Node.Status.UP:
+        reason = f"node {Node.Status(node['status']).label}"
     elif not jobs and (node["maintenance"] or node["draining"]):
         reason = "node in maintenance" if node["maintenance"] else "node draining"
     state: Any

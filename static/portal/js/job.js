@@ -1,0 +1,142 @@
+// The job page: its state, reason, queue place, co-location and history are the
+// server-rendered fragment, fetched again whenever the job's group says the job
+// changed (or the queue did, while it waits); its output grows from the job's
+// log chunks; the charts of its GPUs extend from its metric updates. Without a
+// socket it polls the fragment every few seconds while visible.
+"use strict";
+(function () {
+  const gl = window.gpulab;
+  const box = document.getElementById("job-live");
+  const jobId = Number(box.dataset.job);
+  const live = new gl.Live();
+  const WAITING = ["pending", "held"];
+  const MAX_LOG_CHARS = 200000;
+
+  const state = () => document.getElementById("job-state");
+  const status = () => (state() ? state().dataset.status : "");
+
+  // ------------------------------------------------------------ the fragment
+  let fetching = null;
+  const refresh = () => {
+    if (fetching) return fetching;
+    fetching = gl
+      .fetchFragment(box.dataset.partialUrl, box)
+      .then(() => {
+        if (WAITING.includes(status())) live.subscribe("queue");
+        else live.unsubscribe("queue");
+        if (gpusKey() !== chartsFor) loadCharts();
+      })
+      .catch((err) => console.warn(err))
+      .finally(() => {
+        fetching = null;
+      });
+    return fetching;
+  };
+  const soon = gl.debounced(refresh, 300);
+
+  // ------------------------------------------------------------ output
+  const appendLog = (msg) => {
+    const pre = document.getElementById("job-log");
+    if (!pre) return;
+    if (pre.dataset.spansNodes) {
+      soon(); // rank headers: the server lays it out
+      return;
+    }
+    const last = JSON.parse(pre.dataset.last || "{}");
+    const stream = `${msg.attempt}:${msg.node}`;
+    if (stream in last && msg.offset <= last[stream]) return; // a replay
+    last[stream] = msg.offset;
+    pre.dataset.last = JSON.stringify(last);
+    const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+    pre.append(document.createTextNode(msg.data));
+    if (pre.textContent.length > MAX_LOG_CHARS) {
+      pre.textContent = pre.textContent.slice(-MAX_LOG_CHARS);
+    }
+    pre.hidden = false;
+    const empty = document.getElementById("job-log-empty");
+    if (empty) empty.remove();
+    if (atBottom) pre.scrollTop = pre.scrollHeight;
+  };
+
+  // ------------------------------------------------------------ charts
+  const chartBox = document.getElementById("job-gpus");
+  const gib = (v) => (v === null || v === undefined ? null : Math.round((v / 1024) * 100) / 100);
+  let util = null;
+  let mem = null;
+  let chartsFor = null;
+  const gpusKey = () => (state() ? state().dataset.gpus : "");
+
+  const drawCharts = (s) => {
+    if (!chartBox || !window.Plotly) return;
+    chartBox.hidden = !s.gpus.length;
+    if (!s.gpus.length) return;
+    util = util || new gl.Chart(document.getElementById("chart-util"), { title: "Utilisation (%)", yTitle: "%", yRange: [0, 100] });
+    mem = mem || new gl.Chart(document.getElementById("chart-mem"), { title: "Memory (GiB): the GPU's, and this job's", yTitle: "GiB" });
+    for (const c of [util, mem]) c.setRange(s.window_s, 0);
+    util.reset(s.gpus.map((g) => ({ key: g.key, name: g.label, t: g.t, y: g.util })));
+    mem.reset(
+      s.gpus.flatMap((g) => [
+        { key: `${g.key}:gpu`, name: `${g.label} GPU`, t: g.t, y: g.mem.map(gib) },
+        { key: `${g.key}:own`, name: `${g.label} this job`, t: g.t, y: g.own.map(gib) },
+      ]),
+    );
+    chartsFor = s.gpus.map((g) => g.key).join(",");
+  };
+  const loadCharts = async () => {
+    chartsFor = gpusKey();
+    const resp = await fetch(box.dataset.seriesUrl, { credentials: "same-origin" });
+    if (resp.ok) drawCharts(await resp.json());
+  };
+
+  // ------------------------------------------------------------ live
+  live.on("job.status", (msg) => {
+    const badge = document.querySelector('[data-testid="job-status"]');
+    if (badge) {
+      badge.textContent = msg.status;
+      badge.className = `badge st-${msg.status}`;
+    }
+    refresh();
+  });
+  live.on("queue.changed", () => {
+    if (WAITING.includes(status())) soon();
+  });
+  live.on("job.log", appendLog);
+  live.on("job.metrics", (msg) => {
+    const partners = state() ? state().dataset.partners : "";
+    for (const g of msg.gpus) {
+      const label = g.key;
+      if (util) util.push(g.key, label, msg.at, g.util);
+      if (mem) {
+        mem.push(`${g.key}:gpu`, `${label} GPU`, msg.at, gib(g.mem));
+        mem.push(`${g.key}:own`, `${label} this job`, msg.at, gib(g.own_mib));
+      }
+      const others = g.jobs.filter((j) => j !== jobId).join(",");
+      if (others !== partners) soon(); // someone joined or left its GPU
+    }
+    if (util) util.flush();
+    if (mem) mem.flush();
+  });
+  live.on("subscribed", (group, first) => {
+    if (!first && group === `job.${jobId}`) {
+      refresh(); // a reconnect: whatever was missed
+      loadCharts();
+    }
+  });
+  gl.onVisible(() => {
+    if (util) util.flush();
+    if (mem) mem.flush();
+  });
+
+  // No socket (blocked, or the server is away): poll while visible.
+  setInterval(() => {
+    if (!live.open && gl.visible() && !state().dataset.terminal) refresh();
+  }, 5000);
+
+  const initial = document.getElementById("series");
+  if (initial) drawCharts(JSON.parse(initial.textContent));
+  else chartsFor = gpusKey();
+  live.subscribe("job", jobId);
+  if (WAITING.includes(status())) live.subscribe("queue");
+  live.start();
+  gl.page = { live, refresh };
+})();

@@ -1,0 +1,19 @@
+// The queue page: the server-rendered tables, fetched again when the `queue`
+// group says the queue changed (at most once a second; while the tab is hidden,
+// once it is shown again) and after a reconnect.
+"use strict";
+(function () {
+  const gl = window.gpulab;
+  const box = document.getElementById("queue");
+  const live = new gl.Live();
+  const refresh = gl.debounced(() => {
+    gl.fetchFragment(box.dataset.partialUrl, box).catch((err) => console.warn(err));
+  }, 200);
+  live.on("queue.changed", refresh);
+  live.on("subscribed", (group, first) => {
+    if (!first) refresh();
+  });
+  live.subscribe("queue");
+  live.start();
+  gl.page = { live, refresh };
+})();
