@@ -14,6 +14,7 @@ held them).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -152,8 +153,6 @@ def store_samples(
 
 
 def _processes_json(processes: Iterable[protocol.ProcessSample]) -> str:
-    import json
-
     return json.dumps([p.model_dump(mode="json") for p in processes])
 
 
@@ -370,7 +369,12 @@ def job_history(job_id: int, since: datetime | None = None) -> list[dict[str, An
             [job_id, since or datetime(1970, 1, 1, tzinfo=UTC)],
         )
         names = [c.name for c in cursor.description]
-        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for row in rows:
+        # Django has psycopg hand jsonb over as text.
+        if isinstance(row["processes"], str):
+            row["processes"] = json.loads(row["processes"])
+    return rows
 
 
 # ------------------------------------------------------------------ chart series

@@ -19,9 +19,13 @@
   let fetching = null;
   const refresh = () => {
     if (fetching) return fetching;
+    const old = document.getElementById("job-log");
+    const wasAtBottom = !old || old.scrollTop + old.clientHeight >= old.scrollHeight - 4;
     fetching = gl
       .fetchFragment(box.dataset.partialUrl, box)
       .then(() => {
+        const log = document.getElementById("job-log");
+        if (log && wasAtBottom) log.scrollTop = log.scrollHeight;
         if (WAITING.includes(status())) live.subscribe("queue");
         else live.unsubscribe("queue");
         if (gpusKey() !== chartsFor) loadCharts();
@@ -131,6 +135,9 @@
   setInterval(() => {
     if (!live.open && gl.visible() && !state().dataset.terminal) refresh();
   }, 5000);
+
+  const pre = document.getElementById("job-log");
+  if (pre) pre.scrollTop = pre.scrollHeight; // the latest output first
 
   const initial = document.getElementById("series");
   if (initial) drawCharts(JSON.parse(initial.textContent));

@@ -45,6 +45,10 @@
     if (!d && !h) parts.push([s, "s"]);
     return parts.filter(([n]) => n).map(([n, u]) => `${n}${u}`).join(" ") || "0s";
   };
+  // Plotly reads trace names as its own little HTML (<b>, <a href>, <br>): a
+  // job named "<b>x</b>" must show as typed, so names are entity-escaped.
+  gl.plotlyText = (text) =>
+    String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
   gl.el = (tag, attrs, text) => {
     const node = document.createElement(tag);
     for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
@@ -289,8 +293,12 @@
         margin: { t: 30, r: 10, b: 30, l: 48 },
         height: this.opts.height || 220,
         showlegend: true,
-        legend: { orientation: "h", y: -0.18, font: { size: 11 } },
-        xaxis: { type: "date", range: [new Date(now - this.opts.spanS * 1000), new Date(now)] },
+        legend: { orientation: "h", y: -0.15, font: { size: 11 } },
+        xaxis: {
+          type: "date",
+          range: [new Date(now - this.opts.spanS * 1000), new Date(now)],
+          tickformat: this.opts.spanS > 86400 ? "%b %d" : "%H:%M",
+        },
         yaxis: { title: { text: this.opts.yTitle }, rangemode: "tozero", range: this.opts.yRange, fixedrange: true },
         uirevision: "keep",
       };
@@ -302,7 +310,7 @@
       const data = traces.map((t) => ({
         x: t.t.map((s) => new Date(s * 1000)),
         y: t.y,
-        name: t.name,
+        name: gl.plotlyText(t.name),
         type: "scatter",
         mode: "lines",
         line: { width: 1.5, shape: "linear" },
@@ -347,7 +355,14 @@
         if (fresh.length) {
           Plotly.addTraces(
             this.div,
-            fresh.map((k) => ({ x: [], y: [], name: this.pending.get(k).name, type: "scatter", mode: "lines", line: { width: 1.5 } })),
+            fresh.map((k) => ({
+              x: [],
+              y: [],
+              name: gl.plotlyText(this.pending.get(k).name),
+              type: "scatter",
+              mode: "lines",
+              line: { width: 1.5 },
+            })),
           );
           this.keys.push(...fresh);
         }
