@@ -121,10 +121,11 @@
     if (mem) mem.flush();
   });
   live.on("subscribed", (group, first) => {
-    if (!first && group === `job.${jobId}`) {
-      refresh(); // a reconnect: whatever was missed
-      loadCharts();
-    }
+    if (group !== `job.${jobId}`) return;
+    // Whatever changed between the page's render (or the connection's loss)
+    // and this subscription: fetch it once.
+    refresh();
+    if (!first) loadCharts();
   });
   gl.onVisible(() => {
     if (util) util.flush();

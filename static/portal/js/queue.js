@@ -1,6 +1,7 @@
 // The queue page: the server-rendered tables, fetched again when the `queue`
 // group says the queue changed (at most once a second; while the tab is hidden,
-// once it is shown again) and after a reconnect.
+// once it is shown again) and once subscribed (what changed since the render,
+// or while the connection was down).
 "use strict";
 (function () {
   const gl = window.gpulab;
@@ -10,9 +11,8 @@
     gl.fetchFragment(box.dataset.partialUrl, box).catch((err) => console.warn(err));
   }, 200);
   live.on("queue.changed", refresh);
-  live.on("subscribed", (group, first) => {
-    if (!first) refresh();
-  });
+  // Subscribed (first time or after a reconnect): what changed meanwhile.
+  live.on("subscribed", refresh);
   live.subscribe("queue");
   live.start();
   gl.page = { live, refresh };
