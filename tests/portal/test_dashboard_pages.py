@@ -374,12 +374,46 @@ def test_the_queue_lists_waiting_jobs_in_order_with_reasons_and_own_actions(
     assert [j.pk for j in response.context["pending"]] == [first.pk, second.pk]
     assert page.index("&lt;b&gt;first&lt;/b&gt;") < page.index("second")
     assert "waiting for 4 GPUs of A100" in page
-    assert f'action="/jobs/{second.pk}/hold/"' in page  # hers
-    assert f'action="/jobs/{second.pk}/cancel/"' in page
-    assert f'action="/jobs/{first.pk}/cancel/"' not in page  # bob's
-    assert f'action="/jobs/{held.pk}/release/"' in page
+    assert f'formaction="/jobs/{second.pk}/hold/"' in page  # hers
+    assert f'formaction="/jobs/{second.pk}/cancel/"' in page
+    assert f'formaction="/jobs/{first.pk}/cancel/"' not in page  # bob's
+    assert f'formaction="/jobs/{held.pk}/release/"' in page
     assert "node-a:0" in page  # where bob's job runs
     assert f'href="/jobs/{first.pk}/"' not in page
+
+
+def test_the_queue_pages_long_queues_in_a_fixed_number_of_queries(
+    alice: User, cluster: list[Node], django_assert_max_num_queries: Any
+) -> None:
+    from portal.views.cluster import QUEUE_PAGE
+
+    Job.objects.bulk_create(
+        Job(
+            owner=alice,
+            group=alice.lab_groups.first(),
+            name=f"w{i}",
+            command="x",
+            workdir="/tmp",
+            time_limit_s=60,
+            queue_position=i + 1,
+        )
+        for i in range(QUEUE_PAGE + 5)
+    )
+    for node in cluster:
+        start_job(JobFactory(owner=alice), node)
+    client = client_for(alice)
+    client.get(reverse("portal-queue"))  # sessions, permissions cached
+
+    with django_assert_max_num_queries(10):
+        first = client.get(reverse("portal-queue"))
+    second = client.get(reverse("portal-queue"), {"page": "2"})
+
+    assert [j.name for j in first.context["pending"]][:2] == ["w0", "w1"]
+    assert len(first.context["pending"]) == QUEUE_PAGE
+    assert [j.name for j in second.context["pending"]] == [
+        f"w{i}" for i in range(QUEUE_PAGE, QUEUE_PAGE + 5)
+    ]
+    assert f"101\u2013105 of {QUEUE_PAGE + 5}" in body(second)
 
 
 def test_the_queue_fragment_is_what_the_page_fetches_on_a_change(

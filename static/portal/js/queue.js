@@ -8,7 +8,8 @@
   const box = document.getElementById("queue");
   const live = new gl.Live();
   const refresh = gl.debounced(() => {
-    gl.fetchFragment(box.dataset.partialUrl, box).catch((err) => console.warn(err));
+    // the page of the queue this tab shows (?page=N)
+    gl.fetchFragment(box.dataset.partialUrl + location.search, box).catch((err) => console.warn(err));
   }, 200);
   live.on("queue.changed", refresh);
   // Subscribed (first time or after a reconnect): what changed meanwhile.
