@@ -124,18 +124,19 @@ def queue_context(user: Any, page: str | None = None) -> dict[str, Any]:
         job.where = [{"node": n, "index": i, "node_id": nid} for n, i, nid in gpus]  # type: ignore[attr-defined]
         running.append(job)
     now = timezone.now()
-    for job in [*pending.object_list, *held, *running]:
+    rows: list[Any] = [*pending.object_list, *held, *running]
+    for job in rows:
         # What the viewer may do next to it (as on the job's page), and the
         # figures as text: formatted here, a row costs the template far less.
-        job.visible = job.can_be_seen_by(user)  # type: ignore[attr-defined]
-        job.can_cancel = job.can_be_cancelled_by(user)  # type: ignore[attr-defined]
-        job.can_hold = job.can_be_held_by(user)  # type: ignore[attr-defined]
-        job.can_release = job.can_be_released_by(user)  # type: ignore[attr-defined]
-        job.waited = duration(now - job.submitted_at)  # type: ignore[attr-defined]
-        job.ran = duration(now - job.started_at) if job.started_at else "\u2013"  # type: ignore[attr-defined]
+        job.visible = job.can_be_seen_by(user)
+        job.can_cancel = job.can_be_cancelled_by(user)
+        job.can_hold = job.can_be_held_by(user)
+        job.can_release = job.can_be_released_by(user)
+        job.waited = duration(now - job.submitted_at)
+        job.ran = duration(now - job.started_at) if job.started_at else "\u2013"
         items = job.breakdown_items
-        job.priority_text = f"{job.priority:.0f}" if items else "\u2013"  # type: ignore[attr-defined]
-        job.breakdown_text = " + ".join(f"{k} {v:.0f}" for k, v in items)  # type: ignore[attr-defined]
+        job.priority_text = f"{job.priority:.0f}" if items else "\u2013"
+        job.breakdown_text = " + ".join(f"{k} {v:.0f}" for k, v in items)
     return {
         "pending": pending.object_list,
         "pending_page": pending,
