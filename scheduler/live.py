@@ -39,6 +39,7 @@ import random
 import time
 import weakref
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import redis
@@ -46,6 +47,7 @@ import redis.asyncio as aredis
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import connections
 
 from scheduler import events, livestate
 from scheduler.models import Allocation
@@ -194,6 +196,31 @@ return 1
 """
 
 
+def _noop() -> None:
+    return None
+
+
+def build_round(
+    raw: bytes | None,
+) -> tuple[ClusterState | None, ClusterState, ClusterDeltaEvent, str]:
+    """A round's work off the event loop: the state from PostgreSQL, its delta
+    from the stored one (``raw``), and its JSON. Its database connection is closed
+    at the end (one round a second on a thread of its own)."""
+    try:
+        old = cast("ClusterState", json.loads(raw)) if raw else None
+        new = livestate.cluster_state()
+        new["seq"] = (old["seq"] if old else 0) + 1
+        if old is not None and time.time() - old["at"] > 3 * interval():
+            # Nobody published for a while (no browser was connected): send the
+            # whole state (base 0), which pages take in place of theirs.
+            delta = diff(None, new)
+        else:
+            delta = diff(old, new)
+        return old, new, delta, json.dumps(new)
+    finally:
+        connections.close_all()
+
+
 class Hub:
     """One per event loop (a web process): the Redis client, the watch set, and
     the cluster ticker (running while this process has browsers connected)."""
@@ -221,6 +248,7 @@ class Hub:
         self._watched_lock = asyncio.Lock()
         self._ticker: asyncio.Task[None] | None = None
         self._commit = self.redis.register_script(_COMMIT)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="live-cluster")
         self.token = f"{id(self):x}-{random.getrandbits(32):08x}"
 
     @classmethod
@@ -248,6 +276,10 @@ class Hub:
         if not self.local and self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
+            # A round's queries may still run on its thread: let them end (a
+            # job queued behind them returns when they did), so nothing of ours
+            # touches the database once the last browser left.
+            await asyncio.get_running_loop().run_in_executor(self.executor, _noop)
 
     async def watched(self) -> frozenset[str]:
         """Groups some browser watches (any process), re-read at most once per
@@ -297,14 +329,18 @@ class Hub:
         if not await self.redis.set(self.claim_key, self.token, nx=True, px=CLAIM_MS):
             return 0
         try:
-            old = await self.stored_state()
-            new = await database_sync_to_async(livestate.cluster_state)()
-            new["seq"] = (old["seq"] if old else 0) + 1
-            delta = diff(old, new)
-            if old is not None and time.time() - old["at"] > 3 * interval():
-                # Nobody published for a while (no browser was connected): send
-                # the whole state (base 0), which pages take in place of theirs.
-                delta = diff(None, new)
+            raw = await self.redis.get(self.state_key)
+            # The queries, the diff and the JSON run on a thread of their own:
+            # neither this event loop (browsers, agents) nor the thread where
+            # the agents' frames are stored waits for them.
+            (
+                old,
+                new,
+                delta,
+                new_json,
+            ) = await asyncio.get_running_loop().run_in_executor(
+                self.executor, build_round, raw
+            )
             queue = bool(await self.redis.delete(self.queue_key))
             if is_empty(delta) and not queue:
                 return 0
@@ -319,7 +355,7 @@ class Hub:
                 expected = str(old["seq"]) if old else "0"
                 ok = await self._commit(
                     keys=[self.state_key, self.seq_key],
-                    args=[expected, new["seq"], json.dumps(new)],
+                    args=[expected, new["seq"], new_json],
                 )
                 if not ok:
                     return 0
