@@ -5,18 +5,19 @@ Three paths, each bounded whatever the cluster's size (docs/architecture.md,
 
 1. **Node and job updates** (``NodeFeed``, one per agent connection, in the web
    process the agent is connected to): each metrics frame is offered to a
-   per-node throttle; at most one update a second per node (``GPULAB_LIVE_INTERVAL``)
-   goes out, the latest frame winning (a frame that comes too soon is held and sent
-   when the second is up). It goes to ``node.<id>`` and to ``job.<id>`` of each job
-   on the node's GPUs, each only while some browser watches that group: nobody
-   watching costs no Channels traffic at all.
+   per-node ``Throttle``: at most one update per second (``GPULAB_LIVE_INTERVAL``)
+   of the node's samples, never two within half a second. It goes to
+   ``node.<id>`` and to ``job.<id>`` of each job on the node's GPUs, each only while
+   some browser watches that group: nobody watching costs no Channels traffic.
 2. **The cluster** (``Hub.publish_once``): one aggregated message a second for the
    whole cluster, whatever its size and however many web processes run. Every web
    process with browsers connected runs the ticker; a Redis key set with ``NX PX``
    (``live:claim``) picks the one that builds the state this round (four queries,
    ``scheduler.livestate``), a second one (``live:gate``, ``PX`` = the interval,
    Redis's clock) lets a message out at most once per interval, and a compare-and-set
-   on the stored state's ``seq`` keeps two rounds from both publishing. The message
+   on the stored state's ``seq`` keeps two rounds from both publishing. Readings
+   come from the node feeds (a Redis hash each feed writes with its updates while
+   the cluster is watched), structure and holders from PostgreSQL. The message
    is a delta from the previous state (stored in Redis, so the next round may run in
    another process); a browser that missed one asks for the whole state.
    The same round sends ``node.state`` to watched node groups whose status or
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import time
 import weakref
@@ -53,6 +55,8 @@ from scheduler import events, livestate
 from scheduler.models import Allocation
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from agents import protocol
     from scheduler.events import (
         ClusterDeltaEvent,
@@ -77,6 +81,9 @@ HOLDERS_MAX_AGE_S = 30.0
 LIVE_MAX_AGE_S = 10.0
 # Whoever claims a round has this long to publish it before another may.
 CLAIM_MS = 2000
+# The nodes' last readings kept for the aggregator vanish when no node sent any
+# for this long (then the database's latest state is all there is).
+READINGS_TTL_S = 60
 
 
 def interval() -> float:
@@ -91,20 +98,39 @@ def monotonic() -> float:
 
 
 class Throttle:
-    """At most one send per ``period``; ``wait(now)`` says how long until the next
-    may go (0: now). The caller keeps the latest value while it waits."""
+    """How often one node's updates go out: at most one per ``period`` of the
+    node's own samples, and never two within half a period of each other.
+
+    ``decide(sampled_at, now)`` returns None (drop it: its slot of sample time
+    already went out), 0 (send it now) or the seconds to hold it (a frame of a new
+    slot that came too soon after the last send; the caller keeps the latest).
+    Slots are counted on the sample clock, not on arrival: an agent sampling once
+    a second gets each sample out as it arrives, and a late one never makes the
+    next ones late too (a period counted from the last send would hold every
+    frame after one slow one: the first bench run saw seconds of lag pile up so).
+    """
+
+    # A sample clock that went back this many periods is a reset clock, not a
+    # replay: start counting again.
+    CLOCK_RESET = 60
 
     def __init__(self, period: float) -> None:
         self.period = period
-        self.last: float | None = None
+        self.last_slot: int | None = None
+        self.last_sent: float | None = None
 
-    def wait(self, now: float) -> float:
-        if self.last is None or now - self.last >= self.period:
-            return 0.0
-        return self.last + self.period - now
+    def decide(self, sampled_at: float, now: float) -> float | None:
+        slot = math.floor(sampled_at / self.period)
+        last = self.last_slot
+        if last is not None and last - self.CLOCK_RESET < slot <= last:
+            return None
+        if self.last_sent is not None and now - self.last_sent < self.period / 2:
+            return self.last_sent + self.period / 2 - now
+        return 0.0
 
-    def sent(self, now: float) -> None:
-        self.last = now
+    def sent(self, sampled_at: float, now: float) -> None:
+        self.last_slot = math.floor(sampled_at / self.period)
+        self.last_sent = now
 
 
 # ------------------------------------------------------------------ deltas
@@ -201,14 +227,17 @@ def _noop() -> None:
 
 
 def build_round(
-    raw: bytes | None,
+    raw: bytes | None, readings: dict[bytes, bytes]
 ) -> tuple[ClusterState | None, ClusterState, ClusterDeltaEvent, str]:
-    """A round's work off the event loop: the state from PostgreSQL, its delta
-    from the stored one (``raw``), and its JSON. Its database connection is closed
-    at the end (one round a second on a thread of its own)."""
+    """A round's work off the event loop: the state from PostgreSQL with the
+    nodes' newest readings (``readings``: node id -> the last update's readings,
+    newer than what the database holds while it catches up), its delta from the
+    stored one (``raw``), and its JSON. Its database connection is closed at the
+    end (one round a second on a thread of its own)."""
     try:
         old = cast("ClusterState", json.loads(raw)) if raw else None
-        new = livestate.cluster_state()
+        latest = {int(k): json.loads(v) for k, v in readings.items()}
+        new = livestate.cluster_state(readings=latest)
         new["seq"] = (old["seq"] if old else 0) + 1
         if old is not None and time.time() - old["at"] > 3 * interval():
             # Nobody published for a while (no browser was connected): send the
@@ -242,6 +271,7 @@ class Hub:
         self.gate_key = f"{prefix}:gate"
         self.claim_key = f"{prefix}:claim"
         self.queue_key = f"{prefix}:queue"
+        self.readings_key = f"{prefix}:readings"
         self.local: Counter[str] = Counter()
         self._watched: frozenset[str] = frozenset()
         self._watched_at = -1e9
@@ -330,16 +360,15 @@ class Hub:
             return 0
         try:
             raw = await self.redis.get(self.state_key)
+            readings = await cast(
+                "Awaitable[dict[bytes, bytes]]", self.redis.hgetall(self.readings_key)
+            )
             # The queries, the diff and the JSON run on a thread of their own:
             # neither this event loop (browsers, agents) nor the thread where
             # the agents' frames are stored waits for them.
-            (
-                old,
-                new,
-                delta,
-                new_json,
-            ) = await asyncio.get_running_loop().run_in_executor(
-                self.executor, build_round, raw
+            loop = asyncio.get_running_loop()
+            old, new, delta, new_json = await loop.run_in_executor(
+                self.executor, build_round, raw, readings
             )
             queue = bool(await self.redis.delete(self.queue_key))
             if is_empty(delta) and not queue:
@@ -480,11 +509,14 @@ class NodeFeed:
         self.pending = None
 
     async def offer(self, metrics: protocol.MetricsData) -> None:
-        """A metrics frame arrived: publish it now, or hold it as the latest until
-        the node's second is up."""
+        """A metrics frame arrived: publish it now, hold it (the latest of a new
+        second that came too soon after the last update), or drop it (its second
+        already went out)."""
         if time.time() - metrics.sampled_at > LIVE_MAX_AGE_S:
             return
-        wait = self.throttle.wait(monotonic())
+        wait = self.throttle.decide(metrics.sampled_at, monotonic())
+        if wait is None:
+            return
         if wait <= 0:
             await self._publish(metrics)
             return
@@ -513,9 +545,16 @@ class NodeFeed:
         return self.holders
 
     async def _publish(self, metrics: protocol.MetricsData) -> None:
-        self.throttle.sent(monotonic())
+        self.throttle.sent(metrics.sampled_at, monotonic())
         hub = Hub.current()
         watched = await hub.watched()
+        if events.CLUSTER_GROUP in watched:
+            # The aggregator's readings: fresher than the database's latest state
+            # (written behind the live path, and skipped frames when it is slow).
+            pipe = hub.redis.pipeline(transaction=False)
+            pipe.hset(hub.readings_key, str(self.node_id), readings_json(metrics))
+            pipe.expire(hub.readings_key, READINGS_TTL_S)
+            await pipe.execute()
         node_group = events.node_group(self.node_id)
         jobs_watched = any(g.startswith("job.") for g in watched)
         if node_group not in watched and not jobs_watched:
@@ -611,6 +650,17 @@ class NodeFeed:
             "data": text,
         }
         await layer.group_send(group, dict(event))
+
+
+def readings_json(metrics: protocol.MetricsData) -> str:
+    """A frame's readings as the aggregator reads them: each GPU's sample as
+    ``Gpu.latest`` keeps it, by index, with the time it was taken."""
+    return json.dumps(
+        {
+            "at": metrics.sampled_at,
+            "gpus": {str(s.index): s.model_dump(mode="json") for s in metrics.gpus},
+        }
+    )
 
 
 def node_holders(node_id: int) -> dict[int, list[tuple[int, int]]]:

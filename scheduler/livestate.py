@@ -101,9 +101,12 @@ def _gpu_live(
     node: Mapping[str, Any],
     holders: list[tuple[int, HolderLive]],
     now: float,
+    reading: tuple[float, dict[str, Any]] | None = None,
 ) -> GpuLive:
     latest = row["latest"] or {}
     at = row["latest_at"].timestamp() if row["latest_at"] else None
+    if reading is not None and (at is None or reading[0] > at):
+        at, latest = reading
     used: dict[int, int] = {}
     foreign: list[ForeignLive] = []
     for proc in latest.get("processes") or ():
@@ -177,12 +180,19 @@ def _headline(nodes: list[NodeLive], gpus: dict[str, GpuLive]) -> Headline:
 
 
 def cluster_state(
-    node_id: int | None = None, *, headline: bool = True, now: float | None = None
+    node_id: int | None = None,
+    *,
+    headline: bool = True,
+    now: float | None = None,
+    readings: dict[int, dict[str, Any]] | None = None,
 ) -> ClusterState:
     """Every node (or one) with its GPUs and their holders; the headline numbers
     unless ``headline`` is False. Four queries (three without the headline),
     whatever the cluster's size or history: nodes, GPUs with their latest
-    readings, live allocations with their jobs, and the headline counts."""
+    readings, live allocations with their jobs, and the headline counts.
+    ``readings`` (node id -> ``{"at", "gpus": {index: sample}}``, the live
+    path's) replace a GPU's stored reading where they are newer."""
+    readings = readings or {}
     now = time.time() if now is None else now
     node_rows = Node.objects.order_by("name")
     gpu_rows = Gpu.objects.order_by("node_id", "index")
@@ -212,7 +222,10 @@ def cluster_state(
         node = nodes_by_id.get(row["node_id"])
         if node is None:  # a node made between the two reads
             continue
-        gpu = _gpu_live(row, node, holders.get(row["id"], []), now)
+        fresh = readings.get(row["node_id"])
+        sample = (fresh or {}).get("gpus", {}).get(str(row["index"]))
+        reading = (float(fresh["at"]), sample) if fresh and sample else None
+        gpu = _gpu_live(row, node, holders.get(row["id"], []), now, reading)
         gpus[gpu["key"]] = gpu
         keys[node["id"]].append(gpu["key"])
     nodes: list[NodeLive] = [

@@ -33,22 +33,44 @@ TIMEOUT = 5
 
 
 @pytest.mark.parametrize(
-    ("sends", "now", "wait"),
+    ("sent", "sampled_at", "now", "decision"),
     [
-        ([], 0.0, 0.0),  # nothing sent yet: go
-        ([10.0], 10.2, 0.8),  # too soon: wait for the rest of the second
-        ([10.0], 11.0, 0.0),  # a second later: go
-        ([10.0, 11.5], 12.0, 0.5),  # measured from the last send
+        (None, 100.2, 0.0, 0.0),  # nothing sent yet: go
+        ((100.2, 50.0), 101.1, 51.0, 0.0),  # the next second's sample: go
+        ((100.2, 50.0), 100.9, 50.7, None),  # the same second: dropped
+        ((100.2, 50.0), 101.1, 50.2, 0.3),  # a new second, too soon: hold
+        ((100.9, 50.0), 101.1, 50.8, 0.0),  # counted on samples, not arrivals
+        ((100.2, 50.0), 30.0, 51.0, 0.0),  # the agent's clock went back: go
     ],
 )
-def test_the_throttle_lets_one_send_a_period_through(
-    sends: list[float], now: float, wait: float
+def test_the_throttle_lets_one_sample_a_second_through(
+    sent: tuple[float, float] | None,
+    sampled_at: float,
+    now: float,
+    decision: float | None,
 ) -> None:
     throttle = live.Throttle(1.0)
-    for at in sends:
-        throttle.sent(at)
+    if sent is not None:
+        throttle.sent(*sent)
 
-    assert throttle.wait(now) == pytest.approx(wait)
+    result = throttle.decide(sampled_at, now)
+
+    assert result == (None if decision is None else pytest.approx(decision))
+
+
+def test_a_late_frame_delays_at_most_the_next_one_a_little() -> None:
+    """Frames a second apart; one arrives 0.8 s late: the next waits out half a
+    second from it, and the ones after go at once (no lag piles up)."""
+    throttle = live.Throttle(1.0)
+    waits = []
+    for k, delay in enumerate([0.05, 0.05, 0.85, 0.05, 0.05, 0.05]):
+        arrival = 1000.0 + k + delay
+        wait = throttle.decide(1000.0 + k, arrival)
+        assert wait is not None
+        waits.append(round(wait, 2))
+        throttle.sent(1000.0 + k, arrival + wait)
+
+    assert waits == [0.0, 0.0, 0.0, 0.3, 0.0, 0.0]
 
 
 def gpu(key: str, **changes: Any) -> events.GpuLive:
@@ -344,10 +366,10 @@ async def test_a_node_feed_sends_nothing_while_nobody_watches(
 
 @pytest.mark.anyio
 @pytest.mark.django_db(transaction=True)
-async def test_a_node_feed_sends_one_update_a_period_and_the_latest_wins(
+async def test_a_node_feed_sends_one_update_a_second_of_samples(
     settings: Any, alice: User, _close_db_connections: None
 ) -> None:
-    settings.GPULAB_LIVE_INTERVAL = 2.0
+    settings.GPULAB_LIVE_INTERVAL = 4.0  # a slow machine still fits in a period
     node, _ = await database_sync_to_async(make_node)("node-a", 2)
     job = await database_sync_to_async(JobFactory)(owner=alice)
     attempt = await database_sync_to_async(start_job)(job, node)
@@ -356,22 +378,24 @@ async def test_a_node_feed_sends_one_update_a_period_and_the_latest_wins(
     node_channel = await listen(events.node_group(node.pk))
     job_channel = await listen(events.job_group(job.pk))
     feed = live.NodeFeed(node.pk)
-    now = time.time()
+    start = (time.time() // 4) * 4  # the start of a 4 s slot, just past
+    times = [start, start + 1, start + 2, start + 4.5, start + 4.6]
     frames = [
-        await database_sync_to_async(metrics_frame)(node, now + i * 0.1, u, attempt.pk)
-        for i, u in enumerate((10.0, 20.0, 30.0))
+        await database_sync_to_async(metrics_frame)(node, at, float(10 * n), attempt.pk)
+        for n, at in enumerate(times, 1)
     ]
 
-    for frame in frames:  # three frames within the period
+    for frame in frames:  # all at once: one slot, then the next slot twice
         await feed.offer(frame)
     first = await receive(node_channel)
     job_first = await receive(job_channel)
-    held = await receive(node_channel)  # the rest of the period later
+    held = await receive(node_channel)  # half a period after the first
 
     assert first["type"] == "node.metrics"
-    assert first["at"] == pytest.approx(frames[0].sampled_at)
-    assert held["at"] == pytest.approx(frames[2].sampled_at)  # the latest won
-    assert [g["util"] for g in held["gpus"]] == [30.0, 30.0]
+    assert first["at"] == pytest.approx(times[0])
+    # frames 2 and 3 were of the first slot: dropped; the next slot's latest won
+    assert held["at"] == pytest.approx(times[4])
+    assert [g["util"] for g in held["gpus"]] == [50.0, 50.0]
     assert held["gpus"][0]["procs"] == [
         {"pid": 100, "mib": 900, "sm": None, "attempt": attempt.pk, "job": job.pk}
     ]
@@ -380,7 +404,7 @@ async def test_a_node_feed_sends_one_update_a_period_and_the_latest_wins(
     assert [(g["index"], g["own_mib"], g["jobs"]) for g in job_first["gpus"]] == [
         (0, 900, [job.pk])
     ]
-    assert await nothing(node_channel, 3.0)  # frame 2 never went out on its own
+    assert await nothing(node_channel, 3.0)
     assert feed.sent == 4  # two node updates, two job updates
     feed.close()
 
@@ -480,3 +504,45 @@ def test_the_cluster_state_says_what_each_gpu_is_doing(alice: User, bob: User) -
     assert g[key(node_b.pk, 0)]["reason"] == "node in maintenance"
     assert snapshot["headline"]["unavailable"] == 2
     assert snapshot["headline"]["free"] == 2
+
+
+@pytest.mark.django_db
+def test_newer_live_readings_win_over_the_stored_ones() -> None:
+    from scheduler.models import Gpu
+
+    node, _ = make_node("node-a", 1)
+    gpu = node.gpus.get()
+    Gpu.objects.filter(pk=gpu.pk).update(
+        latest={"util_gpu": 10.0}, latest_at=datetime.fromtimestamp(1000, tz=UTC)
+    )
+    key = livestate.gpu_key(node.pk, 0)
+    newer = {node.pk: {"at": 2000.0, "gpus": {"0": {"util_gpu": 90.0}}}}
+    older = {node.pk: {"at": 500.0, "gpus": {"0": {"util_gpu": 50.0}}}}
+
+    fresh = livestate.cluster_state(readings=newer, now=2001.0)["gpus"][key]
+    stored = livestate.cluster_state(readings=older, now=2001.0)["gpus"][key]
+
+    assert (fresh["util"], fresh["at"]) == (90, 2000.0)
+    assert (stored["util"], stored["at"]) == (10, 1000.0)
+
+
+@pytest.mark.anyio
+@pytest.mark.django_db(transaction=True)
+async def test_a_node_feed_keeps_the_aggregators_readings_while_the_cluster_is_watched(
+    settings: Any, _close_db_connections: None
+) -> None:
+    node, _ = await database_sync_to_async(make_node)("node-a", 1)
+    hub = live.Hub.current()
+    await watch(hub, events.CLUSTER_GROUP)
+    feed = live.NodeFeed(node.pk)
+    now = time.time()
+
+    await feed.offer(await database_sync_to_async(metrics_frame)(node, now, 64.0))
+    published = await hub.publish_once()
+    state = await hub.stored_state()
+
+    assert published == 1
+    assert state is not None
+    gpu = state["gpus"][livestate.gpu_key(node.pk, 0)]
+    assert (gpu["util"], gpu["at"]) == (64, pytest.approx(now))
+    feed.close()
