@@ -238,7 +238,7 @@ def submit_jobs(users: dict[str, Any]) -> list[int]:
         ("bob", 4, 71), ("dana", 2, 90), ("emil", 1, 5), ("alice", 4, 84),
         # more than fits now: these wait, with their reasons
         ("chen", 8, 90), ("bob", 8, 80), ("alice", 4, 60), ("dana", 2, 70),
-        ("emil", 8, 95), ("alice", 1, 50),
+        ("emil", 8, 95), ("alice", 8, 50),
     ]  # fmt: skip
     for n, (who, gpus, util) in enumerate(plan):
         job = services.submit_job(
@@ -372,7 +372,9 @@ def main() -> int:
             120,
             "the jobs to run",
         )
-        services.hold_job(ids[-1], by=users["alice"])
+        waiting = Job.objects.filter(owner=users["alice"], status="pending").first()
+        if waiting is not None:
+            services.hold_job(waiting.pk, by=users["alice"])
         Node.objects.filter(pk=silent.pk).update(last_seen_at=_ago(3600))
         services.mark_lost_nodes()
         time.sleep(args.settle)  # the charts fill with live points

@@ -167,11 +167,16 @@ JOB_CHART_WINDOW = timedelta(minutes=15)
 
 
 def job_chart_series(
-    job: Job, attempt: Attempt | None, allocations: list[Allocation]
+    job: Job,
+    attempt: Attempt | None,
+    allocations: list[Allocation],
+    *,
+    shared: bool = False,
 ) -> dict[str, Any]:
     """Each GPU of the job's latest attempt over the last ``JOB_CHART_WINDOW`` it
     ran (one query): the GPU's utilisation and memory, and the memory the job's
-    own processes held on it."""
+    own processes held on it (``shared``: it shares its GPU, so the page draws
+    both memories; else they are the same line)."""
     until = (attempt.ended_at if attempt else None) or timezone.now()
     since = until - JOB_CHART_WINDOW
     gpus: dict[int, dict[str, Any]] = {}
@@ -200,8 +205,11 @@ def job_chart_series(
             col["util"].append(row["util_gpu"])
             col["mem"].append(row["memory_used_mib"])
             col["own"].append(sum(own) if own else None)
+    started = attempt.started_at or attempt.created_at if attempt else None
     return {
         "window_s": JOB_CHART_WINDOW.total_seconds(),
+        "start": started.timestamp() if started else None,
+        "shared": shared,
         "until": until.timestamp(),
         "live": attempt is not None and attempt.ended_at is None,
         "gpus": list(gpus.values()),
@@ -229,7 +237,12 @@ def job_series(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     job = _get_job_for_user(request, job_id)
     context = _job_context(job)
     return JsonResponse(
-        job_chart_series(job, context["attempt"], context["allocations"])
+        job_chart_series(
+            job,
+            context["attempt"],
+            context["allocations"],
+            shared=bool(context["partners"]),
+        )
     )
 
 
@@ -245,7 +258,10 @@ def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     if request.htmx and not request.htmx.boosted:
         return render(request, "portal/partials/_job_live.html", context)
     context["series"] = job_chart_series(
-        job, context["attempt"], context["allocations"]
+        job,
+        context["attempt"],
+        context["allocations"],
+        shared=bool(context["partners"]),
     )
     return render(request, "portal/job_detail.html", context)
 

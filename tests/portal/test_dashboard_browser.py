@@ -99,7 +99,7 @@ def busy_cluster(alice: User, bob: User) -> dict[str, Any]:
     with connection.cursor() as cursor:
         metrics.ensure_partitions(cursor, now)
     metrics.store_samples(
-        {0: gpu0.pk},
+        {0: gpu0.pk, 1: gpu1.pk},
         protocol.MetricsData(
             sampled_at=now.timestamp() - 60,
             gpus=[
@@ -112,7 +112,13 @@ def busy_cluster(alice: User, bob: User) -> dict[str, Any]:
                             pid=5, used_memory_mib=30000, attempt_id=attempt.pk
                         )
                     ],
-                )
+                ),
+                protocol.GpuSample(
+                    index=1,
+                    uuid=gpu1.uuid,
+                    util_gpu=12.0,
+                    processes=[protocol.ProcessSample(pid=666, used_memory_mib=900)],
+                ),
             ],
         ),
         now=now,
@@ -197,7 +203,9 @@ def test_scripts_draw_hostile_strings_as_text(
 
         page.goto(f"{live_server.url}/nodes/{node.pk}/")
         legend = page.locator("#chart-procs .legendtext")
-        expect(legend).to_have_text([f"GPU 0: #{job.pk} {HOSTILE} (alice)"])
+        expect(legend).to_have_text(
+            [f"GPU 0: #{job.pk} {HOSTILE} (alice)", "GPU 1: foreign pid 666"]
+        )
         expect(page.locator("#chart-procs .legendtext tspan")).to_have_count(0)
         page.goto(f"{live_server.url}/jobs/{job.pk}/")
         expect(page.get_by_test_id("log")).to_contain_text(HOSTILE)

@@ -141,7 +141,7 @@ def test_the_cluster_page_shows_the_headline_and_each_gpu(
     assert "&lt;img src=x&gt;" in page and "<img src=x>" not in page
     assert "⚠ foreign: pid 4242 2.9 GiB" in page
     assert "GPU lost" in page
-    assert page.count("node draining</span>") == 2
+    assert page.count("node draining</div>") == 2
     assert 'class="node status-up mode-draining"' in page
     # bob sees alice's job on the grid, not a link to its page (a 404 for him)
     assert f"<span>#{attempt.job_id}</span>" in page

@@ -127,6 +127,6 @@ def test_nodes_show_maintenance_apart_from_draining(
     assert body.count('class="node status-up mode-maintenance"') == 1
     assert body.count('class="node status-up mode-draining"') == 1
     # their free GPUs are not counted as free: they take no new jobs
-    assert body.count("node in maintenance</span>") == 4
-    assert body.count("node draining</span>") == 2
+    assert body.count("node in maintenance</div>") == 4
+    assert body.count("node draining</div>") == 2
     assert "no: in maintenance" in detail.content.decode()

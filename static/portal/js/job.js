@@ -68,6 +68,7 @@
   let util = null;
   let mem = null;
   let chartsFor = null;
+  let shared = false;
   const gpusKey = () => (state() ? state().dataset.gpus : "");
 
   const drawCharts = (s) => {
@@ -75,13 +76,18 @@
     chartBox.hidden = !s.gpus.length;
     if (!s.gpus.length) return;
     util = util || new gl.Chart(document.getElementById("chart-util"), { title: "Utilisation (%)", yTitle: "%", yRange: [0, 100] });
-    mem = mem || new gl.Chart(document.getElementById("chart-mem"), { title: "Memory (GiB): the GPU's, and this job's", yTitle: "GiB" });
-    for (const c of [util, mem]) c.setRange(s.window_s, 0);
+    mem = mem || new gl.Chart(document.getElementById("chart-mem"), { title: "Memory held (GiB)", yTitle: "GiB" });
+    for (const c of [util, mem]) {
+      c.setRange(s.window_s, 0);
+      c.opts.startS = s.start; // a young job: from its start, not 15 empty minutes
+    }
+    shared = s.shared;
     util.reset(s.gpus.map((g) => ({ key: g.key, name: g.label, t: g.t, y: g.util })));
+    // Its own memory; the GPU's too where it shares the GPU (else the same line).
     mem.reset(
       s.gpus.flatMap((g) => [
-        { key: `${g.key}:gpu`, name: `${g.label} GPU`, t: g.t, y: g.mem.map(gib) },
-        { key: `${g.key}:own`, name: `${g.label} this job`, t: g.t, y: g.own.map(gib) },
+        { key: `${g.key}:own`, name: s.shared ? `${g.label} this job` : g.label, t: g.t, y: g.own.map(gib) },
+        ...(s.shared ? [{ key: `${g.key}:gpu`, name: `${g.label} whole GPU`, t: g.t, y: g.mem.map(gib) }] : []),
       ]),
     );
     chartsFor = s.gpus.map((g) => g.key).join(",");
@@ -111,8 +117,8 @@
       const label = g.key;
       if (util) util.push(g.key, label, msg.at, g.util);
       if (mem) {
-        mem.push(`${g.key}:gpu`, `${label} GPU`, msg.at, gib(g.mem));
-        mem.push(`${g.key}:own`, `${label} this job`, msg.at, gib(g.own_mib));
+        mem.push(`${g.key}:own`, shared ? `${label} this job` : label, msg.at, gib(g.own_mib));
+        if (shared) mem.push(`${g.key}:gpu`, `${label} whole GPU`, msg.at, gib(g.mem));
       }
       const others = g.jobs.filter((j) => j !== jobId).join(",");
       if (others !== partners) soon(); // someone joined or left its GPU

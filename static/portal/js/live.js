@@ -243,7 +243,8 @@
 
   // A whole tile from a GpuLive entry (cluster state and deltas).
   gl.renderTile = (tile, g) => {
-    tile.className = `tile state-${g.state} load-${g.load}${g.stale ? " stale" : ""}${g.foreign.length ? " has-foreign" : ""}`;
+    const lost = g.reason.includes("lost");
+    tile.className = `tile state-${g.state} load-${g.load}${lost ? " lost" : ""}${g.stale ? " stale" : ""}${g.foreign.length ? " has-foreign" : ""}`;
     tile.dataset.memTotal = g.mem_total;
     gl.tileReadings(tile, g);
     tile.classList.remove(`load-${gl.loadBucket(g.util)}`);
@@ -253,14 +254,18 @@
     jobs.replaceChildren();
     if (g.jobs.length) {
       for (const j of g.jobs) jobs.append(holder(j));
-    } else {
-      jobs.append(gl.el("span", { class: "t-free" }, g.state === "unavailable" ? g.reason : "free"));
+    } else if (g.state !== "unavailable") {
+      jobs.append(gl.el("span", { class: "t-free" }, "free"));
     }
+    const reason = field(tile, "reason");
+    reason.hidden = !g.reason;
+    reason.textContent = g.reason;
+    reason.className = `t-reason${lost ? " bad" : ""}`;
     const foreign = field(tile, "foreign");
     foreign.hidden = !g.foreign.length;
-    foreign.textContent = g.foreign.length
-      ? "\u26a0 foreign: " + g.foreign.map((f) => `pid ${f.pid}${f.mib !== null ? " " + gl.mib(f.mib) : ""}`).join(", ")
-      : "";
+    const procs = g.foreign.map((f) => `pid ${f.pid}${f.mib !== null ? " " + gl.mib(f.mib) : ""}`);
+    foreign.textContent = g.foreign.length ? "\u26a0 foreign: " + procs.join(", ") : "";
+    foreign.title = "processes no gpulab job owns: " + procs.join(", ");
   };
 
   // ------------------------------------------------------------ charts
@@ -288,6 +293,7 @@
     }
     layout() {
       const now = Date.now();
+      const from = Math.max(now - this.opts.spanS * 1000, (this.opts.startS || 0) * 1000);
       return {
         title: { text: this.opts.title, font: { size: 13 }, x: 0.01, xanchor: "left" },
         margin: { t: 30, r: 10, b: 30, l: 48 },
@@ -296,7 +302,7 @@
         legend: { orientation: "h", y: -0.15, font: { size: 11 } },
         xaxis: {
           type: "date",
-          range: [new Date(now - this.opts.spanS * 1000), new Date(now)],
+          range: [new Date(from), new Date(now)],
           tickformat: this.opts.spanS > 86400 ? "%b %d" : "%H:%M",
         },
         yaxis: { title: { text: this.opts.yTitle }, rangemode: "tozero", range: this.opts.yRange, fixedrange: true },
@@ -316,7 +322,9 @@
         line: { width: 1.5, shape: "linear" },
         connectgaps: false,
       }));
-      Plotly.react(this.div, data, this.layout(), { displaylogo: false, responsive: true });
+      const layout = this.layout();
+      layout.showlegend = data.length > 1;
+      Plotly.react(this.div, data, layout, { displaylogo: false, responsive: true });
       this.drawn = true;
     }
     push(key, name, t, y) {
@@ -365,6 +373,7 @@
             })),
           );
           this.keys.push(...fresh);
+          if (this.keys.length > 1) Plotly.relayout(this.div, { showlegend: true });
         }
         const keys = [...this.pending.keys()];
         Plotly.extendTraces(
@@ -376,9 +385,8 @@
         this.pending.clear();
       }
       const now = Date.now();
-      Plotly.relayout(this.div, {
-        "xaxis.range": [new Date(now - this.opts.spanS * 1000), new Date(now)],
-      });
+      const from = Math.max(now - this.opts.spanS * 1000, (this.opts.startS || 0) * 1000);
+      Plotly.relayout(this.div, { "xaxis.range": [new Date(from), new Date(now)] });
     }
   }
   gl.Chart = Chart;
