@@ -11,6 +11,7 @@ first; another user can neither open the job nor subscribe to it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ import pytest
 from tests.browser import chromium, collect_errors, log_in, outside_the_loop
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from django.contrib.auth.models import User
     from playwright.sync_api import Page
@@ -42,6 +43,19 @@ SUBSCRIBE_AS_PAGE = """async (jobId) => {
   ws.close();
   return first;
 }"""
+
+
+@contextlib.contextmanager
+def logs_on_failure(stack: Stack) -> Iterator[None]:
+    """A failed expectation shows what the processes said (the web server's
+    log names the consumer that got stuck, the agent's the kill it never got)."""
+    try:
+        yield
+    except AssertionError as exc:
+        logs = "\n".join(
+            f"--- {name} ---\n{proc.output(80)}" for name, proc in stack.procs.items()
+        )
+        raise AssertionError(f"{exc}\n{logs}") from exc
 
 
 def submit_job(page: Page, base_url: str, name: str, gpus: int, util: int) -> int:
@@ -84,7 +98,7 @@ def test_a_user_watches_a_job_live_from_submit_to_cancel(
     stack.start_node("gpu-node", "2xA100-80GB", 2)
     stack.procs["web"].wait_for(r"agent of node gpu-node connected")
     base = stack.base_url
-    with chromium() as browser:
+    with logs_on_failure(stack), chromium() as browser:
         # Two windows of alice's: the cluster page, open before anything runs,
         # and the one she works in.
         mine = browser.new_context(viewport={"width": 1400, "height": 900})
