@@ -93,3 +93,15 @@ def ago(epoch: float | None) -> str:
     if epoch is None:
         return "\u2013"
     return duration(max(0.0, time.time() - epoch))
+
+
+@register.filter
+def foreign_summary(processes: list[dict[str, int | None]]) -> str:
+    """Foreign processes in a few characters: '2 pids, 21.5 GiB' or 'pid 7'."""
+    held = sum(p["mib"] or 0 for p in processes)
+    who = (
+        f"pid {processes[0]['pid']}"
+        if len(processes) == 1
+        else f"{len(processes)} pids"
+    )
+    return f"{who}, {mib(held)}" if held else who

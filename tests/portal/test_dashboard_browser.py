@@ -144,7 +144,7 @@ def test_without_javascript_every_page_shows_the_current_state(
         expect(tile.locator(".h-name")).to_have_text(HOSTILE)
         expect(
             page.locator(f'[data-gpu="{node.pk}:1"] [data-f="foreign"]')
-        ).to_have_text("⚠ foreign: pid 666 900 MiB")
+        ).to_have_text("⚠ foreign: pid 666, 900 MiB")
         expect(page.locator('[data-h="busy"]')).to_have_text("1")
         expect(page.locator('[data-h="pending"]')).to_have_text("1")
         expect(page.locator("#live-status")).to_be_hidden()

@@ -264,7 +264,11 @@
     const foreign = field(tile, "foreign");
     foreign.hidden = !g.foreign.length;
     const procs = g.foreign.map((f) => `pid ${f.pid}${f.mib !== null ? " " + gl.mib(f.mib) : ""}`);
-    foreign.textContent = g.foreign.length ? "\u26a0 foreign: " + procs.join(", ") : "";
+    const held = g.foreign.reduce((sum, f) => sum + (f.mib || 0), 0);
+    const who = g.foreign.length === 1 ? `pid ${g.foreign[0].pid}` : `${g.foreign.length} pids`;
+    foreign.textContent = g.foreign.length
+      ? `\u26a0 foreign: ${who}${held ? ", " + gl.mib(held) : ""}`
+      : ""; // the same words as the foreign_summary filter
     foreign.title = "processes no gpulab job owns: " + procs.join(", ");
   };
 
