@@ -273,6 +273,10 @@
   };
 
   // ------------------------------------------------------------ charts
+  // Ticks that say what changes over the span shown (ms).
+  const tickFormat = (spanMs) =>
+    spanMs > 2 * 86400e3 ? "%b %d" : spanMs < 600e3 ? "%H:%M:%S" : "%H:%M";
+
   // A time-series chart: `reset(traces)` draws the history; `push(key, name,
   // t, y)` adds a live point (into the range's bucket: raw points as they come,
   // else the bucket's mean when it closes); `flush()` draws the pending points
@@ -307,7 +311,7 @@
         xaxis: {
           type: "date",
           range: [new Date(from), new Date(now)],
-          tickformat: this.opts.spanS > 86400 ? "%b %d" : "%H:%M",
+          tickformat: tickFormat(now - from),
         },
         yaxis: { title: { text: this.opts.yTitle }, rangemode: "tozero", range: this.opts.yRange, fixedrange: true },
         uirevision: "keep",
@@ -390,7 +394,10 @@
       }
       const now = Date.now();
       const from = Math.max(now - this.opts.spanS * 1000, (this.opts.startS || 0) * 1000);
-      Plotly.relayout(this.div, { "xaxis.range": [new Date(from), new Date(now)] });
+      Plotly.relayout(this.div, {
+        "xaxis.range": [new Date(from), new Date(now)],
+        "xaxis.tickformat": tickFormat(now - from),
+      });
     }
   }
   gl.Chart = Chart;
