@@ -256,7 +256,7 @@ def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     context["can_hold"] = job.can_be_held_by(request.user)
     context["can_release"] = job.can_be_released_by(request.user)
     if request.htmx and not request.htmx.boosted:
-        return render(request, "portal/partials/_job_live.html", context)
+        return render(request, "portal/partials/_job_fragment.html", context)
     context["series"] = job_chart_series(
         job,
         context["attempt"],

@@ -6,8 +6,9 @@
 "use strict";
 (function () {
   const gl = window.gpulab;
-  const box = document.getElementById("job-live");
+  const box = document.getElementById("job-live"); // replaced on refresh: read its data once
   const jobId = Number(box.dataset.job);
+  const urls = { partial: box.dataset.partialUrl, series: box.dataset.seriesUrl };
   const live = new gl.Live();
   const WAITING = ["pending", "held"];
   const MAX_LOG_CHARS = 200000;
@@ -22,7 +23,7 @@
     const old = document.getElementById("job-log");
     const wasAtBottom = !old || old.scrollTop + old.clientHeight >= old.scrollHeight - 4;
     fetching = gl
-      .fetchFragment(box.dataset.partialUrl, box)
+      .fetchFragments(urls.partial, ["job-head", "job-live"])
       .then(() => {
         const log = document.getElementById("job-log");
         if (log && wasAtBottom) log.scrollTop = log.scrollHeight;
@@ -94,7 +95,7 @@
   };
   const loadCharts = async () => {
     chartsFor = gpusKey();
-    const resp = await fetch(box.dataset.seriesUrl, { credentials: "same-origin" });
+    const resp = await fetch(urls.series, { credentials: "same-origin" });
     if (resp.ok) drawCharts(await resp.json());
   };
 

@@ -68,6 +68,33 @@
     return container;
   };
 
+  // Several parts of a page from one fetch of its fragment: each element of the
+  // response with one of `ids` replaces the page's element with that id.
+  gl.fetchFragments = async (url, ids) => {
+    const resp = await fetch(url, {
+      headers: { "HX-Request": "true" },
+      credentials: "same-origin",
+    });
+    if (!resp.ok) throw new Error(`${url}: ${resp.status}`);
+    const tpl = document.createElement("template");
+    tpl.innerHTML = await resp.text(); // our own view's escaped HTML
+    for (const id of ids) {
+      const fresh = tpl.content.getElementById(id);
+      const old = document.getElementById(id);
+      if (fresh && old) old.replaceWith(fresh);
+    }
+  };
+
+  // Times relative to now ("12s ago", "ran 4m") count on in the browser.
+  const tickAgo = () => {
+    if (!gl.visible()) return;
+    const now = Date.now() / 1000;
+    for (const el of document.querySelectorAll("[data-ago]")) {
+      el.textContent = gl.duration(now - Number(el.dataset.ago)) + (el.dataset.suffix || "");
+    }
+  };
+  setInterval(tickAgo, 1000);
+
   // ------------------------------------------------------------ the socket
   const status = document.getElementById("live-status");
   const setStatus = (state, text) => {
@@ -114,7 +141,9 @@
     }
     unsubscribe(kind, id) {
       const msg = id === undefined ? { subscribe: kind } : { subscribe: kind, id };
+      const before = this.subs.length;
       this.subs = this.subs.filter((s) => JSON.stringify(s) !== JSON.stringify(msg));
+      if (this.subs.length === before) return;
       this.send(id === undefined ? { unsubscribe: kind } : { unsubscribe: kind, id });
     }
     get open() {
