@@ -97,11 +97,10 @@ def ago(epoch: float | None) -> str:
 
 @register.filter
 def foreign_summary(processes: list[dict[str, int | None]]) -> str:
-    """Foreign processes in a few characters: '2 pids, 21.5 GiB' or 'pid 7'."""
+    """Foreign processes in a tile's few characters: '2.9 GiB', 'x2 43.0 GiB' (a multiplication sign),
+    or 'pid 7' when the memory is unknown (the pids are in the tooltip)."""
     held = sum(p["mib"] or 0 for p in processes)
-    who = (
-        f"pid {processes[0]['pid']}"
-        if len(processes) == 1
-        else f"{len(processes)} pids"
-    )
-    return f"{who}, {mib(held)}" if held else who
+    count = f"\u00d7{len(processes)} " if len(processes) > 1 else ""
+    if held:
+        return f"{count}{mib(held)}"
+    return count + ", ".join(f"pid {p['pid']}" for p in processes)

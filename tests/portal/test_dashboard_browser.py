@@ -144,7 +144,7 @@ def test_without_javascript_every_page_shows_the_current_state(
         expect(tile.locator(".h-name")).to_have_text(HOSTILE)
         expect(
             page.locator(f'[data-gpu="{node.pk}:1"] [data-f="foreign"]')
-        ).to_have_text("⚠ foreign: pid 666, 900 MiB")
+        ).to_have_text("⚠ foreign: 900 MiB")
         expect(page.locator('[data-h="busy"]')).to_have_text("1")
         expect(page.locator('[data-h="pending"]')).to_have_text("1")
         expect(page.locator("#live-status")).to_be_hidden()
@@ -197,7 +197,10 @@ def test_scripts_draw_hostile_strings_as_text(
         expect(tile.locator(".h-name").first).to_have_text(HOSTILE)
         expect(tile.locator(".h-owner").first).to_have_text(HOSTILE)
         expect(tile.locator(".h-name").nth(1)).to_have_text("</div><div>")
-        expect(tile.locator('[data-f="foreign"]')).to_contain_text(HOSTILE)
+        expect(tile.locator('[data-f="foreign"]')).to_have_text("⚠ foreign: 3 MiB")
+        expect(tile.locator('[data-f="foreign"]')).to_have_attribute(
+            "title", f"processes no gpulab job owns: pid {HOSTILE} (3 MiB)"
+        )
         expect(tile.locator('[data-f="shared"]')).to_be_visible()
         expect(tile.locator("img, b")).to_have_count(0)
 

@@ -139,7 +139,8 @@ def test_the_cluster_page_shows_the_headline_and_each_gpu(
     assert 'data-h="pending">1</a>' in page
     assert 'class="tile state-busy load-4" data-gpu="' in page
     assert "&lt;img src=x&gt;" in page and "<img src=x>" not in page
-    assert "⚠ foreign: pid 4242, 2.9 GiB" in page
+    assert "⚠ foreign: 2.9 GiB</div>" in page
+    assert 'title="processes no gpulab job owns: pid 4242 (2.9 GiB)"' in page
     assert "GPU lost" in page
     assert page.count("node draining</div>") == 2
     assert 'class="node status-up mode-draining"' in page

@@ -292,13 +292,13 @@
     reason.className = `t-reason${lost ? " bad" : ""}`;
     const foreign = field(tile, "foreign");
     foreign.hidden = !g.foreign.length;
-    const procs = g.foreign.map((f) => `pid ${f.pid}${f.mib !== null ? " " + gl.mib(f.mib) : ""}`);
+    const procs = g.foreign.map((f) => `pid ${f.pid}${f.mib !== null ? " (" + gl.mib(f.mib) + ")" : ""}`);
+    // the same words as the foreign_summary filter
     const held = g.foreign.reduce((sum, f) => sum + (f.mib || 0), 0);
-    const who = g.foreign.length === 1 ? `pid ${g.foreign[0].pid}` : `${g.foreign.length} pids`;
-    foreign.textContent = g.foreign.length
-      ? `\u26a0 foreign: ${who}${held ? ", " + gl.mib(held) : ""}`
-      : ""; // the same words as the foreign_summary filter
-    foreign.title = "processes no gpulab job owns: " + procs.join(", ");
+    const count = g.foreign.length > 1 ? `\u00d7${g.foreign.length} ` : "";
+    const what = held ? gl.mib(held) : g.foreign.map((f) => `pid ${f.pid}`).join(", ");
+    foreign.textContent = g.foreign.length ? `\u26a0 foreign: ${count}${what}` : "";
+    foreign.title = "processes no gpulab job owns: " + procs.join(" "); // as the template
   };
 
   // ------------------------------------------------------------ charts
