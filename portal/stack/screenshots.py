@@ -405,6 +405,7 @@ def main() -> int:
     finally:
         stop.set()
         procs.stop()
+        stop_jobs(tmp)
         from django.db import connections
 
         connections.close_all()
@@ -412,6 +413,17 @@ def main() -> int:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def stop_jobs(state: Path) -> None:
+    """The demo's jobs outlive their agents (as on a real node: each runs under its
+    shim); end them: their process groups, then their shims."""
+    import signal
+
+    for job in state.glob("s*/jobs/*"):
+        for name, kill in (("pgid", os.killpg), ("shim.pid", os.kill)):
+            with contextlib.suppress(OSError, ValueError):
+                kill(int((job / name).read_text().split()[0]), signal.SIGKILL)
 
 
 def _answers(port: int) -> bool:
