@@ -2,7 +2,8 @@
 # in portal/stack/ (embedded PostgreSQL/Redis, the `make up` supervisor).
 #
 #   make up          portal, worker, beat, simulated agents on http://127.0.0.1:8000 (PORT=)
-#   make test        the whole pytest suite (PYTEST_ARGS="-k foo -x" to narrow it)
+#   make test        the whole pytest suite (PYTEST_ARGS="-k foo -x" to narrow it);
+#                    installs Debian's Chromium for the browser tests when root
 #   make bench       every bench/*.py, results under bench/results/
 #   make lint        ruff check + ruff format --check
 #   make typecheck   mypy --strict
@@ -23,7 +24,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 export PORT
 
-.PHONY: help up test bench lint typecheck migrate clean venv
+.PHONY: help up test bench lint typecheck migrate clean venv chromium
 
 help:
 	@sed -n '3,14p' Makefile | sed 's/^# \{0,1\}//'
@@ -49,8 +50,24 @@ venv: $(STAMP)
 up: $(STAMP)
 	$(VPY) -m portal.stack.up
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(VPY) -m portal.stack.run -- $(VPY) -m pytest $(PYTEST_ARGS)
+
+# The browser tests drive Debian's Chromium through Playwright (which never
+# downloads a browser here). Installed with apt when we are root (as .ci/run
+# does); otherwise a missing browser stops `make test` with the package named:
+# those tests would fail, never be skipped.
+chromium:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+		if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "gpulab: installing Chromium for the browser tests (apt: chromium chromium-driver)"; \
+			DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver || exit 1; \
+		else \
+			echo "gpulab: the browser tests need Chromium: install the Debian package 'chromium' (with 'chromium-driver'), e.g. 'sudo apt-get install chromium chromium-driver', then run make test again" >&2; \
+			exit 1; \
+		fi; \
+	fi
 
 bench: $(STAMP)
 	@mkdir -p bench/results

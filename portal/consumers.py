@@ -1,64 +1,231 @@
-"""Browser dashboards over ``/ws/dashboard/`` (session auth, Origin checked)."""
+"""Browser dashboards over ``/ws/dashboard/`` (session auth, Origin checked).
+
+The protocol, JSON both ways (docs/architecture.md, "Live dashboards"):
+
+- ``{"subscribe": "cluster"}``, ``{"subscribe": "queue"}``,
+  ``{"subscribe": "node", "id": N}``, ``{"subscribe": "job", "id": N}``;
+  ``{"unsubscribe": ...}`` the same way; ``{"resync": "cluster"}`` asks for the
+  whole cluster state again (a browser that missed a delta).
+- Replies: ``{"subscribed": "<group>"}`` (then, for ``cluster``, the whole state if
+  a recent one exists), ``{"unsubscribed": "<group>"}``, or ``{"error": "..."}``
+  naming what was wrong. Updates: the ``scheduler.events`` dashboard events, as
+  sent to the groups.
+
+Who sees what: every signed-in user sees the cluster, the queue and every node
+(job numbers, names and owners included, as on the pages); a job's own group
+(its output, its state, its GPUs) only its owner and staff, as its page.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from scheduler import events
-from scheduler.models import Job
+from scheduler import events, live
+from scheduler.models import Job, Node
 
 log = logging.getLogger(__name__)
+
+# Bounds on what one browser tab may ask (a page needs two or three groups).
+MAX_GROUPS = 32
+MAX_MESSAGE_CHARS = 1024
+# Messages from the browser: a bucket of BURST, refilled at RATE a second; past
+# it, messages are refused with an error, and after MAX_REFUSED refusals the
+# connection is closed (4429).
+RATE = 5.0
+BURST = 20.0
+MAX_REFUSED = 50
+
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_TOO_MANY = 4429
+
+USAGE = (
+    'expected {"subscribe": "cluster" | "queue"} or '
+    '{"subscribe": "node" | "job", "id": N} (or "unsubscribe" the same way, '
+    'or {"resync": "cluster"})'
+)
 
 
 class DashboardConsumer(AsyncJsonWebsocketConsumer):
     """Live updates for one browser tab.
 
-    The client subscribes with ``{"subscribe": "job", "id": N}``; only jobs the
-    user may see are accepted. Events arrive per scoped group (``job.<id>``).
+    ``connect`` needs a signed-in session (else close 4401); the ASGI router has
+    already checked the Origin. Each subscription is checked once (the group's
+    object must exist and be visible to the user), then joins the Channels group
+    and marks it watched (``live.Hub``), so updates flow only while someone looks.
+    A malformed, unknown or refused message gets ``{"error": ...}`` and the
+    connection stays usable; a flood is refused and finally closed.
     """
+
+    groups_joined: set[str]
+    tokens: float
+    refill_at: float
+    refused: int
 
     async def connect(self) -> None:
         user = self.scope.get("user")
+        self.groups_joined = set()
         if user is None or not user.is_authenticated:
-            await self.close(code=4401)
+            await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.groups_joined: set[str] = set()
+        self.tokens = BURST
+        self.refill_at = live.monotonic()
+        self.refused = 0
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
-        for group in getattr(self, "groups_joined", set()):
+        hub = live.Hub.current()
+        for group in self.groups_joined:
             await self.channel_layer.group_discard(group, self.channel_name)
+            await hub.unwatch(group)
+        self.groups_joined = set()
+
+    # -------------------------------------------------------------- from the tab
+
+    async def receive(
+        self,
+        text_data: str | None = None,
+        bytes_data: bytes | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self._take_token():
+            self.refused += 1
+            if self.refused > MAX_REFUSED:
+                await self.close(code=CLOSE_TOO_MANY)
+                return
+            await self._error(f"too many messages: at most {RATE:g} a second")
+            return
+        if text_data is None:
+            await self._error("expected a JSON text message")
+            return
+        if len(text_data) > MAX_MESSAGE_CHARS:
+            await self._error(f"message too long (over {MAX_MESSAGE_CHARS} chars)")
+            return
+        try:
+            content = json.loads(text_data)
+        except ValueError:
+            await self._error("not JSON: " + USAGE)
+            return
+        await self.receive_json(content)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        if not isinstance(content, dict) or content.get("subscribe") != "job":
-            await self.send_json({"error": "expected {'subscribe': 'job', 'id': N}"})
+        if not isinstance(content, dict):
+            await self._error(USAGE)
             return
-        job_id = content.get("id")
-        if not isinstance(job_id, int) or not await self._may_see_job(job_id):
-            await self.send_json({"error": "no such job"})
+        if set(content) == {"resync"} and content["resync"] == events.CLUSTER_GROUP:
+            await self._resync()
             return
-        group = events.job_group(job_id)
+        verb = next((v for v in ("subscribe", "unsubscribe") if v in content), None)
+        if verb is None or not set(content) <= {verb, "id"}:
+            await self._error(USAGE)
+            return
+        kind, object_id = content[verb], content.get("id")
+        valid_id = object_id is None or (
+            isinstance(object_id, int)
+            and not isinstance(object_id, bool)
+            and 0 < object_id < 2**63
+        )
+        group = (
+            events.dashboard_group(kind, object_id)
+            if isinstance(kind, str) and valid_id
+            else None
+        )
+        if group is None:
+            await self._error(f"unknown group {json.dumps(content)[:200]}: {USAGE}")
+            return
+        if verb == "unsubscribe":
+            await self._leave(group)
+            return
+        if group in self.groups_joined:
+            await self.send_json({"subscribed": group})
+            return
+        if len(self.groups_joined) >= MAX_GROUPS:
+            await self._error(f"too many subscriptions (at most {MAX_GROUPS})")
+            return
+        if kind == "job" and not await self._may_see_job(object_id or 0):
+            await self._error("no such job")
+            return
+        if kind == "node" and not await self._node_exists(object_id or 0):
+            await self._error("no such node")
+            return
+        await self._join(group)
+
+    def _take_token(self) -> bool:
+        now = live.monotonic()
+        self.tokens = min(BURST, self.tokens + (now - self.refill_at) * RATE)
+        self.refill_at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    async def _join(self, group: str) -> None:
+        hub = live.Hub.current()
         await self.channel_layer.group_add(group, self.channel_name)
         self.groups_joined.add(group)
+        await hub.watch(group)
+        # This process's agents start sending to it at once (others within a
+        # second, when they re-read the watch set).
+        hub.forget_watched()
         await self.send_json({"subscribed": group})
+        if group == events.CLUSTER_GROUP:
+            state = await hub.snapshot()
+            if state is not None:
+                await self.send_json({"type": "cluster.state", "state": state})
+
+    async def _leave(self, group: str) -> None:
+        if group in self.groups_joined:
+            self.groups_joined.discard(group)
+            await self.channel_layer.group_discard(group, self.channel_name)
+            await live.Hub.current().unwatch(group)
+        await self.send_json({"unsubscribed": group})
+
+    async def _resync(self) -> None:
+        if events.CLUSTER_GROUP not in self.groups_joined:
+            await self._error('subscribe to "cluster" first')
+            return
+        state = await live.Hub.current().stored_state()
+        if state is not None:
+            await self.send_json({"type": "cluster.state", "state": state})
+
+    async def _error(self, message: str) -> None:
+        await self.send_json({"error": message})
 
     @database_sync_to_async
     def _may_see_job(self, job_id: int) -> bool:
-        user = self.scope.get("user")
-        if user is None:
-            return False
+        user = self.scope["user"]
         return Job.objects.visible_to(user).filter(pk=job_id).exists()  # type: ignore[arg-type]
 
+    @database_sync_to_async
+    def _node_exists(self, node_id: int) -> bool:
+        return Node.objects.filter(pk=node_id).exists()
+
+    # -------------------------------------------------------------- to the tab
+
+    async def _forward(self, event: dict[str, Any]) -> None:
+        await self.send_json({k: v for k, v in event.items() if not k.startswith("_")})
+
     async def job_status(self, event: dict[str, Any]) -> None:
-        await self.send_json(
-            {
-                "type": "job.status",
-                "job_id": event["job_id"],
-                "status": event["status"],
-                "message": event["message"],
-            }
-        )
+        await self._forward(event)
+
+    async def job_metrics(self, event: dict[str, Any]) -> None:
+        await self._forward(event)
+
+    async def job_log(self, event: dict[str, Any]) -> None:
+        await self._forward(event)
+
+    async def node_metrics(self, event: dict[str, Any]) -> None:
+        await self._forward(event)
+
+    async def node_state(self, event: dict[str, Any]) -> None:
+        await self._forward(event)
+
+    async def cluster_delta(self, event: dict[str, Any]) -> None:
+        await self._forward(event)
+
+    async def queue_changed(self, event: dict[str, Any]) -> None:
+        await self._forward(event)

@@ -441,5 +441,9 @@ GPULAB_METRICS_PERSIST_INTERVAL = envint(
 GPULAB_METRICS_RETENTION_DAYS = envint("GPULAB_METRICS_RETENTION_DAYS", 7, minimum=1)
 GPULAB_ROLLUP_1M_DAYS = envint("GPULAB_ROLLUP_1M_DAYS", 30, minimum=1)
 GPULAB_ROLLUP_1H_DAYS = envint("GPULAB_ROLLUP_1H_DAYS", 400, minimum=1)
+# Live dashboards (scheduler.live): at most one update per node, and one aggregated
+# cluster update, every GPULAB_LIVE_INTERVAL seconds (at least 1: a bigger cluster
+# may want fewer).
+GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximum=60.0)
 # Default working directory of a job when none is given ({user} is the username).
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")

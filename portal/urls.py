@@ -16,9 +16,20 @@ urlpatterns = [
     path("queue/", cluster.queue, name="portal-queue"),
     path("nodes/", cluster.node_list, name="portal-nodes"),
     path("nodes/<int:node_id>/", cluster.node_detail, name="portal-node"),
+    path("nodes/<int:node_id>/series/", cluster.node_series, name="portal-node-series"),
+    path("nodes/<int:node_id>/mode/", cluster.node_mode, name="portal-node-mode"),
+    path(
+        "nodes/<int:node_id>/gpus/<int:index>/", cluster.gpu_detail, name="portal-gpu"
+    ),
+    path(
+        "nodes/<int:node_id>/gpus/<int:index>/series/",
+        cluster.gpu_series,
+        name="portal-gpu-series",
+    ),
     path("jobs/", jobs.job_list, name="portal-jobs"),
     path("jobs/new/", jobs.job_new, name="portal-job-new"),
     path("jobs/<int:job_id>/", jobs.job_detail, name="portal-job"),
+    path("jobs/<int:job_id>/series/", jobs.job_series, name="portal-job-series"),
     path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),
     path("usage/", accounting.usage, name="portal-usage"),
     path("usage/csv/", accounting.usage_csv, name="portal-usage-csv"),

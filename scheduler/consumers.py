@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from agents import protocol
-from scheduler import events, metrics, services
+from scheduler import events, live, metrics, services
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Coroutine, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +35,27 @@ class AgentConsumer(AsyncWebsocketConsumer):
     the node may not send (``services.FrameRefused``), which is acked all the same.
     Durable messages are acked by seq after they are stored; the services are
     idempotent, so a replayed message changes nothing.
+
+    Its ``live.NodeFeed`` sends the node's metrics (at most one update a second)
+    and its jobs' stored output to the dashboards' groups that browsers watch; a
+    failure there (Redis away) is logged and never stops the storing or the acks.
+
+    Metrics frames: the live update goes out first, without waiting for the
+    database. A frame that starts a persistence interval is stored (history and
+    latest state) before its ack; the others (nine in ten) only update the GPUs'
+    latest state, written by one task per connection that always takes the newest
+    frame: when the database is slow, frames in between are skipped rather than
+    queued, so neither the live path nor the acks wait behind a backlog
+    (docs/architecture.md, "Live dashboards").
     """
 
     node_id: int | None = None
+    feed: live.NodeFeed | None = None
+    live_failed_at: float = 0.0
+    # The newest live-only metrics frame not yet written as its GPUs' latest
+    # state, and the task writing them (one per connection).
+    latest_pending: protocol.MetricsData | None = None
+    latest_writer: asyncio.Task[None] | None = None
     node_name: str = ""
     out_seq: int = 0
     # sampled_at of the last metrics frame persisted to the history.
@@ -64,10 +84,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
             group, {"type": "agent.replaced", "by": self.channel_name}
         )
         await self.channel_layer.group_add(group, self.channel_name)
+        self.feed = live.NodeFeed(node.pk)
         await self.accept()
         log.info("agent of node %s connected from %s", node.name, client[0])
 
     async def disconnect(self, code: int) -> None:
+        if self.feed is not None:
+            self.feed.close()
+        if self.latest_writer is not None:
+            # The latest state the agent sent is written before we say it left.
+            await asyncio.wait([self.latest_writer], timeout=10)
         if self.node_id is None:
             return
         await self.channel_layer.group_discard(
@@ -116,6 +142,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         node_id = self.node_id
         assert node_id is not None
         if isinstance(message, protocol.Hello):
+            self._holders_changed()
             result = await database_sync_to_async(services.record_hello)(
                 node_id, message.data
             )
@@ -126,23 +153,67 @@ class AgentConsumer(AsyncWebsocketConsumer):
         elif isinstance(message, protocol.Heartbeat):
             await database_sync_to_async(services.record_heartbeat)(node_id)
         elif isinstance(message, protocol.Metrics):
+            if self.feed is not None:
+                await self._live(self.feed.offer(message.data))
             sampled_at = message.data.sampled_at
-            persist = metrics.should_persist(self.last_persisted, sampled_at)
-            await database_sync_to_async(services.record_metrics)(
-                node_id, message.data, persist=persist
-            )
-            if persist:
+            if metrics.should_persist(self.last_persisted, sampled_at):
+                await database_sync_to_async(services.record_metrics)(
+                    node_id, message.data, persist=True
+                )
                 self.last_persisted = max(self.last_persisted or 0.0, sampled_at)
+            else:
+                self._write_latest(message.data)
         elif isinstance(message, protocol.JobStarted):
             await database_sync_to_async(services.mark_started)(node_id, message.data)
+            self._holders_changed()
         elif isinstance(message, protocol.JobExited):
             await database_sync_to_async(services.finish_attempt)(node_id, message.data)
+            self._holders_changed()
         elif isinstance(message, protocol.JobLog):
-            await database_sync_to_async(services.append_log)(node_id, message.data)
+            text = await database_sync_to_async(services.append_log)(
+                node_id, message.data
+            )
+            if text and self.feed is not None:
+                await self._live(self.feed.log_chunk(message.data, text))
         elif isinstance(message, protocol.JobProgress):
             await database_sync_to_async(services.record_progress)(
                 node_id, message.data
             )
+
+    def _write_latest(self, data: protocol.MetricsData) -> None:
+        self.latest_pending = data
+        if self.latest_writer is None or self.latest_writer.done():
+            self.latest_writer = asyncio.get_running_loop().create_task(
+                self._latest_loop()
+            )
+
+    async def _latest_loop(self) -> None:
+        node_id = self.node_id
+        while self.latest_pending is not None and node_id is not None:
+            data, self.latest_pending = self.latest_pending, None
+            try:
+                await database_sync_to_async(services.record_metrics)(
+                    node_id, data, persist=False
+                )
+            except Exception:
+                # The next frame (a second later) writes the state again.
+                log.exception("node %s: latest metrics not stored", self.node_name)
+
+    def _holders_changed(self) -> None:
+        if self.feed is not None:
+            self.feed.invalidate()
+
+    async def _live(self, send: Coroutine[Any, Any, None]) -> None:
+        """A live update: its failure is logged (once a minute) and swallowed, so
+        the dashboards never cost the node its acks."""
+        try:
+            await send
+        except Exception:
+            if time.monotonic() - self.live_failed_at > 60:
+                self.live_failed_at = time.monotonic()
+                log.warning(
+                    "node %s: live update failed", self.node_name, exc_info=True
+                )
 
     async def agent_replaced(self, event: dict[str, Any]) -> None:
         """Another connection authenticated as this node: this one is stale."""
@@ -157,6 +228,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     async def agent_command(self, event: dict[str, Any]) -> None:
         """A command for this node's agent (from ``events.send_to_agent``)."""
+        # A launch or a kill: the node's GPUs may have other holders now.
+        self._holders_changed()
         await self._send_frame(event["frame"])
 
     async def _send_frame(self, frame: dict[str, Any]) -> None:

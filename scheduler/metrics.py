@@ -14,6 +14,7 @@ held them).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -157,8 +158,6 @@ def store_samples(
 
 
 def _processes_json(processes: Iterable[protocol.ProcessSample]) -> str:
-    import json
-
     return json.dumps([p.model_dump(mode="json") for p in processes])
 
 
@@ -355,22 +354,139 @@ def gpu_history(
     return resolution, [dict(row) for row in rollups.values()]
 
 
-def job_history(job_id: int) -> list[dict[str, Any]]:
-    """The samples of every GPU the job held, while it held it, in one query."""
+def job_history(job_id: int, since: datetime | None = None) -> list[dict[str, Any]]:
+    """The samples of every GPU the job held, while it held it (from ``since``
+    when given), in one query."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
             SELECT DISTINCT s.gpu_id, s.at, s.util_gpu, s.util_mem, s.memory_used_mib,
-                   s.temperature_c, s.power_w, s.processes
+                   s.temperature_c, s.power_w, s.processes, t.id AS attempt_id
             FROM {TABLE} s
             JOIN scheduler_allocation a ON a.gpu_id = s.gpu_id AND a.slot = 0
             JOIN scheduler_attempt t ON t.id = a.attempt_id
             WHERE t.job_id = %s
               AND s.at >= COALESCE(t.started_at, a.allocated_at)
               AND s.at <= COALESCE(t.ended_at, now())
+              AND s.at >= %s
             ORDER BY s.at, s.gpu_id
             """,
-            [job_id],
+            [job_id, since or datetime(1970, 1, 1, tzinfo=UTC)],
         )
         names = [c.name for c in cursor.description]
-        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for row in rows:
+        # Django has psycopg hand jsonb over as text.
+        if isinstance(row["processes"], str):
+            row["processes"] = json.loads(row["processes"])
+    return rows
+
+
+# ------------------------------------------------------------------ chart series
+
+# The dashboards' ranges, and the bucket of the per-process series at each
+# resolution (raw: one point per persisted sample).
+RANGES: dict[str, timedelta] = {
+    "15m": timedelta(minutes=15),
+    "6h": timedelta(hours=6),
+    "7d": timedelta(days=7),
+}
+_BUCKETS = {"raw": None, "1m": "1 minute", "1h": "1 hour"}
+
+
+class BadRange(ValueError):
+    """A range the dashboards do not offer; ``str()`` says which ones they do."""
+
+
+def parse_range(value: str | None) -> tuple[str, timedelta]:
+    """``15m`` (the default), ``6h`` or ``7d``."""
+    name = value or "15m"
+    if name not in RANGES:
+        raise BadRange(f"unknown range {name[:20]!r}: use one of {', '.join(RANGES)}")
+    return name, RANGES[name]
+
+
+def gpus_series(
+    gpu_ids: list[int], since: datetime, until: datetime
+) -> tuple[str, dict[int, dict[str, list[Any]]]]:
+    """Utilisation, memory, power and temperature of several GPUs over a range, at
+    the resolution ``gpu_history`` would pick, in one indexed query (the sample
+    table's primary key, or the rollups' unique index). Returns the resolution and
+    per GPU id the columns ``t`` (epoch seconds), ``util``, ``mem``, ``power``,
+    ``temp`` (rollups: the means)."""
+    resolution = resolution_for(until - since)
+    raw_start = timezone.now() - timedelta(days=settings.GPULAB_METRICS_RETENTION_DAYS)
+    if resolution == "raw" and since < raw_start:
+        resolution = "1m"
+    if resolution == "raw":
+        sql = f"""
+            SELECT gpu_id, at, util_gpu, memory_used_mib, power_w, temperature_c
+            FROM {TABLE}
+            WHERE gpu_id = ANY(%s) AND at >= %s AND at <= %s
+            ORDER BY gpu_id, at
+        """
+        params: list[Any] = [gpu_ids, since, until]
+    else:
+        sql = """
+            SELECT gpu_id, start, util_gpu_mean, memory_used_mean, power_mean,
+                   temperature_mean
+            FROM scheduler_gpurollup
+            WHERE gpu_id = ANY(%s) AND resolution = %s AND start >= %s
+              AND start <= %s
+            ORDER BY gpu_id, start
+        """
+        params = [gpu_ids, resolution, since, until]
+    out: dict[int, dict[str, list[Any]]] = {
+        g: {"t": [], "util": [], "mem": [], "power": [], "temp": []} for g in gpu_ids
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        for gpu_id, at, util, mem, power, temp in cursor.fetchall():
+            col = out[gpu_id]
+            col["t"].append(at.timestamp())
+            col["util"].append(_r(util))
+            col["mem"].append(_r(mem))
+            col["power"].append(_r(power))
+            col["temp"].append(_r(temp))
+    return resolution, out
+
+
+def _r(value: Any) -> float | None:
+    return None if value is None else round(float(value), 1)
+
+
+def process_series(
+    gpu_ids: list[int], since: datetime, until: datetime, resolution: str
+) -> list[dict[str, Any]]:
+    """GPU memory held by each process owner over a range: per GPU, per attempt
+    (a job's processes together) or per foreign pid, the most it held in each
+    bucket of ``resolution``. Raw samples only (rollups keep no processes), so
+    within the raw retention; one query over the sample table's primary key.
+    Each series: ``gpu``, ``attempt`` (None: foreign), ``pid`` (foreign only),
+    ``t``, ``mib``."""
+    bucket = _BUCKETS.get(resolution)
+    width = f"'{bucket}'::interval" if bucket else None
+    at = f"date_bin({width}, s.at, TIMESTAMPTZ 'epoch')" if width else "s.at"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            SELECT s.gpu_id, {at} AS b, (p->>'attempt_id')::bigint AS attempt,
+                   CASE WHEN p->>'attempt_id' IS NULL THEN (p->>'pid')::bigint END,
+                   max((p->>'used_memory_mib')::bigint)
+            FROM {TABLE} s, jsonb_array_elements(s.processes) p
+            WHERE s.gpu_id = ANY(%s) AND s.at >= %s AND s.at <= %s
+            GROUP BY 1, 2, 3, 4
+            ORDER BY 1, 3, 4, 2
+            """,
+            [gpu_ids, since, until],
+        )
+        series: dict[tuple[int, int | None, int | None], dict[str, Any]] = {}
+        for gpu_id, b, attempt, pid, mib in cursor.fetchall():
+            key = (gpu_id, attempt, pid)
+            one = series.setdefault(
+                key,
+                {"gpu": gpu_id, "attempt": attempt, "pid": pid, "t": [], "mib": []},
+            )
+            one["t"].append(b.timestamp())
+            one["mib"].append(None if mib is None else int(mib))
+    return list(series.values())

@@ -15,7 +15,7 @@ from django.db import connection
 
 from portal.accounting import hours
 from portal.quotas.alerts import record_alerts
-from scheduler import metrics, policy, services
+from scheduler import live, metrics, policy, services
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -86,6 +86,9 @@ def run_one_pass() -> dict[str, Any]:
         # Quota alerts (80 %, 100 %): one insert, only when one is due.
         alerts = record_alerts(snapshot.quotas)
         t3 = time.perf_counter()
+    if result.started or result.updated_reasons:
+        # Positions or reasons changed: the queue's pages fetch it again.
+        live.mark_queue_changed()
     return {
         "pending": len(snapshot.cluster.pending),
         "started": result.started,

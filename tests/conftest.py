@@ -169,3 +169,23 @@ def make_node(name: str, gpus: int = 4, memory_mib: int = 81920) -> tuple[Node, 
 def cluster(db: None) -> list[Node]:
     """Two UP nodes: node-a with 4 A100-80GB, node-b with 2."""
     return [make_node("node-a", 4)[0], make_node("node-b", 2)[0]]
+
+
+# ------------------------------------------------------------------ live dashboards
+
+
+@pytest.fixture
+def clean_live() -> None:
+    """Forget the live dashboards' Redis state (published cluster state, gates,
+    watched groups) left by an earlier test of this run: each test starts as a
+    fresh deployment would."""
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{REDIS_PREFIX}:live:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -58,10 +59,48 @@ def _rate(rate: float) -> str:
 
 
 @register.filter
-def mib(value: int | None) -> str:
-    """MiB as '512 MiB' or '4.0 GiB'."""
-    if value is None:
+def mib(value: object) -> str:
+    """MiB as '512 MiB' or '4.0 GiB' (a dash when unknown)."""
+    if not isinstance(value, int | float):
         return "\u2013"
     if value < 1024:
         return f"{value} MiB"
     return f"{value / 1024:.1f} GiB"
+
+
+@register.filter
+def gib(value: object) -> str:
+    """MiB as GiB without the unit: '32.1', '80' (whole numbers from 100 up)."""
+    if not isinstance(value, int | float):
+        return "\u2013"
+    gibs = value / 1024
+    return f"{gibs:.0f}" if gibs >= 100 or gibs == int(gibs) else f"{gibs:.1f}"
+
+
+@register.filter
+def pct(value: object, total: object) -> int:
+    """``value`` as a whole percentage of ``total``, 0 to 100 (0 when unknown)."""
+    if not isinstance(value, int | float) or not isinstance(total, int | float):
+        return 0
+    if not total:
+        return 0
+    return max(0, min(100, round(value * 100 / total)))
+
+
+@register.filter
+def ago(epoch: float | None) -> str:
+    """How long ago an epoch time was, as ``duration`` says it; a dash for None."""
+    if epoch is None:
+        return "\u2013"
+    return duration(max(0.0, time.time() - epoch))
+
+
+@register.filter
+def foreign_summary(processes: list[dict[str, int | None]]) -> str:
+    """Foreign processes in a tile's few characters: '2.9 GiB', 'x2 43.0 GiB' (a multiplication sign),
+    or 'pid 7' when the memory is unknown (the pids are in the tooltip)."""
+    held = sum(p["mib"] or 0 for p in processes)
+    count = f"\u00d7{len(processes)} " if len(processes) > 1 else ""
+    if held:
+        return f"{count}{mib(held)}"
+    return count + ", ".join(f"pid {p['pid']}" for p in processes)

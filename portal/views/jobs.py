@@ -1,16 +1,20 @@
-"""Job pages: list, submit, detail (with a polled live fragment), cancel, hold and
-release."""
+"""Job pages: list, submit, detail (a live fragment its script fetches again when
+the job's group says it changed; charts of its GPUs), cancel, hold and release."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
-from django.http import Http404, HttpResponse
+from django.db.models import Max
+from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from portal.accounting.reports import job_charges
@@ -18,8 +22,8 @@ from portal.forms import JobForm, format_duration
 from portal.idle.models import IdleFlag
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
-from scheduler import services
-from scheduler.models import Allocation, Job
+from scheduler import livestate, metrics, services
+from scheduler.models import Allocation, Attempt, Job, JobLogChunk
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -103,7 +107,7 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
     return render(request, "portal/job_new.html", {"form": form}, status=status)
 
 
-def _job_context(job: Job) -> dict[str, object]:
+def _job_context(job: Job) -> dict[str, Any]:
     attempt = job.attempt_set.select_related("node").order_by("-number").first()
     allocations = []
     if attempt is not None:
@@ -158,16 +162,107 @@ def _job_context(job: Job) -> dict[str, object]:
     }
 
 
+# The job page's charts: the last minutes of its latest attempt's GPUs.
+JOB_CHART_WINDOW = timedelta(minutes=15)
+
+
+def job_chart_series(
+    job: Job,
+    attempt: Attempt | None,
+    allocations: list[Allocation],
+    *,
+    shared: bool = False,
+) -> dict[str, Any]:
+    """Each GPU of the job's latest attempt over the last ``JOB_CHART_WINDOW`` it
+    ran (one query): the GPU's utilisation and memory, and the memory the job's
+    own processes held on it (``shared``: it shares its GPU, so the page draws
+    both memories; else they are the same line)."""
+    until = (attempt.ended_at if attempt else None) or timezone.now()
+    since = until - JOB_CHART_WINDOW
+    gpus: dict[int, dict[str, Any]] = {}
+    for a in allocations:
+        gpus[a.gpu_id] = {
+            "key": livestate.gpu_key(a.gpu.node_id, a.gpu.index),
+            "label": f"{a.gpu.node.name}:{a.gpu.index}",
+            "mem_total": a.gpu.memory_total_mib,
+            "t": [],
+            "util": [],
+            "mem": [],
+            "own": [],
+        }
+    if gpus and attempt is not None:
+        for row in metrics.job_history(job.pk, since=since):
+            col = gpus.get(row["gpu_id"])
+            if col is None or row["attempt_id"] != attempt.pk:
+                continue
+            own = [
+                int(p["used_memory_mib"])
+                for p in row["processes"] or ()
+                if p.get("attempt_id") == attempt.pk
+                and p.get("used_memory_mib") is not None
+            ]
+            col["t"].append(row["at"].timestamp())
+            col["util"].append(row["util_gpu"])
+            col["mem"].append(row["memory_used_mib"])
+            col["own"].append(sum(own) if own else None)
+    started = attempt.started_at or attempt.created_at if attempt else None
+    return {
+        "window_s": JOB_CHART_WINDOW.total_seconds(),
+        "start": started.timestamp() if started else None,
+        "shared": shared,
+        "until": until.timestamp(),
+        "live": attempt is not None and attempt.ended_at is None,
+        "gpus": list(gpus.values()),
+    }
+
+
+def _log_marks(job: Job, attempt: Attempt | None) -> dict[str, Any]:
+    """Where the stored output of each (attempt, node) ends, so the page appends
+    only chunks after it; whether it spans nodes (then the page fetches the
+    fragment instead, with its rank headers)."""
+    last = {
+        f"{r['attempt_id']}:{r['node_id']}": r["last"]
+        for r in JobLogChunk.objects.filter(attempt__job=job)
+        .values("attempt_id", "node_id")
+        .annotate(last=Max("offset"))
+    }
+    return {
+        "log_last": json.dumps(last),
+        "log_spans_nodes": attempt is not None and len(attempt.node_ids) > 1,
+    }
+
+
+@login_required
+def job_series(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
+    job = _get_job_for_user(request, job_id)
+    context = _job_context(job)
+    return JsonResponse(
+        job_chart_series(
+            job,
+            context["attempt"],
+            context["allocations"],
+            shared=bool(context["partners"]),
+        )
+    )
+
+
 @login_required
 def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     job = _get_job_for_user(request, job_id)
     context = _job_context(job)
+    context.update(_log_marks(job, context["attempt"]))
     context["can_cancel"] = job.can_be_cancelled_by(request.user)
     context["charged"] = job_charges(job.pk)
     context["can_hold"] = job.can_be_held_by(request.user)
     context["can_release"] = job.can_be_released_by(request.user)
     if request.htmx and not request.htmx.boosted:
-        return render(request, "portal/partials/_job_live.html", context)
+        return render(request, "portal/partials/_job_fragment.html", context)
+    context["series"] = job_chart_series(
+        job,
+        context["attempt"],
+        context["allocations"],
+        shared=bool(context["partners"]),
+    )
     return render(request, "portal/job_detail.html", context)
 
 

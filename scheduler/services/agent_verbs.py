@@ -666,16 +666,18 @@ def _rank_exited(
     )
 
 
-def append_log(node_id: int, data: protocol.JobLogData) -> bool:
-    """Store a log chunk of the node's attempt, within the per-job size cap;
-    a replayed chunk (same offset) is ignored."""
+def append_log(node_id: int, data: protocol.JobLogData) -> str | None:
+    """Store a log chunk of the node's attempt, within the per-job size cap, and
+    return the text kept (None: nothing, e.g. the cap is reached); a replayed chunk
+    (same offset) is ignored (and its text returned again: pages drop a chunk
+    whose offset they already have)."""
     attempt = (
         Attempt.objects.filter(pk=data.attempt_id, job_id=data.job_id)
         .only("id", "node_id", "ranks")
         .first()
     )
     if attempt is None or node_id not in attempt.node_ids or not data.data:
-        return False
+        return None
     stored = (
         JobLogChunk.objects.filter(attempt__job_id=data.job_id).aggregate(
             n=Sum(Func(F("data"), function="octet_length", output_field=IntegerField()))
@@ -683,17 +685,17 @@ def append_log(node_id: int, data: protocol.JobLogData) -> bool:
         or 0
     )
     if stored >= settings.GPULAB_LOG_MAX_BYTES:
-        return False
+        return None
     room = settings.GPULAB_LOG_MAX_BYTES - stored
     # Cut by bytes, never inside a UTF-8 sequence.
     text = data.data.encode("utf-8")[:room].decode("utf-8", "ignore")
     if not text:
-        return False
+        return None
     JobLogChunk.objects.bulk_create(
         [JobLogChunk(attempt=attempt, node_id=node_id, offset=data.offset, data=text)],
         ignore_conflicts=True,
     )
-    return True
+    return text
 
 
 def record_progress(node_id: int, data: protocol.JobProgressData) -> bool:

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from agents import protocol
 from portal.notifications import services as notifications
-from scheduler import events
+from scheduler import events, live
 from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ def _after_commit_state_change(job: Job, message: str) -> None:
     transaction.on_commit(
         partial(events.broadcast_job_status, job.pk, job.status, message)
     )
+    # The queue page (and waiting jobs' pages) learn of it at the next live round.
+    transaction.on_commit(live.mark_queue_changed)
 
 
 def _record_transition(

@@ -75,10 +75,14 @@ def test_the_nodes_page_shows_both_jobs_of_a_shared_gpu_with_their_memory(
     body = page(alice, "/nodes/")
 
     assert 'data-testid="shared">shared' in body
-    assert f'#{first.pk} rn18</a> <span class="muted">alice</span>' in body
-    assert "2.9 GiB used of 4.0 GiB declared" in body
-    assert f'#{second.pk} lm</a> <span class="muted">bob</span>' in body
-    assert "4.9 GiB used of 6.0 GiB declared" in body
+    # alice's own job links to its page; bob's is shown, not linked (a 404 for her)
+    assert f'title="#{first.pk} rn18 (alice): 2.9 GiB used of 4.0 GiB declared"' in body
+    assert (
+        f'<a href="/jobs/{first.pk}/">#{first.pk}</a> <span class="h-name">rn18' in body
+    )
+    assert f'title="#{second.pk} lm (bob): 4.9 GiB used of 6.0 GiB declared"' in body
+    assert f'<span>#{second.pk}</span> <span class="h-name">lm</span>' in body
+    assert f'<a href="/jobs/{second.pk}/">' not in body
 
 
 def test_each_jobs_page_names_its_partner_and_the_admission(

@@ -124,6 +124,9 @@ def test_nodes_show_maintenance_apart_from_draining(
     body = client_for(alice).get(reverse("portal-nodes")).content.decode()
     detail = client_for(alice).get(reverse("portal-node", args=[node_a.pk]))
 
-    assert body.count('<span class="badge maintenance"') == 1
-    assert body.count('<span class="badge draining"') == 1
+    assert body.count('class="node status-up mode-maintenance"') == 1
+    assert body.count('class="node status-up mode-draining"') == 1
+    # their free GPUs are not counted as free: they take no new jobs
+    assert body.count("node in maintenance</div>") == 4
+    assert body.count("node draining</div>") == 2
     assert "no: in maintenance" in detail.content.decode()

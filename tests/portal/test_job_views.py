@@ -190,7 +190,9 @@ def test_it_returns_only_the_live_fragment_to_htmx(alice: User, alice_job: Job) 
     assert "portal/partials/_job_live.html" in template_names(response)
     assert "portal/job_detail.html" not in template_names(response)
     assert 'data-testid="job-status"' in body
-    assert "Resubmit a copy" not in body
+    # its head comes along: the actions it offers change with its state
+    assert f'action="/jobs/{alice_job.pk}/hold/"' in body
+    assert "<h2>Request</h2>" not in body  # what never changes stays out
     assert "<html" not in body
 
 

@@ -747,7 +747,7 @@ def test_it_refuses_log_of_another_nodes_attempt(
 
     stored = services.append_log(node_b.pk, _log(attempt, 0, "forged\n"))
 
-    assert stored is False
+    assert stored is None
     assert not JobLogChunk.objects.exists()
 
 
@@ -763,7 +763,7 @@ def test_it_caps_the_stored_log(
     services.append_log(node.pk, _log(attempt, 7, "789abcdef"))
     last = services.append_log(node.pk, _log(attempt, 16, "more"))
 
-    assert last is False
+    assert last is None
     assert services.log_tail(job) == "0123456789"
 
 
