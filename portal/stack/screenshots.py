@@ -361,7 +361,7 @@ def main() -> int:
             90,
             "eight nodes up",
         )
-        services.set_node_mode(foreign.pk, "maintenance")
+        services.set_node_mode(foreign.pk, "maintenance", by=None)
         # gpu07 goes silent: its agent stops; the liveness check finds it.
         silent = Node.objects.get(name="gpu07")
         agents[silent.pk].terminate()
