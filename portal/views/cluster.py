@@ -124,10 +124,17 @@ def queue_context(user: Any, page: str | None = None) -> dict[str, Any]:
         running.append(job)
     now = timezone.now()
     rows: list[Any] = [*pending.object_list, *held, *running]
+    # Which rows link to their job's page: one query for the page, by the same
+    # rule as the page itself (a group's leader sees the group's jobs too).
+    visible = set(
+        Job.objects.visible_to(user)
+        .filter(pk__in=[job.pk for job in rows])
+        .values_list("pk", flat=True)
+    )
     for job in rows:
         # What the viewer may do next to it (as on the job's page), and the
         # figures as text: formatted here, a row costs the template far less.
-        job.visible = job.can_be_seen_by(user)
+        job.visible = job.pk in visible
         job.can_cancel = job.can_be_cancelled_by(user)
         job.can_hold = job.can_be_held_by(user)
         job.can_release = job.can_be_released_by(user)

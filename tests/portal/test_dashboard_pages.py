@@ -129,7 +129,7 @@ def test_the_cluster_page_shows_the_headline_and_each_gpu(
     reading(node_a.gpus.get(index=1), None, util_gpu=3.0)  # a foreign process
     node_a.gpus.filter(index=3).update(present=False)
     JobFactory(owner=bob)  # waiting
-    services.set_node_mode(node_b.pk, "drain")
+    services.set_node_mode(node_b.pk, "drain", by=None)
 
     page = body(client_for(bob).get(reverse("portal-overview")))
 

@@ -471,7 +471,7 @@ def test_the_cluster_state_says_what_each_gpu_is_doing(alice: User, bob: User) -
         latest_at=datetime.fromtimestamp(now, tz=UTC),
     )
     Gpu.objects.filter(pk=gpus[1].pk).update(present=False)
-    services.set_node_mode(node_b.pk, "maintenance")
+    services.set_node_mode(node_b.pk, "maintenance", by=None)
     Node.objects.filter(pk=node_a.pk).update(connected=True)
 
     snapshot = livestate.cluster_state(now=now)
