@@ -214,7 +214,17 @@ CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+# Behind a TLS-terminating proxy, which must set (and strip from clients)
+# X-Forwarded-Proto: a request is HTTPS when it says "https".
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Production over HTTPS (`manage.py check --deploy` is clean with these set; see
+# .env.example): redirect plain HTTP to HTTPS, and HSTS. Off by default, because
+# `make up`, compose on localhost and the tests serve plain HTTP, and HSTS is
+# remembered by browsers for its whole lifetime.
+SECURE_SSL_REDIRECT = envbool("DJANGO_SSL_REDIRECT", default=False)
+SECURE_HSTS_SECONDS = envint("DJANGO_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = envbool("DJANGO_HSTS_PRELOAD", default=False)
 
 # ------------------------------------------------------------------ i18n, static
 LANGUAGE_CODE = "en-us"
