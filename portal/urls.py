@@ -35,3 +35,6 @@ urlpatterns = [
     ),
     path("admin/", admin.site.urls),
 ]
+
+# The database unreachable: a 503 page (or JSON), not a 500 (portal/views/errors.py).
+handler500 = "portal.views.errors.server_error"
