@@ -6,7 +6,6 @@ fails. The admin console's own pages are tested in tests/portal/test_admin_conso
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,8 @@ from tests.conftest import make_node
 from tests.factories import JobFactory
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from django.contrib.auth.models import User
 
 pytestmark = pytest.mark.django_db
