@@ -190,7 +190,10 @@ def run(job_dir: Path) -> int:
     except LaunchError as exc:
         atomic_write(job_dir / "launch_error", f"{exc}\n")
         return 0
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
+        # ValueError: an environment variable name with "=", a NUL byte: the
+        # portal refuses both, but a bad spec must end as a launch failure (the
+        # job's fault), not as a shim dying without a result (the node's).
         atomic_write(job_dir / "launch_error", f"could not start the command: {exc}\n")
         return 0
 
