@@ -10,7 +10,7 @@ import http.server
 import json
 import secrets
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 class Receiver(http.server.BaseHTTPRequestHandler):
     """A webhook receiver that keeps what it got."""
 
-    got: list[dict[str, Any]] = []
+    got: ClassVar[list[dict[str, Any]]] = []
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
