@@ -18,8 +18,9 @@ _HEADER = re.compile(
     r"(?im)^([<>]?\s*(?:proxy-)?authorization|[<>]?\s*(?:set-)?cookie"
     r"|[<>]?\s*x-gpulab-signature)(\s*:\s*)(\S.*)$"
 )
-# A credential written anywhere else: "Bearer <token>", "Token <token>".
-_CREDENTIAL = re.compile(r"(?i)\b(bearer|token)(\s+)([A-Za-z0-9._~+/=-]{8,})")
+# A credential written anywhere else: "Bearer <token>", "Token <token>" (16
+# characters or more: a word after "token" in a sentence is left alone).
+_CREDENTIAL = re.compile(r"(?i)\b(bearer|token)(\s+)([A-Za-z0-9._~+/=-]{16,})")
 
 
 def redact(text: str) -> str:
