@@ -220,6 +220,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
                     "node %s was declared lost; closing so that its agent says hello",
                     self.node_name,
                 )
+                # Its new connection may say hello before this one's disconnect
+                # runs: leave the node's state to that one (as when replaced).
+                await self.channel_layer.group_discard(
+                    events.agent_group(node_id), self.channel_name
+                )
+                self.node_id = None
                 await self._close(CLOSE_NODE_LOST)
         elif isinstance(message, protocol.Metrics):
             sampled_at = message.data.sampled_at

@@ -20,7 +20,6 @@ from portal.accounting import services as accounting
 from portal.notifications import services as notifications
 from scheduler import metrics as metrics_store
 from scheduler.models import (
-    AgentReport,
     Allocation,
     Attempt,
     Gpu,
@@ -254,23 +253,26 @@ def record_heartbeat(node_id: int, held: Iterable[int] | None = None) -> str | N
     return str(row[0])
 
 
-_SIGHTINGS_SQL = """
-INSERT INTO scheduler_agentsighting
-    (node_id, attempt_id, first_seen_at, last_seen_at)
-SELECT %s, id, %s, %s FROM unnest(%s::bigint[]) AS t(id)
+# The node's report time and the sightings of what it listed, in one statement
+# (a heartbeat's only write besides the node's ``last_seen_at``).
+_REPORT_SQL = """
+WITH report AS (
+    INSERT INTO scheduler_agentreport (node_id, reported_at)
+    VALUES (%(node)s, %(now)s)
+    ON CONFLICT (node_id) DO UPDATE SET reported_at = EXCLUDED.reported_at
+)
+INSERT INTO scheduler_agentsighting (node_id, attempt_id, first_seen_at, last_seen_at)
+SELECT %(node)s, id, %(now)s, %(now)s FROM unnest(%(ids)s::bigint[]) AS t(id)
 ON CONFLICT (node_id, attempt_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
 """
 
 
 def record_report(node_id: int, held: Iterable[int], now: datetime) -> None:
     """The node's agent holds exactly the attempts ``held`` at ``now`` (from a
-    heartbeat or hello): the reconciler's evidence (``services.reconcile``). Two
-    statements."""
+    heartbeat or hello): the reconciler's evidence (``services.reconcile``)."""
     ids = sorted(set(held))[: protocol.MAX_HELD]
-    AgentReport.objects.update_or_create(node_id=node_id, defaults={"reported_at": now})
-    if ids:
-        with connection.cursor() as cursor:
-            cursor.execute(_SIGHTINGS_SQL, [node_id, now, now, ids])
+    with connection.cursor() as cursor:
+        cursor.execute(_REPORT_SQL, {"node": node_id, "now": now, "ids": ids})
 
 
 def record_disconnect(node_id: int) -> None:
