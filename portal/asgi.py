@@ -15,6 +15,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import path  # noqa: E402
 
+from portal.api.middleware import BodyLimit  # noqa: E402
 from portal.consumers import DashboardConsumer  # noqa: E402
 from scheduler.consumers import AgentConsumer  # noqa: E402
 
@@ -35,5 +36,6 @@ async def _websocket_router(scope, receive, send):  # type: ignore[no-untyped-de
 
 
 application = ProtocolTypeRouter(
-    {"http": django_asgi_app, "websocket": _websocket_router}
+    # the API's body limit holds before Django's handler reads the body
+    {"http": BodyLimit(django_asgi_app), "websocket": _websocket_router}
 )

@@ -3,63 +3,32 @@ parses text into values and shows the service's field errors next to the fields.
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar, cast
 
 from django import forms
 from django.conf import settings
 
+from portal import units
 from scheduler import classes, services
-
-_DURATION_RE = re.compile(
-    r"^(?:(?P<d>\d+)d)?\s*(?:(?P<h>\d+)h)?\s*(?:(?P<m>\d+)m)?\s*(?:(?P<s>\d+)s)?$"
-)
-_MEMORY_RE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[MG]i?B?|[MG])?$", re.I)
 
 
 def parse_duration(text: str) -> int | None:
-    """'4h', '1d12h', '90m', '2h30m', '3600s', 'HH:MM:SS' or bare minutes -> seconds."""
-    text = text.strip().lower()
-    if not text:
-        return None
-    if text.isdigit():
-        return int(text) * 60
-    if re.fullmatch(r"\d+:\d{1,2}:\d{1,2}", text):
-        h, m, s = (int(p) for p in text.split(":"))
-        return h * 3600 + m * 60 + s
-    match = _DURATION_RE.match(text)
-    if not match or not any(match.groupdict().values()):
-        raise forms.ValidationError(
-            "Write a duration like 4h, 90m, 1d12h or 02:30:00.", code="invalid"
-        )
-    parts = {k: int(v or 0) for k, v in match.groupdict().items()}
-    return parts["d"] * 86400 + parts["h"] * 3600 + parts["m"] * 60 + parts["s"]
+    """``portal.units.parse_duration`` with the form's error."""
+    try:
+        return units.parse_duration(text)
+    except ValueError as exc:
+        raise forms.ValidationError(str(exc), code="invalid") from None
 
 
-def format_duration(seconds: int) -> str:
-    """The exact inverse of ``parse_duration``: 5400 -> '1h30m', 90061 -> '1d1h1m1s'."""
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        count, seconds = divmod(seconds, size)
-        if count:
-            parts.append(f"{count}{unit}")
-    return "".join(parts) or "0s"
+format_duration = units.format_duration
 
 
 def parse_memory_mib(text: str) -> int | None:
-    """'12G', '12GB', '16GiB', '512M', '2048' (MiB) -> MiB."""
-    text = text.strip()
-    if not text:
-        return None
-    match = _MEMORY_RE.match(text)
-    if not match:
-        raise forms.ValidationError(
-            "Write an amount like 12G, 16GiB or 2048M.", code="invalid"
-        )
-    number = float(match.group("n"))
-    unit = (match.group("unit") or "M").upper()
-    mib = number * 1024 if unit.startswith("G") else number
-    return max(1, round(mib))
+    """``portal.units.parse_memory_mib`` with the form's error."""
+    try:
+        return units.parse_memory_mib(text)
+    except ValueError as exc:
+        raise forms.ValidationError(str(exc), code="invalid") from None
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -152,6 +121,14 @@ class JobForm(forms.Form):
         initial="requeue",
         required=False,  # absent: requeue
     )
+    after = forms.CharField(
+        label="Run after",
+        required=False,
+        max_length=2000,
+        help_text="Start only after other jobs end, e.g. <code>afterok:12</code>, "
+        "<code>afterany:12:13</code>, <code>afternotok:a7</code> (a7: every task "
+        "of array 7). Optional.",
+    )
     env = forms.CharField(
         label="Environment",
         required=False,
@@ -216,6 +193,7 @@ class JobForm(forms.Form):
             requeue_on_node_loss=data["on_node_loss"] != "fail",
             slowdown_cap=data["slowdown_cap"],
             evictable=data["on_partner_hurt"] != "keep",
+            after=data["after"],
         )
 
     # Service field names -> form field names.

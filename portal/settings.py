@@ -22,6 +22,7 @@ from portal.settings_env import (
     envfloat,
     envint,
     envlist,
+    envnetworks,
     envsecret,
     envstr,
     envurl,
@@ -45,7 +46,7 @@ CSRF_TRUSTED_ORIGINS = envlist("DJANGO_CSRF_TRUSTED_ORIGINS", [])
 STATE_DIR = Path(envstr("GPULAB_STATE_DIR", str(BASE_DIR / "var")))
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "portal.apps.GpulabAdminConfig",  # django.contrib.admin; 403 for non-staff
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -60,6 +61,9 @@ INSTALLED_APPS = [
     "portal.accounting",
     "portal.notifications",
     "portal.idle",
+    "rest_framework",
+    "drf_spectacular",
+    "portal.api",
 ]
 
 MIDDLEWARE = [
@@ -72,6 +76,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "portal.api.middleware.ApiErrorMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -193,6 +198,28 @@ GPULAB_NOTIFY_MAX_ATTEMPTS = envint("GPULAB_NOTIFY_MAX_ATTEMPTS", 6, minimum=1)
 GPULAB_NOTIFY_BACKOFF = envfloat("GPULAB_NOTIFY_BACKOFF", 30.0, minimum=0.1)
 GPULAB_NOTIFY_BACKOFF_CAP = envfloat("GPULAB_NOTIFY_BACKOFF_CAP", 3600.0, minimum=1)
 GPULAB_WEBHOOK_TIMEOUT = envfloat("GPULAB_WEBHOOK_TIMEOUT", 10.0, minimum=0.1)
+# Webhooks may not reach the portal's own network: a URL whose host resolves to a
+# loopback, private, link-local, multicast or reserved address is refused (when
+# saved, and again at each send, against the address connected to) unless it is
+# in one of these networks (comma-separated CIDRs, e.g. 10.20.0.0/16; default
+# none).
+GPULAB_WEBHOOK_ALLOWED_NETWORKS = envnetworks("GPULAB_WEBHOOK_ALLOWED_NETWORKS")
+# Users' webhook secrets are stored encrypted (Fernet) with a key derived from
+# this passphrase (default: from DJANGO_SECRET_KEY). Comma-separated: the first
+# encrypts, each one decrypts (to rotate, put the new one first). A secret no key
+# can read any more is not sent unsigned: its owner is asked to set it again.
+GPULAB_WEBHOOK_SECRET_KEY = [
+    key.strip()
+    for key in envsecret("GPULAB_WEBHOOK_SECRET_KEY", "").split(",")
+    if key.strip()
+]
+for _key in GPULAB_WEBHOOK_SECRET_KEY:
+    if len(_key) < 16:
+        raise ImproperlyConfigured(
+            "GPULAB_WEBHOOK_SECRET_KEY: each key must be at least 16 characters"
+            f" long (one has {len(_key)})"
+        )
+GPULAB_WEBHOOK_SECRET_KEY = GPULAB_WEBHOOK_SECRET_KEY or [SECRET_KEY]
 CELERY_BEAT_SCHEDULE["notifications-sweep"] = {
     "task": "portal.notifications.tasks.sweep",
     "schedule": 30.0,
@@ -240,6 +267,47 @@ STATIC_ROOT = STATE_DIR / "static"
 WHITENOISE_USE_FINDERS = True
 # Largest request body (the submit form, the API): generous for commands and envs.
 DATA_UPLOAD_MAX_MEMORY_SIZE = 512 * 1024
+
+# ------------------------------------------------------------------ REST API
+# /api/v1/ (portal/api): personal tokens (Authorization: Bearer gpl_...) or the
+# browser's session (with CSRF); JSON only; errors as {"error", "detail", "fields"}.
+REST_FRAMEWORK: dict[str, Any] = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "portal.api.auth.TokenAuthentication",
+        "portal.api.auth.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.RedisRateThrottle"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "portal.api.errors.exception_handler",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS: dict[str, Any] = {
+    "TITLE": "gpulab API",
+    "DESCRIPTION": "Jobs, job arrays, nodes and usage of the lab's GPU pool. "
+    "Authenticate with a personal token (Tokens page): "
+    "`Authorization: Bearer gpl_...`.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {},
+}
+# Requests per token (or per signed-in user, or per client address before it is
+# known who asks) per window, Redis-backed (GCRA: a burst of the whole limit,
+# then one request per window/limit); over it: 429 with Retry-After.
+GPULAB_API_RATE_LIMIT = envint("GPULAB_API_RATE_LIMIT", 600, minimum=1)
+GPULAB_API_RATE_WINDOW = envint("GPULAB_API_RATE_WINDOW", 60, minimum=1)
+# Largest API request body, bytes: 413 above it.
+GPULAB_API_MAX_BODY_BYTES = envint(
+    "GPULAB_API_MAX_BODY_BYTES", 256 * 1024, minimum=1024, maximum=16 * 1024 * 1024
+)
+# Days a new API token lives unless its owner picks otherwise (0: no expiry).
+GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 
 # ------------------------------------------------------------------ logging
 LOGGING = {
@@ -402,6 +470,12 @@ GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
 GPULAB_MAX_COMMAND_BYTES = envint(
     "GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256, maximum=MAX_COMMAND_CHARS
 )
+# Job arrays (issue 8): tasks per array at most; jobs one job may wait for
+# (dependencies, after an array's expansion into its tasks).
+GPULAB_MAX_ARRAY_SIZE = envint(
+    "GPULAB_MAX_ARRAY_SIZE", 1000, minimum=1, maximum=100_000
+)
+GPULAB_MAX_DEPENDENCIES = envint("GPULAB_MAX_DEPENDENCIES", 1000, minimum=1)
 # Job log kept by the portal per job, bytes (the agent keeps the whole file).
 GPULAB_LOG_MAX_BYTES = envint("GPULAB_LOG_MAX_BYTES", 4 * 1024 * 1024, minimum=4096)
 # Metric history: one sample per GPU persisted every N seconds (the 1 Hz stream stays

@@ -7,6 +7,7 @@ value stops the process at start instead of misbehaving later (healthchecks styl
 from __future__ import annotations
 
 import os
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -131,3 +132,21 @@ def envurl(name: str, schemes: tuple[str, ...]) -> str:
             f" it has {got}"
         )
     return value
+
+
+def envnetworks(name: str) -> tuple[IPv4Network | IPv6Network, ...]:
+    """Comma-separated IP networks in CIDR notation (``10.0.0.0/8, ::1/128``; a
+    bare address is its own /32 or /128); empty: none."""
+    value = os.environ.get(name, "")
+    networks = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ip_network(item, strict=False))
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"{name}: {item!r} is not an IP network in CIDR notation "
+                "(e.g. 10.0.0.0/8 or fd00::/8)"
+            ) from None
+    return tuple(networks)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 
 from portal.accounting import views as accounting
+from portal.api import pages as api_pages
 from portal.notifications import views as notifications
 from portal.views import admin_overview, cluster, jobs
 
@@ -34,6 +35,11 @@ urlpatterns = [
         name="admin-overview",
     ),
     path("admin/", admin.site.urls),
+    path("api/v1/", include("portal.api.urls")),
+    path("tokens/", api_pages.token_list, name="api-tokens"),
+    path(
+        "tokens/<int:token_id>/revoke/", api_pages.token_revoke, name="api-token-revoke"
+    ),
 ]
 
 # The database unreachable: a 503 page (or JSON), not a 500 (portal/views/errors.py).

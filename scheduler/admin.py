@@ -256,10 +256,11 @@ class NodeAdmin(admin.ModelAdmin[Node]):
         already: str,
     ) -> None:
         done, skipped = 0, []
+        by = _acting_user(request)
         for node in queryset.order_by("name"):
-            if services.set_node_mode(node.pk, mode):
+            # the service checks drain_node and writes the node's history
+            if services.set_node_mode(node.pk, mode, by=by):
                 done += 1
-                self.log_change(request, node, verb)
             else:
                 skipped.append(f"{node.name} {already}.")
         _report(self, request, verb, done, skipped)

@@ -148,6 +148,11 @@ def store_samples(
     if not rows:
         return StoreResult(0, 0)
     _insert(rows)
+    # A sample replayed late (after a disconnect) changes idle time the GPU-hour
+    # rollup may have computed already: have it look again from there.
+    from portal.accounting import hours
+
+    hours.note_change(at, now)
     return StoreResult(len(rows), 0)
 
 

@@ -218,12 +218,15 @@ class Gpu(models.Model):
 
 class JobQuerySet(models.QuerySet["Job"]):
     def visible_to(self, user: User | AnonymousUser) -> JobQuerySet:
-        """Jobs the user may see: their own; staff see all."""
+        """Jobs the user may see: their own and, for a group's leader, the jobs
+        charged to that group (issue 6: leaders see their group's usage and
+        jobs, read only); staff see all."""
         if not user.is_authenticated:
             return self.none()
         if user.is_staff:
             return self
-        return self.filter(owner=user)
+        led = Membership.objects.filter(user=user, is_leader=True).values("group_id")
+        return self.filter(Q(owner=user) | Q(group_id__in=led))
 
     def pending(self) -> JobQuerySet:
         return self.filter(status=Job.Status.PENDING)
@@ -330,6 +333,17 @@ class Job(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
+    # A task of a job array (issue 8): its array and index (GPULAB_ARRAY_INDEX in
+    # its environment at launch). Its dependencies are ``JobDependency`` rows.
+    array = models.ForeignKey(
+        "JobArray",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="tasks",
+    )
+    array_index = models.PositiveIntegerField(null=True, blank=True)
+
     objects = JobQuerySet.as_manager()
 
     class Meta:
@@ -344,6 +358,15 @@ class Job(models.Model):
             ),
             models.CheckConstraint(
                 condition=~Q(command=""), name="%(app_label)s_%(class)s_command_set"
+            ),
+            models.UniqueConstraint(
+                fields=["array", "array_index"],
+                name="%(app_label)s_%(class)s_unique_array_index",
+            ),
+            models.CheckConstraint(
+                condition=Q(array__isnull=True, array_index__isnull=True)
+                | Q(array__isnull=False, array_index__isnull=False),
+                name="%(app_label)s_%(class)s_array_task_indexed",
             ),
         ]
         indexes: ClassVar = [
@@ -401,11 +424,13 @@ class Job(models.Model):
         return self.cancel_requested_at is not None and not self.is_terminal
 
     def can_be_seen_by(self, user: User | AnonymousUser) -> bool:
-        return user.is_authenticated and (user.is_staff or self.owner_id == user.pk)
+        return Job.objects.visible_to(user).filter(pk=self.pk).exists()
 
     def can_be_cancelled_by(self, user: User | AnonymousUser) -> bool:
+        """Its owner or staff (a group's leader sees the job, read only)."""
         return (
-            self.can_be_seen_by(user)
+            user.is_authenticated
+            and (user.is_staff or self.owner_id == user.pk)
             and self.status in self.ACTIVE
             and self.cancel_requested_at is None
         )
@@ -434,6 +459,73 @@ class Job(models.Model):
             return None
         end = self.finished_at or now or timezone.now()
         return end - self.started_at
+
+
+class JobArray(models.Model):
+    """One submission of many tasks (issue 8): ``size`` ``Job`` rows, each with its
+    ``array_index`` (``GPULAB_ARRAY_INDEX`` at launch) and its own state. At most
+    ``max_running`` of them run at once (the ``%N`` of ``0-99%8``), enforced by the
+    pure policy's gate (``policy.arrays``). ``spec`` is the indexes as submitted,
+    normalised (``services.parse_array_spec``)."""
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+"
+    )
+    name = models.CharField(max_length=128)
+    spec = models.CharField(max_length=200)
+    size = models.PositiveIntegerField()
+    max_running = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("-id",)
+        constraints: ClassVar = [
+            models.CheckConstraint(
+                condition=Q(size__gte=1), name="%(app_label)s_%(class)s_size_gte_1"
+            ),
+            models.CheckConstraint(
+                condition=Q(max_running__isnull=True) | Q(max_running__gte=1),
+                name="%(app_label)s_%(class)s_max_running_gte_1",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"array {self.pk} {self.name} [{self.spec}]"
+
+
+class JobDependency(models.Model):
+    """``job`` may start only once ``depends_on`` has ended, as ``kind`` asks
+    (Slurm's ``--dependency``): ``afterok`` (it completed with exit 0),
+    ``afternotok`` (it ended any other way: failed, cancelled, timed out) or
+    ``afterany`` (it ended). Evaluated by the pure policy each pass
+    (``policy.dependency``); a dependency that can never be met keeps the job
+    pending with the reason ``dependency_never``."""
+
+    class Kind(models.TextChoices):
+        AFTEROK = "afterok", "afterok"
+        AFTERANY = "afterany", "afterany"
+        AFTERNOTOK = "afternotok", "afternotok"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="dependencies")
+    depends_on = models.ForeignKey(
+        Job, on_delete=models.CASCADE, related_name="dependents"
+    )
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+
+    class Meta:
+        ordering = ("job", "depends_on")
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["job", "depends_on"], name="%(app_label)s_%(class)s_unique"
+            ),
+            models.CheckConstraint(
+                condition=~Q(job=models.F("depends_on")),
+                name="%(app_label)s_%(class)s_not_self",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} {self.kind}:{self.depends_on_id}"
 
 
 class Attempt(models.Model):
@@ -620,7 +712,12 @@ class Allocation(models.Model):
                 fields=["gpu"],
                 condition=Q(released_at__isnull=True),
                 name="scheduler_alloc_live_idx",
-            )
+            ),
+            # A GPU's allocations released since a time (running attempts'
+            # neighbours: portal.accounting.live), whatever the GPU's history.
+            models.Index(
+                fields=["gpu", "released_at"], name="scheduler_alloc_released_idx"
+            ),
         ]
 
     def __str__(self) -> str:

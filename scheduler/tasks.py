@@ -13,6 +13,7 @@ from celery import shared_task
 from django.conf import settings
 from django.db import connection
 
+from portal.accounting import hours
 from portal.quotas.alerts import record_alerts
 from scheduler import metrics, policy, services
 
@@ -168,5 +169,6 @@ def reconcile() -> dict[str, list[int]]:
 
 @shared_task(ignore_result=True)
 def maintain_metrics() -> dict[str, Any]:
-    """Roll samples up, keep partitions ahead, drop what is past retention (beat)."""
-    return metrics.maintain()
+    """Roll samples up, keep partitions ahead, drop what is past retention; bring
+    the GPU hours (held / idle, the admin overview's) up to date (beat)."""
+    return {**metrics.maintain(), **hours.maintain()}

@@ -16,7 +16,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
 DAY = 86400.0
 
@@ -60,31 +60,31 @@ def _midnights(since: float, until: float) -> list[float]:
     return out
 
 
-def split(runs: Iterable[Run], until: float) -> dict[int, dict[date, float]]:
-    """GPU-seconds charged to each attempt on one GPU, by UTC day, up to ``until``
-    (a running attempt is charged up to then at its current share).
-
-    A sweep over the runs' starts and ends (and the midnights between): in each
-    piece the attempts running share it by weight. Attempts that ran no time get
-    no entry."""
-    pieces: list[tuple[float, int, Run]] = []
+def pieces(
+    runs: Iterable[Run], until: float, cuts: Iterable[float] = ()
+) -> Iterator[tuple[float, float, dict[int, float]]]:
+    """One GPU's time up to ``until``, cut where a run starts or ends and at each
+    of ``cuts``: every piece in which something ran, as ``(t0, t1, shares)`` with
+    each live attempt's share of it (by weight; they sum to 1). A running
+    attempt runs up to ``until``; attempts that ran no time appear nowhere."""
+    edges: list[tuple[float, int, Run]] = []
     for run in runs:
         end = until if run.end is None else min(run.end, until)
         if end <= run.start:
             continue
-        pieces.append((run.start, 1, run))
-        pieces.append((end, -1, run))
-    if not pieces:
-        return {}
-    times = sorted({t for t, _, _ in pieces})
-    times = sorted({*times, *_midnights(times[0], times[-1])})
-    pieces.sort(key=lambda p: (p[0], p[1]))  # ends before starts at one instant
-    out: dict[int, dict[date, float]] = {}
+        edges.append((run.start, 1, run))
+        edges.append((end, -1, run))
+    if not edges:
+        return
+    times = sorted({t for t, _, _ in edges})
+    lo, hi = times[0], times[-1]
+    times = sorted({*times, *(c for c in cuts if lo < c < hi)})
+    edges.sort(key=lambda e: (e[0], e[1]))  # ends before starts at one instant
     active: dict[int, float] = {}
     i = 0
     for t0, t1 in itertools.pairwise(times):
-        while i < len(pieces) and pieces[i][0] <= t0:
-            _, kind, run = pieces[i]
+        while i < len(edges) and edges[i][0] <= t0:
+            _, kind, run = edges[i]
             if kind > 0:
                 active[run.attempt_id] = run.weight
             else:
@@ -93,10 +93,51 @@ def split(runs: Iterable[Run], until: float) -> dict[int, dict[date, float]]:
         total = sum(active.values())
         if not active or total <= 0:
             continue
+        yield t0, t1, {a: w / total for a, w in active.items()}
+
+
+def split(runs: Iterable[Run], until: float) -> dict[int, dict[date, float]]:
+    """GPU-seconds charged to each attempt on one GPU, by UTC day, up to ``until``
+    (a running attempt is charged up to then at its current share).
+
+    A sweep over the runs' starts and ends and the UTC midnights between
+    (``pieces``): in each piece the attempts running share it by weight.
+    Attempts that ran no time get no entry."""
+    runs = list(runs)
+    starts = [r.start for r in runs]
+    midnights = _midnights(min(starts), until) if starts else []
+    out: dict[int, dict[date, float]] = {}
+    for t0, t1, shares in pieces(runs, until, midnights):
         day = day_of(t0)
-        for attempt_id, w in active.items():
+        for attempt_id, share in shares.items():
             by_day = out.setdefault(attempt_id, {})
-            by_day[day] = by_day.get(day, 0.0) + (t1 - t0) * w / total
+            by_day[day] = by_day.get(day, 0.0) + (t1 - t0) * share
+    return out
+
+
+def charged(
+    runs: Iterable[Run], until: float, since: float | None = None
+) -> dict[int, float]:
+    """GPU-seconds charged to each attempt on one GPU from ``since`` (None: from
+    the start) to ``until``: ``split`` summed over the days, of the runs clipped at
+    ``since``. Clipping is exact: the shares at an instant depend only on the runs
+    live at that instant."""
+    if since is not None:
+        runs = [
+            Run(r.attempt_id, max(r.start, since), r.end, r.weight)
+            for r in runs
+            if r.end is None or r.end > since
+        ]
+    else:
+        runs = list(runs)
+    if len(runs) == 1:  # alone on its GPU: all of it (the common case)
+        [run] = runs
+        end = until if run.end is None else min(run.end, until)
+        return {run.attempt_id: end - run.start} if end > run.start else {}
+    out: dict[int, float] = {}
+    for t0, t1, shares in pieces(runs, until):
+        for attempt_id, share in shares.items():
+            out[attempt_id] = out.get(attempt_id, 0.0) + (t1 - t0) * share
     return out
 
 

@@ -3,8 +3,8 @@ UTC day and user, top jobs, GPU efficiency and per-record rows.
 
 Ended attempts come from ``DailyUsage`` (one row per usage record per day, indexed
 by (group, day) and (user, day)): a month of a group is a few thousand rows
-whatever the history's size. Running attempts come live: charged up to now at
-their current share by the same rule (``charging.split``) over their GPUs' runs.
+whatever the history's size. Running attempts come live: charged up to now by
+the same rule (``charging.split`` over their GPUs' runs, ``live``).
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db.models import Q, Sum
 
-from portal.accounting import charging
+from portal.accounting import live
 from portal.accounting.models import DailyUsage
-from portal.accounting.services import as_runs, load_runs
-from scheduler.models import Allocation, Attempt, Gpu, Group, Job, UsageRecord
+from scheduler.models import Attempt, Gpu, Group, Job, UsageRecord
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from portal.accounting.live import LiveRun
 
 
 @dataclass(frozen=True)
@@ -45,71 +45,12 @@ def day_start(day: date) -> datetime:
     return datetime.combine(day, time.min, UTC)
 
 
-@dataclass
-class LiveRun:
-    """A running attempt's charge on one GPU so far."""
-
-    attempt_id: int
-    job_id: int
-    user_id: int
-    group_id: int
-    gpu_id: int
-    start: float
-    by_day: dict[date, float]
-
-    @property
-    def gpu_seconds(self) -> float:
-        return sum(self.by_day.values())
-
-
 def live_runs(scope: Scope, now: datetime) -> list[LiveRun]:
-    """The scope's running attempts, charged up to ``now`` at their current share,
-    per GPU and UTC day. Three queries."""
-    whose = (
-        Q(job__group_id=scope.group_id)
-        if scope.group_id is not None
-        else Q(job__owner_id=scope.user_id)
+    """The scope's running attempts, charged up to ``now`` by the charging rule,
+    per GPU and UTC day (``portal.accounting.live``: one query)."""
+    return list(
+        live.load(now, user_id=scope.user_id, group_id=scope.group_id).per_gpu()
     )
-    live = list(
-        Attempt.objects.filter(
-            whose,
-            ended_at__isnull=True,
-            started_at__isnull=False,
-        ).values_list("pk", "job_id", "job__owner_id", "job__group_id", "started_at")
-    )
-    if not live:
-        return []
-    info = {pk: (job, user, group) for pk, job, user, group, _ in live}
-    gpus = set(
-        Allocation.objects.filter(
-            attempt_id__in=info, released_at__isnull=True
-        ).values_list("gpu_id", flat=True)
-    )
-    since = min(started for *_, started in live if started is not None)
-    rows = load_runs(gpus, since, now)
-    mode = settings.GPULAB_SHARED_CHARGE
-    by_gpu: dict[int, list[Any]] = defaultdict(list)
-    for r in rows:
-        by_gpu[r.gpu_id].append(r)
-    out = []
-    until = now.timestamp()
-    for gpu_id, gpu_rows in by_gpu.items():
-        charges = charging.split(as_runs(gpu_rows, mode), until)
-        for r in gpu_rows:
-            if r.attempt_id in info and r.end is None:
-                job, user, group = info[r.attempt_id]
-                out.append(
-                    LiveRun(
-                        r.attempt_id,
-                        job,
-                        user,
-                        group,
-                        gpu_id,
-                        r.start,
-                        charges.get(r.attempt_id, {}),
-                    )
-                )
-    return out
 
 
 @dataclass

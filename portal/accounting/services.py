@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from portal.accounting import charging
+from portal.accounting import charging, hours
 from portal.accounting.models import DailyUsage
 from scheduler.models import Allocation, Attempt, Gpu, UsageRecord
 
@@ -102,6 +102,8 @@ def charge(attempt: Attempt) -> None:
     if attempt.started_at is None or attempt.ended_at is None:
         return  # never ran: nothing to charge
     recharge(_gpus_of(attempt), attempt.started_at, attempt.ended_at)
+    # An end reported late changes GPU hours computed as if it still ran.
+    hours.note_change(attempt.ended_at)
 
 
 def recharge_after_start(attempt: Attempt) -> None:
@@ -109,6 +111,7 @@ def recharge_after_start(attempt: Attempt) -> None:
     report): that neighbour was charged as if alone; charge it again."""
     if attempt.started_at is None:
         return
+    hours.note_change(attempt.started_at)
     gpus = _gpus_of(attempt)
     stale = UsageRecord.objects.filter(
         gpu_id__in=gpus, ended_at__gt=attempt.started_at

@@ -1,17 +1,13 @@
 """Find idle jobs: one query over recent samples for every running attempt.
 
-A sample is idle evidence for an attempt on a GPU when the SM utilisation of the
-attempt's own processes is below its class's threshold. Memory held counts for
-nothing (a job holding 20 GiB at 0 % SM is idle). On a GPU shared with another job
-only the attempt's own processes count. When the agent reports per-process SM
-utilisation for some process on the GPU, a process of ours absent from it did
-nothing (NVML lists only processes that ran); when it reports none at all, the
-whole GPU's utilisation stands in for ours (an upper bound: never a false idle). A
-lost GPU, an unknown reading or a gap between samples longer than
-``3 * GPULAB_METRICS_PERSIST_INTERVAL`` (the agent was cut off) is no evidence:
-the idle run starts again after it. A job is idle when, on every GPU it holds, the
-current run of idle evidence is at least the window long and its latest sample is
-fresh; so a job younger than the window never is.
+What counts as idle evidence in one sample is ``portal.idle.evidence`` (the one
+definition, shared with the admin overview's idle GPU-hours): the SM utilisation
+of the attempt's own processes below its class's threshold, memory held counting
+for nothing; a lost GPU, an unknown reading or a gap between samples longer than
+``evidence.max_gap()`` is no evidence, and the idle run starts again after it. A
+job is idle when, on every GPU it holds, the current run of idle evidence is at
+least the window long and its latest sample is fresh; so a job younger than the
+window never is.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from portal.idle import evidence
 from portal.idle.models import IdleFlag
 from portal.idle.rules import IdleRule, all_rules, rule_for
 from portal.notifications.models import Kind
@@ -54,18 +51,8 @@ live AS (
 ),
 readings AS (
     SELECT l.attempt_id, l.gpu_id, s.at, l.threshold,
-        CASE
-            WHEN s.lost THEN NULL
-            WHEN EXISTS (SELECT 1 FROM jsonb_array_elements(s.processes) p
-                         WHERE p->>'sm_util' IS NOT NULL)
-            THEN (SELECT coalesce(sum((p->>'sm_util')::float8), 0)
-                  FROM jsonb_array_elements(s.processes) p
-                  WHERE (p->>'attempt_id')::bigint = l.attempt_id)
-            ELSE s.util_gpu
-        END AS own_util,
-        (SELECT sum((p->>'used_memory_mib')::bigint)
-         FROM jsonb_array_elements(s.processes) p
-         WHERE (p->>'attempt_id')::bigint = l.attempt_id) AS own_mem,
+        OWN_SM AS own_util,
+        OWN_MEMORY AS own_mem,
         s.at - lag(s.at) OVER (PARTITION BY l.attempt_id, l.gpu_id ORDER BY s.at)
             AS gap
     FROM live l
@@ -96,7 +83,9 @@ LEFT JOIN marked m ON m.attempt_id = l.attempt_id AND m.gpu_id = l.gpu_id
     AND m.at >= coalesce(e.last_resume_at, '-infinity'::timestamptz)
 GROUP BY l.attempt_id, l.job_id, l.started_at, l.priority_class, l.gpu_id,
          e.last_at, e.last_active_at
-"""
+""".replace("OWN_SM", evidence.own_sm("s", "l.attempt_id")).replace(
+    "OWN_MEMORY", evidence.own_memory("s", "l.attempt_id")
+)
 
 
 @dataclass
@@ -139,8 +128,7 @@ class AttemptReading:
         return max(times) if times else None
 
 
-def max_gap() -> timedelta:
-    return timedelta(seconds=3 * settings.GPULAB_METRICS_PERSIST_INTERVAL)
+max_gap = evidence.max_gap
 
 
 def readings(now: datetime, rules: dict[str, IdleRule]) -> dict[int, AttemptReading]:

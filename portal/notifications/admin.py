@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from typing import ClassVar
+
 from django.contrib import admin
+from django.db import models
 
 from portal.notifications.models import Delivery, Preference
 
@@ -11,6 +14,8 @@ class PreferenceAdmin(admin.ModelAdmin[Preference]):
     search_fields = ("user__username", "webhook_url")
     # The secret is the user's to set (their notifications page), never shown.
     exclude = ("webhook_secret",)
+    # As on the user's form: a URL typed without a scheme is https.
+    formfield_overrides: ClassVar = {models.URLField: {"assume_scheme": "https"}}
 
 
 @admin.register(Delivery)

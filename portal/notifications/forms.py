@@ -1,4 +1,9 @@
-"""The preferences form: which events, e-mail on/off, a webhook and its secret."""
+"""The preferences form: which events, e-mail on/off, a webhook and its secret.
+
+The URL must not lead into the portal's own network (``Preference.clean``:
+``targets.check``, the error names the address and why); the secret is stored encrypted and never shown
+(an empty field keeps the one stored, unless it can no longer be read: then the
+form asks for it again)."""
 
 from __future__ import annotations
 
@@ -38,24 +43,24 @@ class PreferenceForm(forms.ModelForm[Preference]):
 
     class Meta:
         model = Preference
-        fields = ("kinds", "email_enabled", "webhook_url", "webhook_secret")
+        fields = ("kinds", "email_enabled", "webhook_url")
         labels: ClassVar = {"email_enabled": "Send e-mail"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.had_secret = bool(self.instance.webhook_secret)
+        self.secret_state = self.instance.secret_state
 
     def clean_webhook_url(self) -> str:
         url: str = self.cleaned_data.get("webhook_url", "")
-        if url and not url.lower().startswith(("http://", "https://")):
+        if not url:
+            return url
+        if not url.lower().startswith(("http://", "https://")):
             raise forms.ValidationError("Use an http:// or https:// address.")
-        return url
+        return url  # where it leads is checked by ``Preference.clean``
 
     def clean_webhook_secret(self) -> str:
         secret: str = self.cleaned_data.get("webhook_secret", "")
-        if not secret:
-            return str(self.instance.webhook_secret)  # unchanged
-        if len(secret) < MIN_SECRET:
+        if secret and len(secret) < MIN_SECRET:
             raise forms.ValidationError(
                 f"The secret must be at least {MIN_SECRET} characters long."
             )
@@ -63,12 +68,28 @@ class PreferenceForm(forms.ModelForm[Preference]):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
-        if data.get("webhook_url") and not data.get("webhook_secret"):
+        if not data.get("webhook_url") or data.get("webhook_secret"):
+            return data
+        if self.secret_state == "unreadable":
+            self.add_error(
+                "webhook_secret",
+                "Your saved secret can no longer be read (the portal's encryption "
+                "key changed): enter it again.",
+            )
+        elif self.secret_state == "none":
             self.add_error(
                 "webhook_secret",
                 "A webhook needs a secret, so your receiver can tell that a "
                 "request came from gpulab.",
             )
-        if not data.get("webhook_url"):
-            data["webhook_secret"] = ""  # no webhook, no secret kept
         return data
+
+    def save(self, commit: bool = True) -> Preference:  # noqa: FBT001, FBT002
+        pref = super().save(commit=False)
+        if not pref.webhook_url:
+            pref.set_webhook_secret("")  # no webhook, no secret kept
+        elif self.cleaned_data.get("webhook_secret"):
+            pref.set_webhook_secret(self.cleaned_data["webhook_secret"])
+        if commit:
+            pref.save()
+        return pref

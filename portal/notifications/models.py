@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+from portal.notifications import secrets, targets
 
 
 class Kind(models.TextChoices):
@@ -47,12 +50,43 @@ class Preference(models.Model):
     kinds = models.JSONField(default=default_kinds)
     email_enabled = models.BooleanField(default=True)
     webhook_url = models.URLField(max_length=500, blank=True)
-    # Shared with the receiver, who checks X-Gpulab-Signature with it (README).
-    webhook_secret = models.CharField(max_length=200, blank=True)
+    # Shared with the receiver, who checks X-Gpulab-Signature with it (README);
+    # stored encrypted ("fernet:..."): set and read it through the methods below.
+    webhook_secret = models.TextField(blank=True)
     updated_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
         return f"notification preferences of {self.user}"
+
+    def clean(self) -> None:
+        """A webhook may not lead into the portal's own network (any form that
+        saves one, the user's or the admin's, gets the error on the URL)."""
+        super().clean()
+        if self.webhook_url:
+            try:
+                targets.check(self.webhook_url)
+            except targets.RefusedTarget as exc:
+                raise ValidationError({"webhook_url": str(exc)}) from None
+
+    def set_webhook_secret(self, plain: str) -> None:
+        """Store ``plain`` encrypted ("": no secret)."""
+        self.webhook_secret = secrets.encrypt(plain)
+
+    def read_webhook_secret(self) -> str:
+        """The secret ("" if none); raises ``secrets.Unreadable`` when no
+        configured key decrypts it (GPULAB_WEBHOOK_SECRET_KEY changed)."""
+        return secrets.decrypt(self.webhook_secret)
+
+    @property
+    def secret_state(self) -> str:
+        """ "none", "set" or "unreadable" (to be set again by its owner)."""
+        if not self.webhook_secret:
+            return "none"
+        try:
+            self.read_webhook_secret()
+        except secrets.Unreadable:
+            return "unreadable"
+        return "set"
 
     def wants(self, kind: str) -> bool:
         return kind == Kind.TEST or kind in self.kinds

@@ -24,7 +24,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.notifications import signing
+from portal.notifications import secrets, signing, targets
 from portal.notifications.models import Delivery, Kind, Preference
 
 if TYPE_CHECKING:
@@ -180,6 +180,8 @@ def send(delivery_id: int, now: datetime | None = None) -> SendResult | None:
 
 
 def _describe(exc: Exception) -> str:
+    if isinstance(exc, targets.RefusedTarget | NotSent):
+        return f"not sent: {exc}"
     if isinstance(exc, httpx.HTTPStatusError):
         return f"HTTP {exc.response.status_code} from the webhook"
     if isinstance(exc, httpx.TimeoutException):
@@ -215,18 +217,51 @@ def webhook_request(
     return body, headers
 
 
+class NotSent(Exception):
+    """A webhook the portal will not send as things stand (``str()`` says why)."""
+
+
 def _send_webhook(row: Delivery) -> None:
-    secret = (
+    """POST the delivery, signed with its owner's secret, to an address of the
+    URL's host that ``targets`` allows (each in turn, if one refuses the
+    connection), the Host header and TLS server name kept; no redirects, no
+    proxy from the environment."""
+    stored = (
         Preference.objects.filter(user_id=row.user_id)
         .values_list("webhook_secret", flat=True)
         .first()
     ) or ""
+    try:
+        secret = secrets.decrypt(stored)
+    except secrets.Unreadable:
+        raise NotSent(
+            "the webhook secret can no longer be read (the portal's encryption key "
+            "changed): set it again on the notifications page"
+        ) from None
     body, headers = webhook_request(row, secret, timezone.now().timestamp())
+    addresses = targets.check(row.target)  # resolved once, every address checked
+    refused: httpx.ConnectError | None = None
     with httpx.Client(
-        timeout=settings.GPULAB_WEBHOOK_TIMEOUT, follow_redirects=False
+        timeout=settings.GPULAB_WEBHOOK_TIMEOUT, follow_redirects=False, trust_env=False
     ) as client:
-        response = client.post(row.target, content=body, headers=headers)
-        response.raise_for_status()
+        for address in addresses:
+            pin = targets.pinned(row.target, address)
+            try:
+                response = client.post(
+                    pin.url,
+                    content=body,
+                    headers={**headers, "Host": pin.host_header},
+                    extensions=(
+                        {"sni_hostname": pin.server_name} if pin.server_name else {}
+                    ),
+                )
+            except httpx.ConnectError as exc:
+                refused = exc
+                continue
+            response.raise_for_status()
+            return
+    assert refused is not None
+    raise refused
 
 
 def due(now: datetime | None = None, limit: int = 500) -> list[int]:

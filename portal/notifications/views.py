@@ -40,7 +40,8 @@ def preferences(request: AuthenticatedHttpRequest) -> HttpResponse:
         "notifications/preferences.html",
         {
             "form": form,
-            "has_secret": bool(pref.webhook_secret),
+            "has_secret": form.secret_state == "set",
+            "secret_unreadable": form.secret_state == "unreadable",
             "deliveries": deliveries,
             "email": request.user.email,
         },

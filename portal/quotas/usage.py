@@ -1,15 +1,15 @@
 """What each quota has used in its current period: the one place quotas read usage.
 
 ``quota_states`` reads ended attempts' ``UsageRecord`` rows (the part of each
-record inside the period, pro rata when a record spans the period's start) plus the
-running attempts live, up to ``now`` (each charged its share of its GPUs' live
-slots, as ``scheduler.services.cluster_state`` charges them for fair share), and
-the GPUs the live attempts hold (STARTING ones too) for the concurrent caps. One
-SQL statement for all quotas, whatever their number and the history's size.
+record inside the period, pro rata when a record spans the period's start) and
+the GPUs the live attempts hold (STARTING ones too) for the concurrent caps, in
+one SQL statement for all quotas whatever their number and the history's size;
+and the running attempts' GPU time inside the period by the charging rule their
+records will follow (``portal.accounting.live``: one more query, or none when the
+caller, the scheduling pass, has loaded it already).
 
-When the accounting part of issue 6 (daily rollups in ``portal/accounting``)
-lands, the ``ended`` part of ``_USAGE_SQL`` is what to point at the rollups (whole
-days from them, the partial first day from the records); the live part stays.
+The ``ended`` part reads the records rather than ``DailyUsage``: a period starts
+at a local midnight (``TIME_ZONE``), the rollup's days are UTC days.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from django.db import connection
 from django.utils import timezone
 
+from portal.accounting import live
 from portal.quotas.models import Quota
 from scheduler import policy
 
@@ -36,35 +37,26 @@ WITH q AS (
         AS q(id, group_id, user_id, since)
 ), ended AS (
     SELECT q.id, sum(
-        CASE WHEN r.ended_at > r.started_at THEN
-            r.gpu_seconds * greatest(0.0, extract(epoch FROM
+        CASE WHEN r.started_at >= q.since AND r.ended_at <= %(now)s
+            THEN r.gpu_seconds
+        WHEN r.ended_at > r.started_at THEN
+            r.gpu_seconds * greatest(0.0, date_part('epoch',
                 least(r.ended_at, %(now)s) - greatest(r.started_at, q.since)))
-            / extract(epoch FROM r.ended_at - r.started_at)
+            / date_part('epoch', r.ended_at - r.started_at)
         ELSE r.gpu_seconds END) AS seconds
     FROM q JOIN scheduler_usagerecord r
         ON (r.group_id = q.group_id OR r.user_id = q.user_id)
         AND r.ended_at > q.since AND r.started_at < %(now)s
     GROUP BY q.id
-), slots AS (
-    SELECT attempt_id, gpu_id, count(*) AS n FROM scheduler_allocation
-    WHERE released_at IS NULL GROUP BY attempt_id, gpu_id
-), gpu_slots AS (
-    SELECT gpu_id, sum(n) AS n FROM slots GROUP BY gpu_id
 ), live AS (
-    SELECT t.id, t.started_at, j.owner_id, j.group_id,
-           sum(s.n::float8 / g.n) AS share, count(*) AS gpus
-    FROM scheduler_attempt t
+    SELECT t.id, j.owner_id, j.group_id, count(DISTINCT a.gpu_id) AS gpus
+    FROM scheduler_allocation a
+    JOIN scheduler_attempt t ON t.id = a.attempt_id
     JOIN scheduler_job j ON j.id = t.job_id
-    JOIN slots s ON s.attempt_id = t.id
-    JOIN gpu_slots g ON g.gpu_id = s.gpu_id
-    WHERE t.ended_at IS NULL
-    GROUP BY t.id, t.started_at, j.owner_id, j.group_id
+    WHERE a.released_at IS NULL AND t.ended_at IS NULL
+    GROUP BY t.id, j.owner_id, j.group_id
 ), running AS (
-    SELECT q.id,
-           sum(CASE WHEN l.started_at IS NULL THEN 0.0 ELSE l.share * greatest(0.0,
-               extract(epoch FROM %(now)s - greatest(l.started_at, q.since))) END)
-               AS seconds,
-           sum(l.gpus) AS gpus
+    SELECT q.id, sum(l.gpus) AS gpus
     FROM q JOIN live l ON (l.group_id = q.group_id OR l.owner_id = q.user_id)
     GROUP BY q.id
 ), alerted AS (
@@ -72,8 +64,8 @@ WITH q AS (
     FROM q JOIN quotas_quotaalert a ON a.quota_id = q.id AND a.period_start = q.since
     GROUP BY q.id
 )
-SELECT q.id, coalesce(e.seconds, 0.0)::float8, coalesce(r.seconds, 0.0)::float8,
-       coalesce(r.gpus, 0)::int, coalesce(al.threshold, 0)::int
+SELECT q.id, coalesce(e.seconds, 0.0)::float8, coalesce(r.gpus, 0)::int,
+       coalesce(al.threshold, 0)::int
 FROM q
 LEFT JOIN ended e ON e.id = q.id
 LEFT JOIN running r ON r.id = q.id
@@ -133,10 +125,15 @@ class QuotaState:
 
 
 def quota_states(
-    now: datetime | None = None, quotas: Iterable[Quota] | None = None
+    now: datetime | None = None,
+    quotas: Iterable[Quota] | None = None,
+    *,
+    live_charges: live.LiveCharges | None = None,
 ) -> list[QuotaState]:
     """Every quota's state at ``now`` (or those of ``quotas``, with their group and
-    user loaded): one query for the quotas (unless given) and one for the usage."""
+    user loaded): one query for the quotas (unless given), one for the ended
+    usage and the GPUs held, one for the running attempts' charges (unless
+    ``live_charges``, loaded at ``now``, is given)."""
     now = now or timezone.now()
     if quotas is None:
         quotas = Quota.objects.select_related("group", "user")
@@ -156,19 +153,45 @@ def quota_states(
             },
         )
         rows = {row[0]: row[1:] for row in cursor.fetchall()}
+    running = _running_seconds(
+        quotas, bounds, live_charges if live_charges is not None else live.load(now)
+    )
     out = []
     for q in quotas:
-        ended, live, gpus, alerted = rows.get(q.pk, (0.0, 0.0, 0, 0))
+        ended, gpus, alerted = rows.get(q.pk, (0.0, 0, 0))
+        running_s = running.get(q.pk, 0.0)
         start, end = bounds[q.pk]
         out.append(
             QuotaState(
                 quota=q,
                 period_start=start,
                 period_end=end,
-                used_gpu_hours=(ended + live) / 3600.0,
-                running_gpu_hours=live / 3600.0,
+                used_gpu_hours=(ended + running_s) / 3600.0,
+                running_gpu_hours=running_s / 3600.0,
                 running_gpus=gpus,
                 alerted=alerted,
             )
         )
+    return out
+
+
+def _running_seconds(
+    quotas: list[Quota],
+    bounds: dict[int, tuple[datetime, datetime]],
+    charges: live.LiveCharges,
+) -> dict[int, float]:
+    """Each quota's running attempts' GPU-seconds since its period started (the
+    part of a run before the period start is not counted)."""
+    by_since: dict[datetime, dict[int, float]] = {}
+    out: dict[int, float] = {}
+    for q in quotas:
+        since = bounds[q.pk][0]
+        if since not in by_since:  # a few distinct period starts at most
+            by_since[since] = charges.seconds(since)
+        total = 0.0
+        for attempt_id, seconds in by_since[since].items():
+            _, user_id, group_id = charges.running[attempt_id]
+            if group_id == q.group_id or user_id == q.user_id:
+                total += seconds
+        out[q.pk] = total
     return out

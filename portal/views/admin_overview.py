@@ -1,33 +1,42 @@
 """The admin overview (staff only): usage per group this month, cluster
-utilisation and idle GPU-hours per day over the last 30 days, nodes needing
-attention. Figures from ``scheduler.overview`` (SQL aggregates)."""
+utilisation and idle GPU-hours per day over the last 30 days, the jobs flagged
+idle now, nodes needing attention. Figures from ``scheduler.overview``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from django.conf import settings
 from django.contrib import admin
-from django.contrib.admin.views.decorators import staff_member_required
 from django.shortcuts import render
 from django.utils import timezone
 
+from portal.accounting import hours, live
+from portal.admin_site import staff_required
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import overview
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from django.http import HttpRequest, HttpResponse
 
 
-def quotas_by_group(group_ids: list[int]) -> dict[int, str]:
+def quotas_by_group(
+    group_ids: list[int], now: datetime, charges: live.LiveCharges
+) -> dict[int, str]:
     """Each group's use of its quota in the quota's current period, as text
     ("12.0 of 100.0 GPU-h (month, 12 %)", and its concurrent-GPU cap): one query
-    for the quotas, one for their usage (``portal.quotas.usage``)."""
+    for the quotas, one for their usage (``portal.quotas.usage``, with the
+    running attempts' charges the page loaded once)."""
     out: dict[int, str] = {}
     for state in quota_states(
+        now,
         quotas=Quota.objects.filter(group_id__in=group_ids).select_related(
             "group", "user"
-        )
+        ),
+        live_charges=charges,
     ):
         q = state.quota
         parts = []
@@ -43,18 +52,21 @@ def quotas_by_group(group_ids: list[int]) -> dict[int, str]:
     return out
 
 
-@staff_member_required
+@staff_required
 def admin_overview(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
     since = overview.month_start(now)
-    usage = overview.group_usage(since, now)
-    quotas = quotas_by_group([u.group_id for u in usage])
+    charges = live.load(now)  # running jobs, for group usage and quotas alike
+    usage = overview.group_usage(since, now, charges)
+    quotas = quotas_by_group([u.group_id for u in usage], now, charges)
     days = overview.daily_figures(now)
     series = {
         "days": [d.day.isoformat() for d in days],
         "allocated": [d.allocated_percent for d in days],
         "util": [d.util_percent for d in days],
-        "idle": [round(d.idle_hours, 2) for d in days],
+        "idle": [
+            None if d.idle_hours is None else round(d.idle_hours, 2) for d in days
+        ],
     }
     context = {
         **admin.site.each_context(request),
@@ -63,8 +75,11 @@ def admin_overview(request: HttpRequest) -> HttpResponse:
         "usage": [(u, quotas.get(u.group_id, "")) for u in usage],
         "total_hours": sum(u.hours for u in usage),
         "days": days,
-        "idle_total": sum(d.idle_hours for d in days),
-        "idle_threshold": overview.IDLE_UTIL_PERCENT,
+        "idle_total": sum(d.idle_hours or 0.0 for d in days),
+        "idle_unknown": sum(1 for d in days if d.idle_hours is None),
+        "idle_threshold": settings.GPULAB_IDLE_THRESHOLD,
+        "idle_flags": list(overview.idle_flags()),
+        "through": hours.through(),
         "series": series,
         "nodes": list(overview.nodes_needing_attention()),
     }

@@ -27,20 +27,19 @@ def wants_json(request: HttpRequest) -> bool:
     )
 
 
-def server_error(request: HttpRequest) -> HttpResponse:
-    """``handler500``: 503 when the uncaught exception is the database being
-    unreachable (it is still the one being handled here), else Django's 500.
+def database_down(exc: BaseException | None) -> bool:
+    return isinstance(exc, OperationalError | InterfaceError)
 
-    The page is rendered without the request's context: its processors would
-    ask the database (the user) again."""
-    exc = sys.exc_info()[1]
-    if not isinstance(exc, OperationalError | InterfaceError):
-        return default_server_error(request)
+
+def unavailable(request: HttpRequest, exc: BaseException) -> HttpResponse:
+    """The 503: JSON in the API's one error body for API clients, else a page
+    rendered without the request's context (its processors would ask the
+    database, for the user, again)."""
     log.warning("database unavailable for %s %s: %s", request.method, request.path, exc)
     response: HttpResponse
     if wants_json(request):
         response = JsonResponse(
-            {"error": UNAVAILABLE, "retry_after": RETRY_AFTER_S}, status=503
+            {"error": "unavailable", "detail": UNAVAILABLE, "fields": {}}, status=503
         )
     else:
         response = HttpResponse(
@@ -48,3 +47,12 @@ def server_error(request: HttpRequest) -> HttpResponse:
         )
     response["Retry-After"] = str(RETRY_AFTER_S)
     return response
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """``handler500``: 503 when the uncaught exception is the database being
+    unreachable (it is still the one being handled here), else Django's 500."""
+    exc = sys.exc_info()[1]
+    if exc is None or not database_down(exc):
+        return default_server_error(request)
+    return unavailable(request, exc)

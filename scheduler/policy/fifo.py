@@ -4,6 +4,8 @@ foundation's policy, kept as a baseline for the simulator."""
 
 from __future__ import annotations
 
+from scheduler.policy import dependency
+from scheduler.policy.arrays import ArrayLimits
 from scheduler.policy.quota import Quotas
 from scheduler.policy.state import (
     ClusterState,
@@ -35,8 +37,10 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     2. For each, find the schedulable nodes with enough whole free GPUs (every slot
        free, enough memory) and take the best fit: the node with the fewest such free
        GPUs, so large holes stay open for large jobs; lowest GPU indexes first.
-    A job its quotas refuse (``quota.py``) waits ``QUOTA`` and is not placed
-    (fifo has no fair share: soft quotas change nothing here).
+    A job whose dependencies are not met (``dependency.py``), whose array runs its
+    limit of tasks (``arrays.py``) or that its quotas refuse (``quota.py``) waits
+    with that reason and is not placed (fifo has no fair share: soft quotas
+    change nothing here).
     3. A job that fits no node waits: ``NO_SUCH_SHAPE`` if no node could hold it even
        when empty, else ``RESOURCES``. Later jobs may still start (no reservations yet).
     """
@@ -51,6 +55,7 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
 
     decisions: list[Decision] = []
     quotas = Quotas(state.quotas, state.config.quota_soft_factor)
+    arrays = ArrayLimits(state.running)
     if quotas and state.config.quota_overrun == "stop":
         decisions.extend(quotas.overruns(state.running))
     position = 0
@@ -62,10 +67,15 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     most_free: dict[int | None, int] = {}
     for job in sorted(state.pending, key=order_key):
         mem = job.gpu_memory_mib
-        refused = quotas.refusal(job, state.now) if quotas else None
-        if refused is not None:
+        gated = dependency.refusal(job)
+        if gated is None and (limited := arrays.refusal(job)) is not None:
+            gated = (Reason.ARRAY_LIMIT, limited)
+        if gated is None and quotas:
+            refused = quotas.refusal(job, state.now)
+            gated = None if refused is None else (Reason.QUOTA, refused)
+        if gated is not None:
             position += 1
-            decisions.append(Wait(job.id, Reason.QUOTA, refused, position))
+            decisions.append(Wait(job.id, gated[0], gated[1], position))
             continue
         candidates = []
         if failed.get(mem, job.gpus + 1) > job.gpus:
@@ -84,6 +94,7 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
             )
             if quotas:
                 quotas.take(job)
+            arrays.take(job)
             continue
         failed[mem] = min(failed.get(mem, job.gpus), job.gpus)
         position += 1

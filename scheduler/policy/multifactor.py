@@ -1,8 +1,10 @@
 """The ``slurm`` and ``gpulab`` policies: one pass as numbered stages (STYLE.md 13).
 
 1. ``index.build``: every static lookup, once; ``Ledger``: the free GPUs.
-2. gate: node-independent refusals (pending jobs arrive PENDING; what is left is a
-   shape no set of nodes can ever hold: ``NO_SUCH_SHAPE``, and a hard quota used
+2. gate: node-independent refusals (pending jobs arrive PENDING; what is left:
+   dependencies not met yet or never (``DEPENDENCY`` / ``DEPENDENCY_NEVER``,
+   ``dependency.py``), an array's run-at-once limit reached (``ARRAY_LIMIT``,
+   ``arrays.py``), a shape no set of nodes can ever hold: ``NO_SUCH_SHAPE``, and a hard quota used
    up or a concurrent-GPU cap reached: ``QUOTA``, see ``quota.py``; such a job is
    never the top blocked job, never backfilled).
 3. ``priority.breakdown``: weighted factors; their sum is the priority.
@@ -28,7 +30,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.policy import backfill, colocate, index, place, preempt, priority
+from scheduler.policy import (
+    backfill,
+    colocate,
+    dependency,
+    index,
+    place,
+    preempt,
+    priority,
+)
+from scheduler.policy.arrays import ArrayLimits
 from scheduler.policy.fairshare import FairShare
 from scheduler.policy.interference import model_for
 from scheduler.policy.ledger import Ledger
@@ -76,6 +87,7 @@ def decide_multifactor(
     idx = index.build(state, predictions=predictions)
     ledger = Ledger({n: gs.copy() for n, gs in idx.free_now.items()}, idx.node_rank)
     quotas = Quotas(state.quotas, cfg.quota_soft_factor)
+    arrays = ArrayLimits(state.running)
     fairshare = FairShare(
         state.usage,
         {j.group for j in state.pending} | {r.group for r in state.running},
@@ -165,6 +177,7 @@ def decide_multifactor(
         decisions.append(Start(job.id, placements, backfilled=bf))
         if quotas:
             quotas.take(job)
+        arrays.take(job)
         if sharing is not None and job.shareable and len(gpu_ids) == 1:
             sharing.started_alone(job, gpu_ids[0])
 
@@ -199,6 +212,7 @@ def decide_multifactor(
         )
         if quotas:
             quotas.take(job)
+        arrays.take(job)
         return True
 
     # 9. reasons are rendered after the last start, against the final ledger
@@ -234,6 +248,16 @@ def decide_multifactor(
             got_shape = shapes[sk] = (c0, place.could_ever(idx, c0, job.gpus))
         c, ok = got_shape
         # 2. gate
+        if job.dependencies:
+            blocked = dependency.refusal(job)
+            if blocked is not None:
+                wait(job, *blocked)
+                continue
+        if job.array_limit is not None:
+            limited = arrays.refusal(job)
+            if limited is not None:
+                wait(job, Reason.ARRAY_LIMIT, limited)
+                continue
         if not ok:
             wait(job, Reason.NO_SUCH_SHAPE, messages.no_such_shape(c, job.gpus))
             continue

@@ -127,6 +127,19 @@ class GpuView:
 
 
 @dataclass(frozen=True)
+class Dependency:
+    """One dependency of a pending job (issue 8, ``policy.dependency``): it may
+    start once job ``job_id`` has ended as ``kind`` asks ("afterok", "afterany",
+    "afternotok"). ``status`` is that job's state now (a ``Job.Status`` value,
+    e.g. "running", "completed", "failed"); ``exit_code`` its exit, if any."""
+
+    kind: str
+    job_id: int
+    status: str
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
 class PendingJob:
     id: int
     gpus: int
@@ -146,6 +159,11 @@ class PendingJob:
     # None: unbounded).
     workload: str = ""
     slowdown_cap: float | None = 1.5
+    # Issue 8: a task of job array ``array_id``, of which at most ``array_limit``
+    # run at once (None: no limit; ``policy.arrays``), and the jobs it waits for.
+    array_id: int | None = None
+    array_limit: int | None = None
+    dependencies: tuple[Dependency, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,8 @@ class RunningJob:
     measured_for_s: float = 0.0
     # The owner allows a harmful pair's later job to be sent back to the queue.
     evictable: bool = True
+    # A task of this job array (its run-at-once limit counts it).
+    array_id: int | None = None
 
     @property
     def planned_end(self) -> float:
@@ -263,7 +283,9 @@ class Reason(StrEnum):
     NO_SUCH_SHAPE = "no_such_shape"  # no set of nodes could ever hold it
     QUOTA = "quota"  # quota exhausted (issue #6, ``policy.quota``)
     HELD = "held"
-    DEPENDENCY = "dependency"  # issue #8
+    DEPENDENCY = "dependency"  # waits for other jobs to end (issue #8)
+    DEPENDENCY_NEVER = "dependency_never"  # a dependency can never be met
+    ARRAY_LIMIT = "array_limit"  # its array runs its %N tasks at once
     INTERFERENCE = "interference"  # co-location refused (issue #5)
     WAITING_FOR_PREEMPTION = "preempting"  # victims are being stopped for it
     NOT_TESTED = "not_tested"  # a pass cap stopped before this job

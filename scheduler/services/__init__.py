@@ -7,6 +7,8 @@ and management commands are adapters around these functions: they call
 ``services.<verb>`` and never a submodule, so a verb can move between modules.
 
 - ``jobs``: validation of a request, run-time prediction, submit, cancel;
+- ``dependencies`` and ``arrays``: a submission's dependencies (parsed and
+  checked) and job arrays (submit, cancel every task);
 - ``scheduling``: the pass's state (``cluster_state``) and its application
   (``apply_decisions``: starts, preemptions, waits);
 - ``starts``: the starts of a pass (batched) and the ``job.launch`` frames;
@@ -38,6 +40,12 @@ from scheduler.services.agent_verbs import (
     record_progress,
     record_report,
 )
+from scheduler.services.arrays import (
+    MAX_ARRAY_INDEX,
+    cancel_array,
+    parse_array_spec,
+    submit_array,
+)
 from scheduler.services.common import JobStateError, kill_frame
 from scheduler.services.console import (
     NodeMode,
@@ -46,6 +54,11 @@ from scheduler.services.console import (
     requeue_job,
     set_node_mode,
     set_priority_class,
+)
+from scheduler.services.dependencies import (
+    format_dependencies,
+    parse_dependencies,
+    resolve_dependencies,
 )
 from scheduler.services.jobs import (
     ALLOWED_GPULAB_ENV,
@@ -63,6 +76,7 @@ from scheduler.services.jobs import (
     predict_runtime,
     submit_job,
     validate_job_request,
+    validated_submission,
 )
 from scheduler.services.liveness import (
     TIME_LIMIT_MARGIN,
@@ -104,6 +118,7 @@ __all__ = [
     "ALLOWED_GPULAB_ENV",
     "ENV_NAME_RE",
     "MASTER_PORT_BASE",
+    "MAX_ARRAY_INDEX",
     "MAX_KILL_GRACE_S",
     "PREDICTION_HISTORY",
     "RESERVED_ENV",
@@ -122,6 +137,7 @@ __all__ = [
     "append_log",
     "apply_decisions",
     "authenticate_node",
+    "cancel_array",
     "cancel_job",
     "class_specs",
     "cluster_capacity",
@@ -130,6 +146,7 @@ __all__ = [
     "decayed_usage",
     "enforce_time_limits",
     "finish_attempt",
+    "format_dependencies",
     "gpu_models",
     "gpu_summary",
     "groups_of",
@@ -141,6 +158,8 @@ __all__ = [
     "mark_harmful",
     "mark_lost_nodes",
     "mark_started",
+    "parse_array_spec",
+    "parse_dependencies",
     "policy_config",
     "predict_runtime",
     "rank_env",
@@ -155,13 +174,16 @@ __all__ = [
     "requeue_job",
     "resend_launches",
     "reset_interference_pairs",
+    "resolve_dependencies",
     "rotate_node_token",
     "set_draining",
     "set_node_mode",
     "set_priority_class",
     "snapshot",
     "start_jobs",
+    "submit_array",
     "submit_job",
     "unix_account_of",
     "validate_job_request",
+    "validated_submission",
 ]

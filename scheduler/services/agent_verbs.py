@@ -30,7 +30,7 @@ from scheduler.models import (
     ProgressSample,
     hash_token,
 )
-from scheduler.services import interference
+from scheduler.services import interference, late_reports
 from scheduler.services.common import (
     _after_commit_state_change,
     _event,
@@ -501,8 +501,14 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
     """
     with transaction.atomic():
         attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
-        if attempt is None or attempt.ended_at is not None:
+        if attempt is None:
             return False
+        if attempt.ended_at is not None:
+            # Ended by the portal (lost node) before this start came: recorded
+            # for its charge, the job left where it is.
+            return late_reports.corrects(attempt) and late_reports.late_start(
+                attempt, node_id, data
+            )
         if attempt.rank_started(node_id):
             return False  # a replay of this rank's start
         spans = len(attempt.node_ids) > 1
@@ -564,6 +570,9 @@ def _end_attempt(
 def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
     """The agent reports an attempt's end. Idempotent: a duplicate is ignored.
 
+    0. An attempt the portal already ended without the agent (its node was
+       lost) gets its end and charge corrected, nothing else
+       (``late_reports.late_exit``).
     1. Lock the attempt (it must belong to this node and job) and the job.
     2. End the attempt: release its GPU slots, record usage from agent times.
     3. Move the job: CANCELLED if a cancel was asked; COMPLETED on exit 0; FAILED on
@@ -573,8 +582,14 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
     """
     with transaction.atomic():
         attempt = _attempt_of_node(node_id, data.attempt_id, data.job_id)
-        if attempt is None or attempt.ended_at is not None:
+        if attempt is None:
             return False
+        if attempt.ended_at is not None:
+            # Ended by the portal (lost node, given-up launch): the agent's exit
+            # corrects its end and charge; the job was requeued or failed once.
+            return late_reports.corrects(attempt) and late_reports.late_exit(
+                attempt, node_id, data
+            )
         job = Job.objects.select_for_update().get(pk=attempt.job_id)
         if len(attempt.node_ids) > 1:
             if str(node_id) in attempt.rank_exits:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
 
@@ -130,7 +131,8 @@ def release_job(job_id: int, *, by: User) -> Job:
 
 
 def requeue_job(job_id: int, *, by: User) -> Job:
-    """Send a job on a node back to the queue (an admin's verb).
+    """Send a job on a node back to the queue (an admin's verb: ``by`` needs
+    ``requeue_job``, else ``PermissionDenied``).
 
     1. Lock the job; it must be STARTING or RUNNING and not being cancelled. A
        waiting job is already queued; an ended job is not requeued (its run, exit
@@ -142,6 +144,8 @@ def requeue_job(job_id: int, *, by: User) -> Job:
        job back to PENDING with its submit time, hence its age, kept
        (``finish_attempt``); a lost node requeues it the same way.
     """
+    if not by.has_perm("scheduler.requeue_job"):
+        raise PermissionDenied("Requeueing a job needs the requeue_job permission.")
     with transaction.atomic():
         job = _locked_job(job_id)
         if job.status not in Job.ON_NODE or job.cancel_requested_at is not None:
@@ -215,11 +219,23 @@ def set_priority_class(job_id: int, priority_class: str, *, by: User) -> Job:
     return job
 
 
-def set_node_mode(node_id: int, mode: NodeMode) -> bool:
+# The node's admin history, as the console's actions word it.
+_MODE_HISTORY = {"drain": "drained", "maintenance": "put in maintenance"}
+
+
+def set_node_mode(node_id: int, mode: NodeMode, *, by: User | None) -> bool:
     """Drain a node, put it in maintenance, or resume it (clears both); either
     of the first two keeps it from taking new jobs while running ones finish.
     Returns whether anything changed (under the node's row lock, so two admins
-    acting at once change it once). Resuming asks for a pass."""
+    acting at once change it once). Resuming asks for a pass.
+
+    ``by``: who asks (the console, the API): they need ``drain_node``
+    (``PermissionDenied`` else) and the change goes into the node's admin
+    history under their name. None: gpulab itself."""
+    if by is not None and not by.has_perm("scheduler.drain_node"):
+        raise PermissionDenied(
+            "Draining, maintenance and resuming a node need the drain_node permission."
+        )
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
         before = (node.draining, node.maintenance)
@@ -234,6 +250,14 @@ def set_node_mode(node_id: int, mode: NodeMode) -> bool:
         if (node.draining, node.maintenance) == before:
             return False
         node.save(update_fields=["draining", "maintenance"])
+        if by is not None:
+            LogEntry.objects.log_actions(
+                user_id=by.pk,
+                queryset=[node],
+                action_flag=CHANGE,
+                change_message=_MODE_HISTORY.get(mode, "resumed"),
+                single_object=True,
+            )
         if mode == "resume":
             _pass_after_commit()
     return True

@@ -17,7 +17,16 @@ from django.db.models import Count
 from django.utils import timezone
 
 from scheduler import classes
-from scheduler.models import Attempt, Gpu, Group, Job, JobEvent, Membership, Profile
+from scheduler.models import (
+    Attempt,
+    Gpu,
+    Group,
+    Job,
+    JobDependency,
+    JobEvent,
+    Membership,
+    Profile,
+)
 from scheduler.policy.predict import HISTORY, predict
 from scheduler.services.common import (
     JobStateError,
@@ -25,6 +34,12 @@ from scheduler.services.common import (
     _event,
     _pass_after_commit,
     _send_kill_on_commit,
+)
+from scheduler.services.dependencies import (
+    dependency_rows,
+    format_dependencies,
+    parse_dependencies,
+    resolve_dependencies,
 )
 
 if TYPE_CHECKING:
@@ -80,6 +95,9 @@ class JobRequest:
     # and whether it may be requeued when its GPU partner suffers.
     slowdown_cap: float | None = None
     evictable: bool = True
+    # Jobs it runs after (issue 8), in the text form ``services.dependencies``
+    # parses: "afterok:12:13,afterany:a7".
+    after: str = ""
 
 
 def cluster_capacity(model: str = "") -> tuple[int, int, int]:
@@ -308,9 +326,31 @@ def _charge_group(user: User, name: str) -> Group:
 # ------------------------------------------------------------------ user verbs
 
 
+def validated_submission(
+    owner: User, req: JobRequest
+) -> tuple[dict[str, Any], dict[int, str]]:
+    """The cleaned fields of a request and its dependencies ({job id: kind}), or a
+    field-keyed ``ValidationError`` naming every problem at once."""
+    errors: dict[str, list[str]] = {}
+    fields: dict[str, Any] = {}
+    deps: dict[int, str] = {}
+    try:
+        fields = validate_job_request(req, owner.get_username())
+    except ValidationError as exc:
+        errors.update(exc.message_dict)
+    try:
+        deps = resolve_dependencies(owner, parse_dependencies(req.after))
+    except ValidationError as exc:
+        errors.update(exc.message_dict)
+    if errors:
+        raise ValidationError(errors)
+    return fields, deps
+
+
 def submit_job(owner: User, req: JobRequest) -> Job:
-    """Validate and store a new PENDING job, then ask for a scheduling pass."""
-    fields = validate_job_request(req, owner.get_username())
+    """Validate and store a new PENDING job (with its dependencies, if any), then
+    ask for a scheduling pass."""
+    fields, deps = validated_submission(owner, req)
     predicted = predict_runtime(owner.pk, fields["workload"])
     with transaction.atomic():
         group = _charge_group(owner, req.group)
@@ -321,9 +361,15 @@ def submit_job(owner: User, req: JobRequest) -> Job:
             pending_message="waiting for the scheduler",
             **fields,
         )
+        message = f"submitted by {owner.get_username()}"
+        if deps:
+            JobDependency.objects.bulk_create(dependency_rows(job, deps))
+            message += "; runs after " + format_dependencies(
+                [(k, i) for i, k in deps.items()]
+            )
         _event(
             job,
-            f"submitted by {owner.get_username()}",
+            message,
             source=JobEvent.Source.USER,
             actor=owner,
             to_status=job.status,
@@ -348,49 +394,55 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
             raise JobStateError(f"Job #{job.pk} has already ended ({job.status}).")
         if job.cancel_requested_at is not None:
             raise JobStateError(f"Job #{job.pk} is already being cancelled.")
-        now = timezone.now()
-        who = by.get_username() if by is not None else "gpulab"
-        who += f" ({reason})" if reason else ""
-        source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
-        if job.status in (Job.Status.PENDING, Job.Status.HELD):
-            old = job.status
-            job.status = Job.Status.CANCELLED
-            job.finished_at = now
-            job.cancel_requested_at = now
-            job.pending_reason = job.pending_message = ""
-            job.end_reason = f"cancelled by {who}"[:200]
-            job.save(
-                update_fields=[
-                    "status",
-                    "finished_at",
-                    "cancel_requested_at",
-                    "pending_reason",
-                    "pending_message",
-                    "end_reason",
-                ]
-            )
-            _event(
-                job,
-                f"cancelled by {who}",
-                source=source,
-                actor=by,
-                from_status=old,
-                to_status=job.status,
-            )
-            _after_commit_state_change(job, "cancelled")
-            return job
+        _cancel_locked(job, by=by, reason=reason)
+    return job
+
+
+def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
+    """Steps 2-3 of ``cancel_job`` on a job the caller has locked and checked
+    (active, no cancel asked yet); ``services.cancel_array`` shares it."""
+    now = timezone.now()
+    who = by.get_username() if by is not None else "gpulab"
+    who += f" ({reason})" if reason else ""
+    source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
+    if job.status in (Job.Status.PENDING, Job.Status.HELD):
+        old = job.status
+        job.status = Job.Status.CANCELLED
+        job.finished_at = now
         job.cancel_requested_at = now
-        job.save(update_fields=["cancel_requested_at"])
-        attempt = job.attempt_set.filter(ended_at__isnull=True).first()
+        job.pending_reason = job.pending_message = ""
+        job.end_reason = f"cancelled by {who}"[:200]
+        job.save(
+            update_fields=[
+                "status",
+                "finished_at",
+                "cancel_requested_at",
+                "pending_reason",
+                "pending_message",
+                "end_reason",
+            ]
+        )
         _event(
             job,
-            f"cancel requested by {who}; stopping the process",
+            f"cancelled by {who}",
             source=source,
             actor=by,
+            from_status=old,
+            to_status=job.status,
         )
-        if attempt is not None:
-            attempt.kill_reason = "cancelled"
-            attempt.save(update_fields=["kill_reason"])
-            _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
-        _after_commit_state_change(job, "cancelling")
-    return job
+        _after_commit_state_change(job, "cancelled")
+        return
+    job.cancel_requested_at = now
+    job.save(update_fields=["cancel_requested_at"])
+    attempt = job.attempt_set.filter(ended_at__isnull=True).first()
+    _event(
+        job,
+        f"cancel requested by {who}; stopping the process",
+        source=source,
+        actor=by,
+    )
+    if attempt is not None:
+        attempt.kill_reason = "cancelled"
+        attempt.save(update_fields=["kill_reason"])
+        _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
+    _after_commit_state_change(job, "cancelling")

@@ -18,6 +18,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.accounting import live
 from portal.quotas.usage import QuotaState, quota_states
 from scheduler import classes, policy
 from scheduler.models import (
@@ -111,11 +112,22 @@ FROM scheduler_gpu
 # (WAIT_FIELDS), so apply_decisions writes only what changed without reading 10,000
 # rows a second time.
 _PENDING_SQL = """
-SELECT id, gpus, gpu_memory_mib, date_part('epoch', submitted_at), owner_id, group_id,
-       priority_class, time_limit_s, predicted_runtime_s, shareable, gpu_model,
-       workload, slowdown_cap, pending_reason, pending_message, queue_position, priority_breakdown::text,
-       date_part('epoch', est_start)
-FROM scheduler_job WHERE status = 'pending'
+SELECT j.id, j.gpus, j.gpu_memory_mib, date_part('epoch', j.submitted_at), j.owner_id,
+       j.group_id, j.priority_class, j.time_limit_s, j.predicted_runtime_s,
+       j.shareable, j.gpu_model, j.workload, j.slowdown_cap, j.array_id,
+       a.max_running, j.pending_reason, j.pending_message, j.queue_position,
+       j.priority_breakdown::text, date_part('epoch', j.est_start)
+FROM scheduler_job j LEFT JOIN scheduler_jobarray a ON a.id = j.array_id
+WHERE j.status = 'pending'
+"""
+# The dependencies of every pending job with their jobs' state now (issue 8): one
+# query for the pass, whatever the number of jobs.
+_DEPENDENCIES_SQL = """
+SELECT d.job_id, d.kind, d.depends_on_id, t.status, t.exit_code
+FROM scheduler_job p
+JOIN scheduler_jobdependency d ON d.job_id = p.id
+JOIN scheduler_job t ON t.id = d.depends_on_id
+WHERE p.status = 'pending'
 """
 _RUNNING_SQL = """
 SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
@@ -124,7 +136,7 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
        j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
-       t.peak_memory_mib
+       t.peak_memory_mib, j.array_id
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
 """
@@ -161,8 +173,9 @@ def cluster_state(now: datetime | None = None) -> policy.ClusterState:
 def snapshot(now: datetime | None = None) -> Snapshot:
     """Load what ``policy.decide`` needs in a fixed number of queries (never one
     per job): nodes, GPUs, live allocations, pending jobs (with their stored wait
-    fields), running attempts, users' and groups' names, usage, quotas (two
-    queries: ``portal.quotas.usage.quota_states``)."""
+    fields), running attempts, users' and groups' names, usage (the running
+    attempts' by the charging rule: ``portal.accounting.live``, one query),
+    quotas (two queries: ``portal.quotas.usage.quota_states``)."""
     now = now or timezone.now()
     at = now.timestamp()
     specs = class_specs()
@@ -187,6 +200,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         gpu_rows = cursor.fetchall()
         cursor.execute(_PENDING_SQL)
         pending_rows = cursor.fetchall()
+        cursor.execute(_DEPENDENCIES_SQL)
+        dependency_rows = cursor.fetchall()
         cursor.execute(_RUNNING_SQL, [now - timedelta(hours=1)])
         running_rows = cursor.fetchall()
     node_names = {pk: name for pk, name, _, _ in nodes}
@@ -219,6 +234,13 @@ def snapshot(now: datetime | None = None) -> Snapshot:
             )
         )
     index_of = {row[0]: row[2] for row in gpu_rows}
+    dependencies: dict[int, list[policy.Dependency]] = {}
+    for job_id, kind, dep_id, dep_status, dep_exit in sorted(
+        dependency_rows, key=itemgetter(0, 2)
+    ):
+        dependencies.setdefault(job_id, []).append(
+            policy.Dependency(kind, dep_id, dep_status, dep_exit)
+        )
     weights = {name: spec.weight for name, spec in specs.items()}
     caps = {name: spec.slowdown_cap for name, spec in specs.items()}
     pending = []
@@ -237,6 +259,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         model,
         workload,
         own_cap,
+        array_id,
+        array_limit,
         reason,
         message,
         position,
@@ -259,9 +283,16 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 gpu_model=model,
                 workload=workload,
                 slowdown_cap=_cap(caps.get(pclass, 1.5), own_cap),
+                array_id=array_id,
+                array_limit=array_limit,
+                dependencies=tuple(dependencies.get(pk, ())),
             )
         )
         stored_waits[pk] = (reason, message, position, breakdown, est_start)
+    # The running attempts' GPU time so far by the charging rule (one query),
+    # for fair share here and the quotas' live usage below.
+    live_charges = live.load(now)
+    charged = live_charges.seconds()
     running = []
     running_usage: dict[tuple[str, str], float] = {}
     for (
@@ -286,15 +317,15 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         joined,
         trial,
         peak_mib,
+        array_id,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
         if not held:
             continue  # ended or released between the two reads
         user, group = users.get(owner_id, ""), groups.get(group_id, "")
-        if started is not None:
-            # Fair-share usage so far: its share of each GPU's live slots now
-            # (a job alone on a GPU is charged all of it, two sharing half each).
-            seconds = (at - started) * sum(1 / used[g] for g in held)
+        if attempt_id in charged:
+            # Fair-share usage so far, by the rule its usage records will follow.
+            seconds = charged[attempt_id]
             running_usage[group, user] = running_usage.get((group, user), 0) + seconds
         spec = specs.get(pclass)
         running.append(
@@ -323,6 +354,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 else None,
                 trial=trial,
                 evictable=evictable,
+                array_id=array_id,
             )
         )
     knowledge, trials = load_knowledge(
@@ -331,7 +363,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         | {r.workload for r in running if r.shareable},
     )
     running = _with_measured_slowdowns(running, gpus_of_attempt, now)
-    quotas = tuple(quota_states(now))
+    quotas = tuple(quota_states(now, live_charges=live_charges))
     cluster = policy.ClusterState(
         now=at,
         nodes=tuple(

@@ -7,7 +7,7 @@ from datetime import UTC, date, datetime
 
 import pytest
 
-from portal.accounting.charging import Run, split, weight
+from portal.accounting.charging import Run, charged, pieces, split, weight
 
 
 def union(runs: list[Run], until: float) -> float:
@@ -58,3 +58,45 @@ def test_it_splits_by_weight_and_by_utc_day() -> None:
 )
 def test_weights(mode: str, declared: int | None, expected: float) -> None:
     assert weight(mode, declared, 81920) == expected
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_charged_from_a_time_is_the_split_after_it(seed: int) -> None:
+    """``charged(runs, until, since)``: what ``split`` charges each attempt after
+    ``since`` (clipping the runs there changes no share after it)."""
+    rng = random.Random(seed)
+    runs = []
+    for i in range(rng.randint(1, 6)):
+        start = rng.uniform(0, 2 * 86400)
+        end = None if rng.random() < 0.3 else start + rng.uniform(0, 86400)
+        runs.append(Run(i, start, end, rng.choice([1.0, 20480.0, 81920.0])))
+    until = 3 * 86400.0
+    midnight = 86400.0  # 1970-01-02 00:00 UTC: since = the start of a UTC day
+
+    got = charged(runs, until, since=midnight)
+
+    whole = split(runs, until)
+    expected = {
+        a: sum(s for d, s in days.items() if d >= date(1970, 1, 2))
+        for a, days in whole.items()
+    }
+    assert got.keys() <= expected.keys()
+    for attempt_id, seconds in expected.items():
+        assert got.get(attempt_id, 0.0) == pytest.approx(seconds, abs=1e-6)
+    assert charged(runs, until) == pytest.approx(
+        {a: sum(days.values()) for a, days in whole.items()}
+    )
+
+
+def test_pieces_are_cut_at_the_given_times_and_carry_the_shares() -> None:
+    runs = [Run(1, 0.0, 100.0, 1.0), Run(2, 50.0, None, 3.0)]
+
+    got = list(pieces(runs, 150.0, cuts=[25.0, 75.0, 500.0]))
+
+    assert got == [
+        (0.0, 25.0, {1: 1.0}),
+        (25.0, 50.0, {1: 1.0}),
+        (50.0, 75.0, {1: 0.25, 2: 0.75}),
+        (75.0, 100.0, {1: 0.25, 2: 0.75}),
+        (100.0, 150.0, {2: 1.0}),
+    ]

@@ -239,3 +239,18 @@ def test_the_usage_page_shows_the_quotas_of_what_it_shows(
     assert [s.quota for s in theirs.context["quotas"]] == [vision]
     assert b"Quotas of vision" in theirs.content
     assert f'data-testid="quota-{own.pk}"'.encode() in mine.content
+
+
+def test_a_leaders_top_jobs_link_to_pages_they_may_open(
+    client: Client, alice: User, bob: User, usage: None
+) -> None:
+    """The group's jobs are the leader's to see (read only): the links of the top
+    jobs open, alice's included."""
+    lead(bob, "vision")
+    client.force_login(bob)
+    page = client.get(f"/usage/?group=vision&{DAY}")
+    jobs = [row["job"] for row in page.context["report"].top_jobs]
+
+    assert {j.owner.username for j in jobs} == {"alice", "bob"}
+    for job in jobs:
+        assert client.get(f"/jobs/{job.pk}/").status_code == 200

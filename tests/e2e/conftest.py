@@ -267,6 +267,34 @@ def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
             proc.stop()
         # The worker and server hold connections to the test database: they are
         # gone now, so pytest-django can flush it.
+        kill_leftover_jobs(tmp_path)
+
+
+def kill_leftover_jobs(root: Path) -> None:
+    """Kill the jobs the test's agents left running (a test that failed half-way):
+    each runs under a shim in its own session that outlives its agent by design,
+    so stopping the agents leaves them, and a job waiting on a gate file would
+    loop for ever. Their process groups are the shims' and the ones recorded in
+    each job directory's ``pgid``."""
+    marker = str(root)
+    groups: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "agents.shim" in cmdline and marker in cmdline:
+            with contextlib.suppress(OSError):
+                groups.add(os.getpgid(int(proc.name)))
+    for pgid_file in root.glob("**/jobs/*/pgid"):
+        with contextlib.suppress(OSError, ValueError):
+            groups.add(int(pgid_file.read_text().split()[0]))
+    for pgid in groups:
+        if pgid > 1 and pgid != os.getpgrp():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
 
 
 def login(base_url: str, username: str, password: str) -> httpx.Client:

@@ -49,3 +49,71 @@ def test_two_jobs_sharing_a_gpu_are_each_charged_their_share(
     assert charged_a == pytest.approx(whole - overlap + overlap * 16 / 64)
     assert charged_a + charged_b == pytest.approx(whole)  # once, not twice
     assert UsageRecord.objects.get(attempt=b).share == pytest.approx(0.75)
+
+
+def test_a_job_that_ends_while_its_node_is_lost_is_charged_to_its_real_exit(
+    stack: Stack, alice: User
+) -> None:
+    """The agent dies, the portal declares the node lost (beat's check, called
+    here as beat calls it) and fails the job at the last heartbeat; the job ends
+    later with no agent watching; the restarted agent replays the exit, and the
+    charge runs to it. The job is failed once, and stays failed."""
+    import signal
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    from scheduler import services
+    from scheduler.models import Attempt, Job, JobEvent, Node, UsageRecord
+    from tests.e2e.conftest import submit, wait_until
+    from tests.e2e.test_job_lifecycle import statuses
+
+    node, agent = stack.start_node("e2e-lost", "1xA100-80GB", 1)
+    token = (stack.tmp / "agent-e2e-lost" / "token").read_text()
+    client = login(stack.base_url, "alice", "pw-alice")
+    marker = stack.tmp / "finish"
+    job_id = submit(
+        client,
+        "outlives-its-agent",
+        f"while [ ! -e {marker} ]; do sleep 0.1; done; exit 0",
+        on_node_loss="fail",
+    )
+    assert wait_for_job(job_id, {"running"}) == "running"
+    attempt = Attempt.objects.get(job_id=job_id)
+
+    agent.popen.send_signal(signal.SIGKILL)
+    agent.popen.wait(10)
+    stack.procs["web"].wait_for(r"agent of node e2e-lost disconnected")
+    # Beat's check, once the node has been silent for GPULAB_NODE_LOST_AFTER.
+    silent = Node.objects.get(pk=node.pk).last_seen_at
+    assert silent is not None
+    Node.objects.filter(pk=node.pk).update(
+        last_seen_at=silent - timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER + 1)
+    )
+    assert services.mark_lost_nodes() == [node.pk]
+    assert wait_for_job(job_id, {"failed"}) == "failed"
+    attempt.refresh_from_db()
+    estimated = attempt.ended_at
+    assert estimated is not None and attempt.outcome == "node_lost"
+
+    marker.touch()  # the job ends with no agent watching
+    exit_file = stack.tmp / "agent-e2e-lost" / "jobs" / str(attempt.pk) / "exit_code"
+    wait_until(exit_file.exists, what="the shim's exit_code file")
+    stack.start_agent("e2e-lost", token, "1xA100-80GB").wait_for(r"connected to ws://")
+
+    note = wait_until(
+        lambda: JobEvent.objects.filter(
+            job_id=job_id, message__contains="charged again"
+        ).first(),
+        what="the replayed exit's correction",
+    )
+    attempt.refresh_from_db()
+    assert attempt.ended_at is not None and attempt.ended_at > estimated
+    assert attempt.exit_code == 0
+    charged = UsageRecord.objects.get(attempt=attempt).gpu_seconds
+    assert charged == pytest.approx(
+        (attempt.ended_at - attempt.started_at).total_seconds()  # type: ignore[operator]
+    )
+    assert "reported after the portal had ended it" in note.message
+    assert Job.objects.get(pk=job_id).status == "failed"
+    assert statuses(job_id) == ["pending", "starting", "running", "failed"]

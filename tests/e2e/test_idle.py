@@ -28,6 +28,9 @@ def _short_idle_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Samples persisted every second, idle after 3 s, cancelled 2 s later: set
     before ``stack`` starts the web server and worker, which read them."""
     monkeypatch.setenv("GPULAB_METRICS_PERSIST_INTERVAL", "1")
+    # The receiver listens on loopback: the notifier may post there only when
+    # the network is allowed, as for a lab's internal receiver.
+    monkeypatch.setenv("GPULAB_WEBHOOK_ALLOWED_NETWORKS", "127.0.0.0/8, ::1/128")
     monkeypatch.setenv("GPULAB_IDLE_WINDOW", "3")
     monkeypatch.setenv("GPULAB_IDLE_CANCEL_GRACE", "2")
 
@@ -53,10 +56,12 @@ def test_an_idle_job_is_flagged_notified_and_cancelled(
     from scheduler.models import GpuSample, Job, JobEvent
 
     stack.start_notifier()
-    Preference.objects.create(
+    pref = Preference(
         user=alice, kinds=["idle_warning"], email_enabled=False,
-        webhook_url=receiver.url, webhook_secret=SECRET,
+        webhook_url=receiver.url,
     )  # fmt: skip
+    pref.set_webhook_secret(SECRET)
+    pref.save()
     node, _agent = stack.start_node("idle-node", "1xA100-80GB", 1)
     client = login(stack.base_url, "alice", "pw-alice")
     job_id = submit(

@@ -40,6 +40,14 @@ ROOT = Path(__file__).resolve().parents[2]
             {"GPULAB_WEBHOOK_TIMEOUT": "0"},
             "GPULAB_WEBHOOK_TIMEOUT=0.0 must be at least",
         ),
+        (
+            {"GPULAB_WEBHOOK_ALLOWED_NETWORKS": "10.0.0.0/8, the-lab"},
+            "GPULAB_WEBHOOK_ALLOWED_NETWORKS: 'the-lab' is not an IP network",
+        ),
+        (
+            {"GPULAB_WEBHOOK_SECRET_KEY": "short"},
+            "GPULAB_WEBHOOK_SECRET_KEY: each key must be at least 16 characters",
+        ),
     ],
 )
 def test_a_bad_setting_stops_the_start_naming_it(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from ipaddress import ip_network
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -34,6 +35,17 @@ class Receiver:
 
     def status(self) -> int:
         return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+
+LOOPBACK = (ip_network("127.0.0.0/8"), ip_network("::1/128"))
+
+
+@pytest.fixture(autouse=True)
+def _loopback_webhooks_allowed(settings: Any) -> None:
+    """The test receiver listens on loopback, part of the portal's own network,
+    where webhooks go only when configured: these tests configure it, as a lab
+    with an internal receiver would (GPULAB_WEBHOOK_ALLOWED_NETWORKS)."""
+    settings.GPULAB_WEBHOOK_ALLOWED_NETWORKS = LOOPBACK
 
 
 @pytest.fixture

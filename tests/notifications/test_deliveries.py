@@ -29,9 +29,10 @@ SECRET = "s3cret-shared-with-the-receiver"
 
 
 def webhook_only(user: User, url: str, **extra: Any) -> Preference:
-    return Preference.objects.create(
-        user=user, email_enabled=False, webhook_url=url, webhook_secret=SECRET, **extra
-    )
+    pref = Preference(user=user, email_enabled=False, webhook_url=url, **extra)
+    pref.set_webhook_secret(SECRET)
+    pref.save()
+    return pref
 
 
 def test_a_webhook_is_posted_with_a_verifiable_signature(

@@ -59,25 +59,46 @@ def flash(response: HttpResponse) -> list[str]:
 
 
 def admin_urls() -> list[str]:
-    urls = [reverse("admin:index")]
+    """Every page of the console: the index, each app's index, each model's list
+    and add pages, a change, history and delete page of a row of each model
+    that has one, the overview."""
+    urls = [reverse("admin:index"), reverse("admin-overview")]
+    apps = set()
     for model in admin.site._registry:
         meta = model._meta
-        urls.append(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist"))
+        apps.add(meta.app_label)
+        name = f"admin:{meta.app_label}_{meta.model_name}"
+        urls += [reverse(f"{name}_changelist"), reverse(f"{name}_add")]
+        row = model._default_manager.order_by("pk").first()
+        if row is not None:
+            urls += [
+                reverse(f"{name}_{page}", args=[row.pk])
+                for page in ("change", "history", "delete")
+            ]
+    urls += [reverse("admin:app_list", args=[app]) for app in sorted(apps)]
     return urls
 
 
-@pytest.mark.parametrize("persona", ["alice", "anonymous"])
+@pytest.mark.parametrize("persona", ["alice", "charlie", "anonymous"])
 def test_only_staff_get_into_any_admin_page(
-    request: pytest.FixtureRequest, persona: str
+    request: pytest.FixtureRequest, persona: str, cluster: list[Node], bob: User
 ) -> None:
+    """Signed-in users who are not staff get 403 Forbidden (issue 6), whoever's
+    rows the page shows; anonymous visitors are sent to the admin's login."""
+    JobFactory(owner=bob)
     client = Client()
     if persona != "anonymous":
         client.force_login(request.getfixturevalue(persona))
 
-    for url in admin_urls():
+    urls = admin_urls()
+    assert len(urls) > 40  # the rows above give every model its change pages
+    for url in urls:
         response = client.get(url)
-        assert response.status_code == 302, url
-        assert response.url.startswith(reverse("admin:login")), url
+        if persona == "anonymous":
+            assert response.status_code == 302, url
+            assert response.url.startswith(reverse("admin:login")), url
+        else:
+            assert response.status_code == 403, url
 
 
 def test_a_non_staff_user_cannot_post_an_action(alice: User) -> None:
@@ -88,8 +109,24 @@ def test_a_non_staff_user_cannot_post_an_action(alice: User) -> None:
     response = act(client, JOBS, "hold_jobs", job.pk)
 
     job.refresh_from_db()
-    assert response.status_code == 302
+    assert response.status_code == 403
     assert job.status == Job.Status.PENDING
+
+
+def test_staff_still_get_every_admin_page(
+    admin_user: User, cluster: list[Node], bob: User
+) -> None:
+    JobFactory(owner=bob)
+    admin_user.is_superuser = True
+    admin_user.save()
+    client = Client()
+    client.force_login(admin_user)
+
+    # (add and delete pages are refused by models that are never added or
+    # deleted there, such as jobs: their ModelAdmin's rule, not the site's)
+    pages = [u for u in admin_urls() if not u.endswith(("/add/", "/delete/"))]
+    for url in pages:
+        assert client.get(url).status_code == 200, url
 
 
 # ------------------------------------------------------------------ job actions

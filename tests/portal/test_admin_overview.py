@@ -3,27 +3,34 @@ may see the page.
 
 History (UTC; "now" is 2026-11-15 12:00), on node-a (2 GPUs, each with 2 slots)
 plus node-b (1 GPU, in maintenance) and node-c (1 GPU, lost): 4 GPUs.
-- job A (alice, vision) ran on node-a GPU 0 on 11-14 10:00-10:30;
+- job A (alice, vision) ran on node-a GPU 0 on 11-14 10:00-10:30, its processes
+  at 2 % SM for its first 12 minutes (idle), then busy;
 - job B (charlie, nlp) ran on GPU 0 from 10-31 23:00 to 11-01 01:00 (half of it
-  in November);
-- job C (alice, vision) runs on GPU 0 since 11-15 09:00;
+  in November), before the samples kept (7 days): its idle time is unknown;
+- job C (alice, vision) runs on GPU 0 since 11-15 09:00, holding memory at 0 % SM
+  for 6 minutes, then busy for 4, then no samples (no evidence);
 - job D (charlie, nlp) ran in early October (neither this month nor in 30 days).
-Jobs start and end through the services; the metric rollups are written as the
-rollup task would.
+Jobs start and end through the services; samples are stored as the consumer
+stores them, hourly rollups as the rollup task writes them, and the GPU hours are
+computed by ``maintain_metrics``' ``hours.maintain``.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import pytest
 import time_machine
+from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from scheduler import overview, services
+from portal.accounting import hours
+from portal.accounting.models import GpuHourStale
+from scheduler import metrics, overview, services
 from scheduler.models import Gpu, GpuRollup, Group, Job, Node
 from tests.conftest import make_node
 from tests.factories import JobFactory, exited_data, start_job, started_data
@@ -66,6 +73,36 @@ def run(job: Job, node: Node, start: datetime, end: datetime | None) -> Attempt:
     return attempt
 
 
+def samples(
+    gpu: Gpu, start: datetime, sms: list[float], attempt: Attempt | None
+) -> None:
+    """One persisted sample every 10 s from ``start``: ``attempt``'s process at
+    each SM figure (holding 20 GiB), or no process at all."""
+    with connection.cursor() as cursor:
+        metrics.ensure_partitions(cursor, start)
+    rows = []
+    for i, sm in enumerate(sms):
+        procs = (
+            [{"pid": 7, "used_memory_mib": 20480, "sm_util": sm,
+              "attempt_id": attempt.pk}]
+            if attempt is not None
+            else []
+        )  # fmt: skip
+        rows.append(
+            (gpu.pk, start + i * timedelta(seconds=10), sm, *[None] * 9, False,
+             json.dumps(procs))
+        )  # fmt: skip
+    metrics._insert(rows)
+
+
+def compute_hours(now: datetime = NOW) -> None:
+    """What beat's ``maintain_metrics`` does for the GPU hours, from 10-01 on."""
+    GpuHourStale.objects.all().delete()
+    hours.request_recompute(at(10, 1, 0))
+    with time_machine.travel(now, tick=False):
+        hours.maintain(now)
+
+
 def rollups(gpu: Gpu, resolution: str, start: datetime, utils: list[float]) -> None:
     step = timedelta(minutes=1 if resolution == "1m" else 60)
     GpuRollup.objects.bulk_create(
@@ -92,10 +129,10 @@ def history(alice: User, charlie: User) -> dict[str, Any]:
     gpu0, gpu1 = node_a.gpus.order_by("index")
     assert gpu0.slots == 2  # an exclusive job holds two allocation rows
     run(JobFactory(owner=charlie), node_a, at(10, 5, 10), at(10, 5, 12))  # D
-    run(JobFactory(owner=alice), node_a, at(11, 14, 10), at(11, 14, 10, 30))  # A
+    job_a = run(JobFactory(owner=alice), node_a, at(11, 14, 10), at(11, 14, 10, 30))
     run(JobFactory(owner=charlie), node_a, at(10, 31, 23), at(11, 1, 1))  # B
     job_c = JobFactory(owner=alice)
-    run(job_c, node_a, at(11, 15, 9), None)  # C, running
+    attempt_c = run(job_c, node_a, at(11, 15, 9), None)  # C, running
     # 11-14 hourly: GPU 0 80 % then 20 % (a third of the samples), GPU 1 0 %
     rollups(gpu0, "1h", at(11, 14, 10), [80.0])
     GpuRollup.objects.create(
@@ -104,12 +141,16 @@ def history(alice: User, charlie: User) -> dict[str, Any]:
     rollups(gpu1, "1h", at(11, 14, 10), [0.0])
     rollups(gpu0, "1h", at(11, 15, 9), [50.0])
     rollups(gpu0, "1h", at(10, 1, 9), [99.0])  # before the 30 days
-    # minutes: job A's GPU idle for its first 12 minutes, then busy; idle after
-    # it ended (not held: not counted); GPU 1 idle but never held
-    rollups(gpu0, "1m", at(11, 14, 10), [2.0] * 12 + [50.0] * 18 + [0.0] * 5)
-    rollups(gpu1, "1m", at(11, 14, 10), [0.0] * 10)
-    # job C holds its GPU with memory and no activity for 6 minutes, then works
-    rollups(gpu0, "1m", at(11, 15, 9), [0.0] * 6 + [4.99 + 90] * 4)
+    # job A's processes idle (2 % SM) for its first 12 minutes, then busy; the
+    # GPU at 0 % for 5 minutes after it ended (not held: not counted); GPU 1 at
+    # 0 % but never held
+    samples(gpu0, at(11, 14, 10), [2.0] * 72 + [50.0] * 108, job_a)
+    samples(gpu0, at(11, 14, 10, 30), [0.0] * 30, None)
+    samples(gpu1, at(11, 14, 10), [0.0] * 60, None)
+    # job C holds 20 GiB at 0 % SM for 6 minutes, then works for 4 (just under
+    # 95 %: its own processes, not memory, count), then nothing is sampled
+    samples(gpu0, at(11, 15, 9), [0.0] * 36 + [94.99] * 24, attempt_c)
+    compute_hours()
     return {"node_a": node_a, "node_b": node_b, "node_c": node_c, "job_c": job_c}
 
 
@@ -151,6 +192,10 @@ def test_daily_utilisation_and_idle_hours(history: dict[str, Any]) -> None:
     assert days["2026-11-13"].util_percent is None
     idle = {k: round(d.idle_hours, 4) for k, d in days.items() if d.idle_hours}
     assert idle == {"2026-11-14": 0.2, "2026-11-15": 0.1}
+    # B's days were computed after their samples were gone: unknown, not zero
+    unknown = [k for k, d in days.items() if d.idle_hours is None]
+    assert unknown == ["2026-10-31", "2026-11-01"]
+    assert days["2026-11-13"].idle_hours == 0.0
 
 
 def test_nodes_needing_attention(history: dict[str, Any]) -> None:
@@ -209,8 +254,11 @@ def test_only_staff_see_the_overview(
 
     response = client.get(reverse("admin-overview"))
 
-    assert response.status_code == 302
-    assert response.url.startswith(reverse("admin:login"))
+    if persona == "anonymous":
+        assert response.status_code == 302
+        assert response.url.startswith(reverse("admin:login"))
+    else:  # signed in, not staff: forbidden (issue 6)
+        assert response.status_code == 403
 
 
 def test_an_empty_cluster_shows_an_empty_overview(admin_user: User) -> None:

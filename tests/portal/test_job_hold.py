@@ -118,8 +118,8 @@ def test_nodes_show_maintenance_apart_from_draining(
     alice: User, cluster: list[Node]
 ) -> None:
     node_a, node_b = cluster
-    services.set_node_mode(node_a.pk, "maintenance")
-    services.set_node_mode(node_b.pk, "drain")
+    services.set_node_mode(node_a.pk, "maintenance", by=None)
+    services.set_node_mode(node_b.pk, "drain", by=None)
 
     body = client_for(alice).get(reverse("portal-nodes")).content.decode()
     detail = client_for(alice).get(reverse("portal-node", args=[node_a.pk]))

@@ -14,6 +14,7 @@ from portal.settings_env import (
     envfloat,
     envint,
     envlist,
+    envnetworks,
     envsecret,
     envstr,
     envurl,
@@ -279,3 +280,23 @@ def test_the_quota_settings_refuse_bad_values(name: str, value: str, says: str) 
     )
     assert result.returncode != 0
     assert says in result.stderr
+
+
+def test_it_parses_networks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipaddress import ip_network
+
+    monkeypatch.setenv("NETS", " 10.0.0.0/8, fd00::/8,,192.168.1.7 ")
+    assert envnetworks("NETS") == (
+        ip_network("10.0.0.0/8"),
+        ip_network("fd00::/8"),
+        ip_network("192.168.1.7/32"),
+    )
+    monkeypatch.delenv("NETS")
+    assert envnetworks("NETS") == ()
+
+
+@pytest.mark.parametrize("value", ["10.0.0.0/33", "lab", "10.0.0.0/8;fd00::/8"])
+def test_it_refuses_a_bad_network(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("NETS", value)
+    with pytest.raises(ImproperlyConfigured, match=r"NETS: .* is not an IP network"):
+        envnetworks("NETS")

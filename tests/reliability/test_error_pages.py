@@ -12,6 +12,7 @@ import pytest
 from django.db import InterfaceError, OperationalError
 from django.test import Client
 from django.urls import reverse
+from rest_framework.test import APIClient
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -48,9 +49,22 @@ def test_an_api_client_gets_json(alice: User) -> None:
 
     assert response.status_code == 503
     assert response.json() == {
-        "error": "The database is unavailable; nothing was changed. Try again shortly.",
-        "retry_after": 5,
+        "error": "unavailable",
+        "detail": "The database is unavailable; nothing was changed. Try again shortly.",
+        "fields": {},
     }
+
+
+def test_the_api_says_503_in_its_error_body(alice: User) -> None:
+    client = APIClient()
+    client.force_authenticate(alice)
+    with mock.patch(
+        "portal.api.views.jobs.jobs_for", side_effect=OperationalError("down")
+    ):
+        response = client.get("/api/v1/jobs/")
+
+    assert (response.status_code, response["Retry-After"]) == (503, "5")
+    assert response.json()["error"] == "unavailable"
 
 
 def test_any_other_crash_is_still_a_plain_500(alice: User) -> None:

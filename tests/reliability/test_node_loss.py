@@ -1,8 +1,9 @@
 """A node lost and back, on real processes (uvicorn, a Celery worker and beat,
 two simulated agents that really run the jobs' commands): its jobs are requeued
-or failed exactly once and charged only until the node was last heard from; when
-it returns, the runs the portal had ended are killed by attempt id, so once it
-is back no job runs twice and no allocation is left behind."""
+or failed exactly once, charged for the time they actually ran (estimated at the
+node's last heartbeat, corrected when the node replays the real exits); when it
+returns, the runs the portal had ended are killed by attempt id, so once it is
+back no job runs twice and no allocation is left behind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import pytest
+from django.utils import timezone
 
 from tests.e2e.conftest import login, submit, wait_for_job, wait_until
 from tests.reliability.processes import (
@@ -92,6 +94,15 @@ def test_a_lost_node_requeues_once_and_its_stale_runs_die_when_it_returns(
         # Cut off, node-a could not be told: until it is back both runs exist.
         assert second.node_id == node_b.pk
         assert alive(groups["first"]) and alive(groups["failing"])
+        # Meanwhile its run is charged until node-a was last heard from.
+        first.refresh_from_db()
+        assert first.outcome == Attempt.Outcome.NODE_LOST
+        estimate = first.ended_at
+        lost_at = JobEvent.objects.get(
+            job_id=requeue, message__startswith="node node-a lost"
+        ).at
+        assert estimate is not None
+        assert estimate <= lost_at - timedelta(seconds=LOST_AFTER)
     finally:
         agent_a.popen.send_signal(signal.SIGCONT)
 
@@ -117,17 +128,25 @@ def test_a_lost_node_requeues_once_and_its_stale_runs_die_when_it_returns(
         (requeue, "pending"),
         (fail, "failed"),
     ]
-    # Charged from its start until node-a was last heard from, no more.
+    # The killed run's exit, replayed by node-a, puts its real end in place of
+    # the estimate (it did run while cut off) and charges again: charged for the
+    # time it actually ran, no more.
+    wait_until(
+        lambda: str(node_a.pk) in Attempt.objects.get(pk=first.pk).rank_exits,
+        what="the killed run's exit",
+    )
     first.refresh_from_db()
-    assert first.outcome == Attempt.Outcome.NODE_LOST
-    lost_at = lost_events.get(job_id=requeue).at
-    assert first.ended_at <= lost_at - timedelta(seconds=LOST_AFTER)
-    assert first.started_at is not None
+    assert first.started_at is not None and first.ended_at is not None
+    assert estimate < lost_at < first.ended_at <= timezone.now()
     [usage] = UsageRecord.objects.filter(attempt=first)
     # (The database keeps microseconds; the charge is from the agent's float times.)
     assert usage.gpu_seconds == pytest.approx(
         (first.ended_at - first.started_at).total_seconds(), abs=1e-3
     )
+    corrections = JobEvent.objects.filter(
+        job_id=requeue, message__contains="reported after the portal had ended it"
+    )
+    assert corrections.count() == 1
 
     marker.touch()
     assert wait_for_job(requeue, set(Job.TERMINAL)) == "completed"

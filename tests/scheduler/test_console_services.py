@@ -292,6 +292,26 @@ def test_it_refuses_to_requeue_a_job_being_cancelled(
         services.requeue_job(job.pk, by=admin)
 
 
+def test_requeue_and_node_modes_need_their_permissions_in_the_service(
+    alice: User, bob: User, cluster: list[Node], quiet: None, send: Any
+) -> None:
+    """The rule lives in the service, so the console and the API share it:
+    staff without the permission (bob here) are refused, nothing changes."""
+    bob.is_staff = True
+    bob.save()
+    job = JobFactory(owner=alice)
+    attempt = start_job(job, cluster[0])
+
+    with pytest.raises(PermissionDenied, match="requeue_job permission"):
+        services.requeue_job(job.pk, by=bob)
+    with pytest.raises(PermissionDenied, match="drain_node permission"):
+        services.set_node_mode(cluster[0].pk, "drain", by=bob)
+
+    attempt.refresh_from_db()
+    cluster[0].refresh_from_db()
+    assert (attempt.kill_reason, cluster[0].draining) == ("", False)
+
+
 # ------------------------------------------------------------------ priority class
 
 
@@ -375,8 +395,8 @@ def test_a_node_drained_or_in_maintenance_takes_no_new_jobs(
     alice: User, cluster: list[Node], mode: Any, quiet: None, send: Any
 ) -> None:
     node_a, node_b = cluster
-    services.set_node_mode(node_a.pk, mode)
-    services.set_node_mode(node_b.pk, mode)
+    services.set_node_mode(node_a.pk, mode, by=None)
+    services.set_node_mode(node_b.pk, mode, by=None)
     job = JobFactory(owner=alice)
 
     views = {n.id: n.schedulable for n in services.snapshot().cluster.nodes}
@@ -396,7 +416,7 @@ def test_a_start_decided_before_maintenance_is_skipped(
     decisions = policy.decide(snapshot.cluster)
     [start] = [d for d in decisions if isinstance(d, policy.Start)]
 
-    services.set_node_mode(start.placements[0].node_id, "maintenance")
+    services.set_node_mode(start.placements[0].node_id, "maintenance", by=None)
     result = services.apply_decisions(decisions, snapshot.stored_waits)
 
     assert result.started == 0
@@ -408,11 +428,11 @@ def test_resume_clears_drain_and_maintenance_and_asks_for_a_pass(
     cluster: list[Node], quiet: None, django_capture_on_commit_callbacks: Any
 ) -> None:
     node = cluster[0]
-    services.set_node_mode(node.pk, "drain")
-    services.set_node_mode(node.pk, "maintenance")
+    services.set_node_mode(node.pk, "drain", by=None)
+    services.set_node_mode(node.pk, "maintenance", by=None)
 
     with django_capture_on_commit_callbacks(execute=True):
-        changed = services.set_node_mode(node.pk, "resume")
+        changed = services.set_node_mode(node.pk, "resume", by=None)
 
     node.refresh_from_db()
     assert changed is True
@@ -425,12 +445,12 @@ def test_node_modes_report_whether_they_changed_anything(
 ) -> None:
     node = cluster[0]
 
-    assert services.set_node_mode(node.pk, "maintenance") is True
-    assert services.set_node_mode(node.pk, "maintenance") is False
+    assert services.set_node_mode(node.pk, "maintenance", by=None) is True
+    assert services.set_node_mode(node.pk, "maintenance", by=None) is False
     node.refresh_from_db()
     assert (node.mode, node.draining) == ("maintenance", False)
-    assert services.set_node_mode(node.pk, "resume") is True
-    assert services.set_node_mode(node.pk, "resume") is False
+    assert services.set_node_mode(node.pk, "resume", by=None) is True
+    assert services.set_node_mode(node.pk, "resume", by=None) is False
 
 
 def test_running_jobs_keep_running_on_a_node_put_in_maintenance(
@@ -440,7 +460,7 @@ def test_running_jobs_keep_running_on_a_node_put_in_maintenance(
     start_job(job, cluster[0])
     send.reset_mock()
 
-    services.set_node_mode(cluster[0].pk, "maintenance")
+    services.set_node_mode(cluster[0].pk, "maintenance", by=None)
 
     job.refresh_from_db()
     assert job.status == Job.Status.STARTING

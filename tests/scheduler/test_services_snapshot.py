@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from scheduler import policy, services, tasks
 from scheduler.models import Gpu, Job
 from tests.conftest import make_node
-from tests.factories import JobFactory, start_job, started_data
+from tests.factories import JobFactory, shared_start, start_job, started_data
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -60,9 +61,51 @@ def test_running_attempts_count_toward_fair_share_as_they_run(
 
     usage = services.cluster_state().usage
 
-    # 2 GPUs (each slot held: 1/slots of it) for 100 s.
+    # 2 GPUs, each all its own, for 100 s.
     assert usage.group_usage[job.group.name] == pytest.approx(200, abs=2)
     assert usage.user_usage[job.group.name, "alice"] == pytest.approx(200, abs=2)
+
+
+def test_running_jobs_sharing_a_gpu_count_toward_fair_share_by_the_charging_rule(
+    alice: User, charlie: User
+) -> None:
+    """By declared memory (GPULAB_SHARED_CHARGE=memory), as their usage records
+    will be charged, with the GPU's earlier neighbour taken into account."""
+    node, _ = make_node("node-s", 1)
+    gpu = node.gpus.get()
+    now = time.time()
+    a = JobFactory(owner=alice, shareable=True, gpu_memory_mib=20 * 1024)
+    first = start_job(a, node)
+    services.mark_started(node.pk, started_data(first, now - 400))
+    b = JobFactory(owner=charlie, shareable=True, gpu_memory_mib=60 * 1024)
+    services.apply_decisions([shared_start(b, gpu.pk, node.pk, (a.pk,))])
+    second = b.attempt_set.get()
+    services.mark_started(node.pk, started_data(second, now - 200))
+
+    usage = services.cluster_state().usage
+
+    # alice: 200 s alone + 200 s at 20/80; charlie: 200 s at 60/80 (by live
+    # slots they would have been 400 / 2 and 200 / 2)
+    assert usage.user_usage[a.group.name, "alice"] == pytest.approx(250, abs=2)
+    assert usage.user_usage[b.group.name, "charlie"] == pytest.approx(150, abs=2)
+    assert usage.group_usage[b.group.name] == pytest.approx(150, abs=2)
+
+
+def test_the_snapshot_reads_a_fixed_number_of_queries_whatever_runs(
+    alice: User, cluster: list[Node]
+) -> None:
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            services.snapshot()
+        return len(ctx.captured_queries)
+
+    attempt = start_job(JobFactory(owner=alice), cluster[0])
+    services.mark_started(cluster[0].pk, started_data(attempt, time.time() - 60))
+    one = queries()
+    for node in (cluster[0], cluster[0], cluster[1]):
+        attempt = start_job(JobFactory(owner=alice), node)
+        services.mark_started(node.pk, started_data(attempt, time.time() - 30))
+    assert queries() == one
 
 
 def test_a_pass_stores_only_the_reasons_that_changed(

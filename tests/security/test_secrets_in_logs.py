@@ -1,6 +1,7 @@
 """Secrets never reach a log: every line the real processes print through the main
 flows (a node's agent connecting and running a job, its token rotated, a user
-logging in, saving a webhook and sending a signed notification), with the web
+logging in, saving a webhook and sending a signed notification, making and using
+an API token), with the web
 server at debug level, is searched for each secret. Node tokens are stored
 hashed only."""
 
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import secrets
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import csrf_post, login, submit, wait_for_job, wait_until
@@ -58,6 +61,8 @@ def test_no_secret_is_logged_through_the_main_flows(
     password = "pw-" + secrets.token_urlsafe(16)
     webhook_secret = "hook-" + secrets.token_urlsafe(24)
     django_user_model.objects.create_user("sam", "s@lab.example", password)
+    # Webhooks to loopback are refused unless allowed (the receiver is local).
+    stack.env["GPULAB_WEBHOOK_ALLOWED_NETWORKS"] = "127.0.0.0/8"
     # The web server logs at debug level: websockets then logs every header.
     stack.procs.pop("web").stop()
     web = stack.start_web(UVICORN_LOG_LEVEL="debug")
@@ -81,6 +86,15 @@ def test_no_secret_is_logged_through_the_main_flows(
     assert csrf_post(client, "/notifications/test/", {}).status_code == 302
     wait_until(lambda: Receiver.got, what="the signed test notification")
     assert Receiver.got[0]["headers"]["X-Gpulab-Signature"].startswith("sha256=")
+    made = csrf_post(client, "/tokens/", {"name": "laptop", "days": "1"})
+    shown = re.search(r'data-testid="secret">([^<]+)<', made.text)
+    assert shown, made.text
+    api_secret = shown.group(1)
+    listed = httpx.get(
+        f"{stack.base_url}/api/v1/jobs/",
+        headers={"Authorization": f"Bearer {api_secret}"},
+    )
+    assert listed.status_code == 200, listed.text  # the token really works
     new_token = services.rotate_node_token(node.pk)
     agent.wait_for(r"rejected the token")  # the live connection was cut
     node.refresh_from_db()
@@ -95,6 +109,7 @@ def test_no_secret_is_logged_through_the_main_flows(
         "the rotated node token": new_token,
         "the user's password": password,
         "the webhook secret": webhook_secret,
+        "the API token": api_secret,
     }.items():
         assert secret not in printed, f"{name} was logged"
     session = client.cookies.get("sessionid")

@@ -13,6 +13,8 @@ import pytest
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 
+from portal.api.models import ApiToken
+from portal.api.tokens import create_token
 from scheduler import services
 from scheduler.models import Job
 from tests.conftest import make_node
@@ -34,18 +36,19 @@ ADMIN_LOGIN = "admin-login"  # expected: a redirect to the admin's login page
 
 @dataclass
 class World:
-    """What a case's URL and checks need: alice's job, a node."""
+    """What a case's URL and checks need: alice's job, a node, alice's API token."""
 
     alice: User
     job: Job
     node_id: int
+    token: ApiToken
 
 
 @dataclass(frozen=True)
 class Case:
     """One URL name and method; what each persona gets (a status, or a redirect to
-    a login page); for a POST that changes the job, the status it then has for
-    each persona that may act (``changed``), unchanged for everyone else."""
+    a login page); for a POST that changes something (``state`` reads it), what it
+    then is for each persona that may act (``changed``), ``before`` for the rest."""
 
     name: str
     method: str
@@ -53,7 +56,7 @@ class Case:
     args: Callable[[World], list[Any]] = lambda w: []
     query: str = ""
     data: dict[str, str] = field(default_factory=dict)
-    # The job's state before a POST and after it, for the personas in ``changed``.
+    state: Callable[[World], str] | None = None
     before: str = Job.Status.PENDING
     changed: dict[str, str] = field(default_factory=dict)
 
@@ -86,6 +89,20 @@ def node(w: World) -> list[Any]:
     return [w.node_id]
 
 
+def token(w: World) -> list[Any]:
+    return [w.token.pk]
+
+
+def job_status(w: World) -> str:
+    w.job.refresh_from_db()
+    return str(w.job.status)
+
+
+def token_state(w: World) -> str:
+    w.token.refresh_from_db()
+    return "revoked" if w.token.revoked_at else "active"
+
+
 CASES = [
     Case("portal-overview", "GET", everyone(200)),
     Case("portal-queue", "GET", everyone(200)),
@@ -99,6 +116,7 @@ CASES = [
         "POST",
         owner_and_staff(302),
         args=job,
+        state=job_status,
         changed={"owner": Job.Status.CANCELLED, "staff": Job.Status.CANCELLED},
     ),
     # Staff see every job, but holding one needs the hold_job permission
@@ -108,6 +126,7 @@ CASES = [
         "POST",
         owner_and_staff(302),
         args=job,
+        state=job_status,
         changed={"owner": Job.Status.HELD},
     ),
     Case(
@@ -115,6 +134,7 @@ CASES = [
         "POST",
         owner_and_staff(302),
         args=job,
+        state=job_status,
         before=Job.Status.HELD,
         changed={"owner": Job.Status.PENDING},
     ),
@@ -137,15 +157,29 @@ CASES = [
     Case("notifications-test", "POST", everyone(302)),
     Case("login", "GET", {p: 200 for p in PERSONAS}),
     Case("logout", "POST", {p: 302 for p in PERSONAS}),
+    # Signed in but not staff: forbidden; anonymous: the admin's login.
     Case(
         "admin-overview",
         "GET",
-        {**{p: ADMIN_LOGIN for p in PERSONAS}, "staff": 200},
+        {**everyone(403), "anonymous": ADMIN_LOGIN, "staff": 200},
+    ),
+    # API tokens: each user sees and revokes only their own; another's token id
+    # gets the same answer as a token that does not exist.
+    Case("api-tokens", "GET", everyone(200)),
+    Case(
+        "api-token-revoke",
+        "POST",
+        everyone(302),
+        args=token,
+        state=token_state,
+        before="active",
+        changed={"owner": "revoked"},
     ),
 ]
 
-# Reached only through the admin site's own include (tested in test_admin_console).
-DELEGATED = {"admin/"}
+# Includes tested elsewhere: the admin site's (tests/portal/test_admin_console.py)
+# and the API's (tests/api/).
+DELEGATED = {"admin/", "api/v1/"}
 
 
 def url_names() -> set[str]:
@@ -170,7 +204,8 @@ def test_every_view_of_the_url_conf_has_a_case() -> None:
 @pytest.fixture
 def world(alice: User, bob: User, charlie: User, admin_user: User) -> World:
     node, _ = make_node("sec-node", 2)
-    return World(alice, JobFactory(owner=alice, name="alice-job"), node.pk)
+    api_token, _ = create_token(alice, "laptop", 30)
+    return World(alice, JobFactory(owner=alice, name="alice-job"), node.pk, api_token)
 
 
 def client_as(request: pytest.FixtureRequest, persona: str) -> Client:
@@ -205,9 +240,8 @@ def test_each_persona_gets_what_it_may(
         assert response.url.startswith(login), response.url
     else:
         assert response.status_code == expected, response.content[:500]
-    if case.method == "POST" and case.args is job:
-        world.job.refresh_from_db()
-        assert world.job.status == case.changed.get(persona, case.before)
+    if case.state is not None:
+        assert case.state(world) == case.changed.get(persona, case.before)
 
 
 @pytest.mark.parametrize("persona", ["same_group", "other_group"])
@@ -229,6 +263,7 @@ FORM_DATA = {
     "notifications": {"job_failed_email": "on"},
     "login": {"username": "alice", "password": "pw-alice"},
 }
+FORM_DATA["api-tokens"] = {"name": "x", "days": "1"}
 CSRF_CASES = [
     Case(c.name, "POST", {}, args=c.args, query=c.query, data=FORM_DATA.get(c.name, {}))
     for c in {c.name: c for c in CASES}.values()
@@ -248,6 +283,8 @@ def test_every_post_is_refused_without_the_csrf_token(world: World, case: Case) 
     world.job.refresh_from_db()
     assert world.job.status == Job.Status.PENDING
     assert Job.objects.count() == jobs_before
+    assert token_state(world) == "active"
+    assert ApiToken.objects.count() == 1
 
 
 def test_a_post_with_the_pages_token_goes_through(world: World) -> None:

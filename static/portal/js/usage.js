@@ -16,7 +16,11 @@
   var layout = {
     margin: { t: 10, r: 10, b: 40, l: 50 },
     yaxis: { title: { text: "GPU-hours" }, rangemode: "tozero" },
-    xaxis: { type: "date" },
+    // The chosen range, whatever days have GPU time (a range of one day is
+    // left to Plotly, which would otherwise draw a zero-width axis).
+    xaxis: data.days.length > 1
+      ? { type: "date", range: [data.days[0], data.days[data.days.length - 1]] }
+      : { type: "date" },
     showlegend: true,
   };
   Plotly.newPlot("usage-chart", traces, layout, { responsive: true, displaylogo: false });

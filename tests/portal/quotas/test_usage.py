@@ -131,6 +131,47 @@ def test_a_shared_gpu_charges_each_job_its_share(
     assert got["group vision"].running_gpus == 1
 
 
+@pytest.mark.usefixtures("quiet", "send")
+def test_running_jobs_on_a_shared_gpu_count_as_their_records_will(
+    cluster: Any, alice: Any, charlie: Any, groups: Any
+) -> None:
+    """Live usage follows the charging rule (declared memory here), the one the
+    usage records follow when the jobs end: no jump at the end."""
+    from tests.factories import shared_start
+
+    node = cluster[0]
+    quota(group=groups["vision"], gpu_hours=10)
+    quota(group=groups["nlp"], gpu_hours=10)
+    with time_machine.travel(NOW - 2 * H, tick=False):
+        a = start_job(
+            JobFactory(owner=alice, shareable=True, gpu_memory_mib=20480), node
+        )
+        services.mark_started(node.pk, _started(a, NOW - 2 * H))
+    gpu_id = a.allocations.first().gpu_id  # type: ignore[union-attr]
+    job = JobFactory(owner=charlie, shareable=True, gpu_memory_mib=61440)
+    with time_machine.travel(NOW - H, tick=False):
+        services.apply_decisions([shared_start(job, gpu_id, node.pk, (a.job_id,))])
+        b = job.attempt_set.get()
+        services.mark_started(node.pk, _started(b, NOW - H))
+
+    got = states()
+    # alice: 1 h alone, then 1 h at 20/80; charlie: 1 h at 60/80
+    assert got["group vision"].running_gpu_hours == pytest.approx(1.25)
+    assert got["group nlp"].running_gpu_hours == pytest.approx(0.75)
+
+    from tests.factories import exited_data
+
+    with time_machine.travel(NOW, tick=False):
+        for attempt in (a, b):
+            services.finish_attempt(
+                node.pk, exited_data(attempt, 0, at=NOW.timestamp())
+            )
+    ended = states()
+    assert ended["group vision"].running_gpu_hours == 0
+    assert ended["group vision"].used_gpu_hours == pytest.approx(1.25)
+    assert ended["group nlp"].used_gpu_hours == pytest.approx(0.75)
+
+
 def _started(attempt: Any, at: datetime) -> Any:
     from tests.factories import started_data
 
@@ -167,15 +208,21 @@ def test_period_bounds(
 
 
 @pytest.mark.django_db
-def test_it_reads_all_quotas_in_two_queries(
+def test_it_reads_all_quotas_in_three_queries_or_two_in_the_pass(
     django_assert_num_queries: Any, groups: Any
 ) -> None:
-    for i in range(5):
-        from scheduler.models import Group
+    from portal.accounting import live
+    from scheduler.models import Group
 
+    for i in range(5):
         quota(group=Group.objects.create(name=f"g{i}"), gpu_hours=i + 1)
-    with django_assert_num_queries(2):
+    # quotas, ended usage and GPUs held, running attempts' charges
+    with django_assert_num_queries(3):
         assert len(quota_states(NOW)) == 5
+    # the pass hands over the running attempts' charges it loaded for fair share
+    charges = live.load(NOW)
+    with django_assert_num_queries(2):
+        assert len(quota_states(NOW, live_charges=charges)) == 5
 
 
 def test_periods_start_at_midnight_in_the_configured_time_zone(settings: Any) -> None:

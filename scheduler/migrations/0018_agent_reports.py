@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('scheduler', '0015_job_holds_admin_permissions'),
+        ('scheduler', '0017_job_arrays_dependencies'),
     ]
 
     operations = [

@@ -1,0 +1,2 @@
+"""The REST API (``/api/v1/``, issue 8): personal tokens, throttling, error bodies,
+and views that call ``scheduler.services`` with the web UI's permission rules."""

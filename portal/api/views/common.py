@@ -1,0 +1,87 @@
+"""Helpers every API view shares: the errors each operation documents, query
+parsing, the visible job."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.http import Http404
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework import serializers
+
+from portal.api.serializers import ErrorSerializer
+from scheduler.models import Attempt, Job, Node
+
+if TYPE_CHECKING:
+    from rest_framework.request import Request
+
+_ERRORS = {
+    400: "Invalid input (see fields).",
+    401: "Not authenticated: no token, or a bad, expired or revoked one.",
+    403: "Not allowed.",
+    404: "Not found (or not visible to you).",
+    405: "Method not allowed.",
+    409: "The job's state does not allow it.",
+    413: "Request body too large.",
+    415: "Unsupported media type (send JSON).",
+    429: "Rate limited; see Retry-After.",
+}
+
+
+def errors(*codes: int) -> dict[int, OpenApiResponse]:
+    """The error responses an operation documents (401 and 429 always)."""
+    wanted = sorted({401, 429, *codes})
+    return {c: OpenApiResponse(ErrorSerializer, description=_ERRORS[c]) for c in wanted}
+
+
+def query(serializer: type[serializers.Serializer[Any]], request: Request) -> Any:
+    """Parse query parameters; a 400 naming each bad one."""
+    no_empty(request)
+    parsed = serializer(data=request.query_params)
+    parsed.is_valid(raise_exception=True)
+    return parsed.validated_data
+
+
+def no_empty(request: Request) -> None:
+    """``?until=`` is a mistake, not "no limit": name it (400)."""
+    empty = {
+        k: ["Give a value or leave the parameter out."]
+        for k, v in request.query_params.items()
+        if v == ""
+    }
+    if empty:
+        raise serializers.ValidationError(empty)
+
+
+def jobs_for(request: Request) -> Any:
+    """The jobs the requester may see, with what the serializer reads."""
+    return (
+        Job.objects.visible_to(request.user)
+        .select_related("owner", "group", "held_by")
+        .prefetch_related(
+            "dependencies__depends_on",
+            attempts_for_nodes(),
+        )
+    )
+
+
+def attempts_for_nodes() -> Any:
+    """The attempts' fields ``serializers.latest_nodes`` reads, prefetched."""
+    from django.db.models import Prefetch
+
+    return Prefetch(
+        "attempt_set",
+        queryset=Attempt.objects.only("id", "job_id", "number", "node_id", "ranks"),
+    )
+
+
+def visible_job(request: Request, job_id: int) -> Job:
+    """The job if the requester may see it; 404 otherwise (no existence leak)."""
+    job: Job | None = jobs_for(request).filter(pk=job_id).first()
+    if job is None:
+        raise Http404(f"No job {job_id} visible to you.")
+    return job
+
+
+def node_names() -> dict[int, str]:
+    return dict(Node.objects.values_list("pk", "name"))

@@ -1,0 +1,363 @@
+"""Jobs and job arrays: submit, list, detail, cancel, hold / release, requeue,
+logs, events."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.db.models import Count, F, Func, IntegerField, Q
+from django.http import Http404
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from portal.api import serializers as s
+from portal.api.views.common import errors, jobs_for, node_names, query, visible_job
+from scheduler import services
+from scheduler.models import Attempt, Job, JobArray, JobLogChunk
+
+if TYPE_CHECKING:
+    from rest_framework.request import Request
+
+
+def _request(data: dict[str, Any]) -> services.JobRequest:
+    return services.JobRequest(
+        name=data["name"],
+        command=data["command"],
+        workdir=data["workdir"],
+        env=data["env"],
+        gpus=data["gpus"],
+        gpu_memory_mib=data["gpu_memory_mib"],
+        time_limit_s=data["time_limit_s"],
+        priority_class=data["priority_class"],
+        shareable=data["shareable"],
+        workload=data["workload"],
+        group=data["group"],
+        kill_grace_s=data["kill_grace_s"],
+        requeue_on_node_loss=data["requeue_on_node_loss"],
+        gpu_model=data["gpu_model"],
+        slowdown_cap=data["slowdown_cap"],
+        evictable=data["evictable"],
+        after=data["after"],
+    )
+
+
+def _job_response(request: Request, job_id: int, code: int = 200) -> Response:
+    job = visible_job(request, job_id)
+    context = {"node_names": node_names()}
+    return Response(s.JobSerializer(job, context=context).data, status=code)
+
+
+class JobList(APIView):
+    @extend_schema(
+        operation_id="jobs_list",
+        parameters=[s.JobListQuery],
+        responses={200: s.JobPageSerializer, **errors(400)},
+        summary="Jobs you may see (yours; staff: everyone's), newest first",
+    )
+    def get(self, request: Request) -> Response:
+        q = query(s.JobListQuery, request)
+        jobs = jobs_for(request)
+        if q.get("state"):
+            jobs = jobs.filter(status__in=q["state"])
+        if q.get("owner"):
+            jobs = jobs.filter(owner__username=q["owner"])
+        if q.get("group"):
+            jobs = jobs.filter(group__name=q["group"])
+        if q.get("node"):
+            jobs = jobs.filter(
+                pk__in=Attempt.objects.filter(Q(node__name=q["node"])).values("job_id")
+            )
+        if q.get("array"):
+            jobs = jobs.filter(array_id=q["array"])
+        if q.get("since"):
+            jobs = jobs.filter(
+                Q(finished_at__isnull=True) | Q(finished_at__gte=q["since"])
+            )
+        if q.get("until"):
+            jobs = jobs.filter(submitted_at__lt=q["until"])
+        jobs = jobs.order_by("-id")
+        count = jobs.count()
+        limit, offset = q["limit"], q["offset"]
+        page = list(jobs[offset : offset + limit])
+
+        def link(at: int) -> str:
+            params = request.query_params.copy()
+            params["offset"] = str(at)
+            params["limit"] = str(limit)
+            return request.build_absolute_uri(f"{request.path}?{params.urlencode()}")
+
+        data = {
+            "count": count,
+            "next": link(offset + limit) if offset + limit < count else None,
+            "previous": link(max(0, offset - limit)) if offset > 0 else None,
+            "results": s.JobSerializer(
+                page,  # type: ignore[arg-type]
+                many=True,
+                context={"node_names": node_names()},
+            ).data,
+        }
+        return Response(data)
+
+    @extend_schema(
+        operation_id="jobs_submit",
+        request=s.JobRequestSerializer,
+        responses={201: s.JobSerializer, **errors(400, 413, 415)},
+        summary="Submit a job",
+    )
+    def post(self, request: Request) -> Response:
+        parsed = s.JobRequestSerializer(data=request.data)
+        parsed.is_valid(raise_exception=True)
+        job = services.submit_job(request.user, _request(parsed.validated_data))  # type: ignore[arg-type]
+        return _job_response(request, job.pk, status.HTTP_201_CREATED)
+
+
+class JobDetail(APIView):
+    @extend_schema(
+        operation_id="jobs_detail",
+        responses={200: s.JobSerializer, **errors(404)},
+        summary="One job",
+    )
+    def get(self, request: Request, job_id: int) -> Response:
+        return _job_response(request, job_id)
+
+
+class JobVerb(APIView):
+    """POST on a job: one service verb, the job back (409 in the wrong state)."""
+
+    verb: str = ""
+
+    def post(self, request: Request, job_id: int) -> Response:
+        job = visible_job(request, job_id)
+        user = request.user
+        if self.verb == "cancel":
+            services.cancel_job(job.pk, by=user)  # type: ignore[arg-type]
+        elif self.verb == "hold":
+            services.hold_job(job.pk, by=user)  # type: ignore[arg-type]
+        elif self.verb == "release":
+            services.release_job(job.pk, by=user)  # type: ignore[arg-type]
+        elif self.verb == "requeue":
+            # requeue_job checks the admin console's permission (requeue_job)
+            services.requeue_job(job.pk, by=user)  # type: ignore[arg-type]
+        return _job_response(request, job.pk)
+
+
+def _verb(name: str, summary: str, codes: tuple[int, ...]) -> type[JobVerb]:
+    @extend_schema(
+        operation_id=f"jobs_{name}",
+        request=None,
+        responses={200: s.JobSerializer, **errors(*codes)},
+        summary=summary,
+    )
+    def post(self: JobVerb, request: Request, job_id: int) -> Response:
+        return JobVerb.post(self, request, job_id)
+
+    return type(f"Job{name.title()}", (JobVerb,), {"verb": name, "post": post})
+
+
+JobCancel = _verb(
+    "cancel",
+    "Cancel a job (a waiting one ends at once; a running one is stopped)",
+    (404, 409),
+)
+JobHold = _verb("hold", "Hold a pending job (yours; admins: any)", (403, 404, 409))
+JobRelease = _verb(
+    "release", "Release a held job (your own hold; admins: any)", (403, 404, 409)
+)
+JobRequeue = _verb(
+    "requeue", "Requeue a running job (admins with requeue_job)", (403, 404, 409)
+)
+
+
+class JobEvents(APIView):
+    @extend_schema(
+        operation_id="jobs_events",
+        responses={200: s.EventSerializer(many=True), **errors(404)},
+        summary="A job's history, oldest first (the latest 1000)",
+    )
+    def get(self, request: Request, job_id: int) -> Response:
+        job = visible_job(request, job_id)
+        events = list(job.events.select_related("actor").order_by("-at", "-id")[:1000])
+        events.reverse()
+        return Response(s.EventSerializer(events, many=True).data)  # type: ignore[arg-type]
+
+
+_BYTES = Func(F("data"), function="octet_length", output_field=IntegerField())
+
+
+class JobLogs(APIView):
+    @extend_schema(
+        operation_id="jobs_logs",
+        parameters=[s.LogQuery],
+        responses={200: s.LogSerializer, **errors(400, 404)},
+        summary="A job's output: from a byte offset (to follow it) or its tail",
+    )
+    def get(self, request: Request, job_id: int) -> Response:
+        """Output of one rank of one attempt (default: rank 0 of the latest), by
+        the agent's byte offsets: ``offset`` returns what follows it (up to
+        ``limit`` bytes) and ``next_offset`` to ask from next time, so following
+        a job costs one indexed query per poll; ``tail`` the last bytes."""
+        q = query(s.LogQuery, request)
+        job = visible_job(request, job_id)
+        attempts = Attempt.objects.filter(job=job).order_by("-number")
+        attempt = (
+            attempts.filter(number=q["attempt"]).first()
+            if "attempt" in q
+            else attempts.first()
+        )
+        if attempt is None:
+            if "attempt" in q:
+                raise Http404(f"Job {job.pk} has no attempt {q['attempt']}.")
+            return Response(
+                s.LogSerializer(
+                    {
+                        "job": job.pk,
+                        "attempt": None,
+                        "rank": q["rank"],
+                        "node": None,
+                        "offset": 0,
+                        "next_offset": 0,
+                        "data": "",
+                        "complete": job.is_terminal,
+                    }
+                ).data
+            )
+        ranks = attempt.node_ids
+        if q["rank"] >= len(ranks):
+            raise Http404(f"Attempt {attempt.number} has {len(ranks)} rank(s).")
+        node_id = ranks[q["rank"]]
+        # single-node attempts of before per-node logs stored no node
+        chunks = JobLogChunk.objects.filter(attempt=attempt).filter(
+            Q(node_id=node_id) | Q(node__isnull=True)
+        )
+        limit = q["limit"]
+        parts: list[bytes] = []
+        if "tail" in q:
+            size = 0
+            rows = []
+            for off, data in chunks.order_by("-offset").values_list("offset", "data"):
+                raw = data.encode()
+                rows.append((off, raw))
+                size += len(raw)
+                if size >= q["tail"]:
+                    break
+            rows.reverse()
+            start = rows[0][0] if rows else 0
+            end = rows[-1][0] + len(rows[-1][1]) if rows else 0
+            joined = b"".join(r for _, r in rows)
+            cut = max(0, len(joined) - min(q["tail"], limit))
+            parts = [joined[cut:]]
+            start = end - len(parts[0]) if rows else 0
+        else:
+            start = q.get("offset", 0)
+            end = start
+            size = 0
+            rows_q = (
+                chunks.annotate(n=_BYTES)
+                .filter(offset__gte=start - F("n") + 1)
+                .order_by("offset")
+                .values_list("offset", "data")
+            )
+            for off, data in rows_q[:1000]:
+                raw = data.encode()
+                if off < start:
+                    raw = raw[start - off :]
+                    off = start
+                elif off > end and not parts:
+                    start = end = off  # a gap (the log cap): skip to what is stored
+                if size and size + len(raw) > limit:
+                    break
+                parts.append(raw[: limit - size])
+                size += len(parts[-1])
+                end = off + len(parts[-1])
+                if size >= limit:
+                    break
+        text = b"".join(parts).decode("utf-8", "replace")
+        complete = (
+            attempt.ended_at is not None and not chunks.filter(offset__gte=end).exists()
+        )
+        name = node_names().get(node_id)
+        return Response(
+            s.LogSerializer(
+                {
+                    "job": job.pk,
+                    "attempt": attempt.number,
+                    "rank": q["rank"],
+                    "node": name,
+                    "offset": start,
+                    "next_offset": end,
+                    "data": text,
+                    "complete": complete,
+                }
+            ).data
+        )
+
+
+# ------------------------------------------------------------------ arrays
+
+
+def _array_data(array: JobArray) -> dict[str, Any]:
+    tasks = list(array.tasks.order_by("array_index"))
+    counts = {
+        row["status"]: row["n"]
+        for row in array.tasks.values("status").annotate(n=Count("id")).order_by()
+    }
+    return {
+        "id": array.pk,
+        "name": array.name,
+        "owner": array.owner,
+        "spec": array.spec,
+        "size": array.size,
+        "max_running": array.max_running,
+        "created_at": array.created_at,
+        "counts": counts,
+        "tasks": tasks,
+    }
+
+
+def _visible_array(request: Request, array_id: int) -> JobArray:
+    """An array is visible when its tasks are (the same rule as jobs)."""
+    if not Job.objects.visible_to(request.user).filter(array_id=array_id).exists():
+        raise Http404(f"No array {array_id} visible to you.")
+    return JobArray.objects.select_related("owner").get(pk=array_id)
+
+
+class ArrayList(APIView):
+    @extend_schema(
+        operation_id="arrays_submit",
+        request=s.ArrayRequestSerializer,
+        responses={201: s.ArraySerializer, **errors(400, 413, 415)},
+        summary="Submit a job array: one job per index, at most %N running at once",
+    )
+    def post(self, request: Request) -> Response:
+        parsed = s.ArrayRequestSerializer(data=request.data)
+        parsed.is_valid(raise_exception=True)
+        data = parsed.validated_data
+        array = services.submit_array(request.user, _request(data), data["array"])  # type: ignore[arg-type]
+        array = JobArray.objects.select_related("owner").get(pk=array.pk)
+        return Response(s.ArraySerializer(_array_data(array)).data, status=201)
+
+
+class ArrayDetail(APIView):
+    @extend_schema(
+        operation_id="arrays_detail",
+        responses={200: s.ArraySerializer, **errors(404)},
+        summary="A job array with each task's state",
+    )
+    def get(self, request: Request, array_id: int) -> Response:
+        array = _visible_array(request, array_id)
+        return Response(s.ArraySerializer(_array_data(array)).data)
+
+
+class ArrayCancel(APIView):
+    @extend_schema(
+        operation_id="arrays_cancel",
+        request=None,
+        responses={200: s.CancelledSerializer, **errors(404)},
+        summary="Cancel every task of an array still waiting or running",
+    )
+    def post(self, request: Request, array_id: int) -> Response:
+        array = _visible_array(request, array_id)
+        cancelled = services.cancel_array(array.pk, by=request.user)  # type: ignore[arg-type]
+        return Response({"cancelled": cancelled})
