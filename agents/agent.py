@@ -481,6 +481,12 @@ class Agent:
             j for j in self.jobs.values() if j.outcome is None and j.exit_seq is None
         ]
 
+    def held(self) -> list[Job]:
+        """Every attempt this agent holds: running, or ended with its exit not yet
+        acknowledged. What hello and heartbeats list, so that the portal's
+        reconciler never takes an exit on its way for a vanished job."""
+        return list(self.jobs.values())
+
     def _owner_lookup(self) -> Callable[[int], int | None]:
         by_pgid: dict[int, int] = {}
         by_sid: dict[int, int] = {}
@@ -529,7 +535,7 @@ class Agent:
     async def heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            ids = [j.attempt_id for j in self.running()]
+            ids = [j.attempt_id for j in self.held()]
             self._send_live(p.Heartbeat, p.HeartbeatData(running=ids))
 
     # ------------------------------------------------------------ link
@@ -544,7 +550,7 @@ class Agent:
             gpus=self.reader.gpus(),
             running=[
                 p.RunningJob(attempt_id=j.attempt_id, job_id=j.job_id, pid=j.pgid)
-                for j in self.running()
+                for j in self.held()
             ],
         )
 

@@ -192,7 +192,7 @@ class Launcher:
         return job
 
     def _preflight(self, data: JobLaunchData) -> None:
-        check_workdir(data.workdir)
+        check_workdir(data.workdir, state_root=self.state.root)
         account = resolve_user(data.run_as)
         if os.geteuid() != 0 or self.allow_root_jobs:
             return

@@ -65,6 +65,10 @@ class RunningJob(_Model):
     pid: NonNegInt | None = None
 
 
+# Most attempts one hello or heartbeat may list.
+MAX_HELD = 1024
+
+
 class HelloData(_Model):
     agent_version: Text
     hostname: Text
@@ -72,11 +76,13 @@ class HelloData(_Model):
     driver_version: Text | None = None
     cuda_version: Text | None = None
     gpus: Annotated[list[GpuInfo], Field(max_length=64)]
-    running: list[RunningJob] = []
+    # Every attempt the agent holds: running, or ended with its exit not yet acked.
+    running: Annotated[list[RunningJob], Field(max_length=MAX_HELD)] = []
 
 
 class HeartbeatData(_Model):
-    running: list[PosInt] = []  # attempt ids
+    # Attempt ids the agent holds (as in hello): the reconciler's evidence.
+    running: Annotated[list[PosInt], Field(max_length=MAX_HELD)] = []
 
 
 class ProcessSample(_Model):

@@ -57,7 +57,10 @@ def build_env(
     return env
 
 
-def check_workdir(workdir: str) -> None:
+def check_workdir(workdir: str, state_root: Path | None = None) -> None:
+    """An absolute path to a directory, not inside the agent's state directory
+    (``state_root``: its jobs' files, spool and sequence numbers), whatever
+    ``..`` or symlinks it goes through."""
     path = Path(workdir)
     if not path.is_absolute():
         raise LaunchError(f"workdir {workdir!r} is not an absolute path")
@@ -65,6 +68,10 @@ def check_workdir(workdir: str) -> None:
         raise LaunchError(f"workdir {workdir} does not exist")
     if not path.is_dir():
         raise LaunchError(f"workdir {workdir} is not a directory")
+    if state_root is not None and path.resolve().is_relative_to(state_root.resolve()):
+        raise LaunchError(
+            f"workdir {workdir} is inside the agent's state directory {state_root}"
+        )
 
 
 def resolve_user(run_as: str | None) -> pwd.struct_passwd | None:
@@ -155,7 +162,7 @@ def run(job_dir: Path) -> int:
         atomic_write(job_dir / "exit_code", f"{128 + signal.SIGTERM}\n")
         return 0
     try:
-        check_workdir(spec["workdir"])
+        check_workdir(spec["workdir"], state_root=job_dir.parent.parent)
         account = resolve_user(spec.get("run_as"))
         env = build_env(spec)
         kwargs: dict[str, Any] = {}
@@ -183,7 +190,10 @@ def run(job_dir: Path) -> int:
     except LaunchError as exc:
         atomic_write(job_dir / "launch_error", f"{exc}\n")
         return 0
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
+        # ValueError: an environment variable name with "=", a NUL byte: the
+        # portal refuses both, but a bad spec must end as a launch failure (the
+        # job's fault), not as a shim dying without a result (the node's).
         atomic_write(job_dir / "launch_error", f"could not start the command: {exc}\n")
         return 0
 

@@ -154,7 +154,7 @@ CELERY_BEAT_SCHEDULE = {
     },
     "check-nodes": {
         "task": "scheduler.tasks.check_nodes",
-        "schedule": 10.0,
+        "schedule": envfloat("GPULAB_CHECK_NODES_INTERVAL", 10.0, minimum=0.5),
     },
 }
 # Notification deliveries (webhooks, e-mail) go to a queue of their own, which the
@@ -241,7 +241,19 @@ CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+# Behind a TLS-terminating proxy, which must set (and strip from clients)
+# X-Forwarded-Proto: a request is HTTPS when it says "https".
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Production over HTTPS (`manage.py check --deploy` is clean with these set; see
+# .env.example): redirect plain HTTP to HTTPS, and HSTS. Off by default, because
+# `make up`, compose on localhost and the tests serve plain HTTP, and HSTS is
+# remembered by browsers for its whole lifetime.
+SECURE_SSL_REDIRECT = envbool("DJANGO_SSL_REDIRECT", default=False)
+SECURE_HSTS_SECONDS = envint("DJANGO_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool(
+    "DJANGO_HSTS_INCLUDE_SUBDOMAINS", default=False
+)
+SECURE_HSTS_PRELOAD = envbool("DJANGO_HSTS_PRELOAD", default=False)
 
 # ------------------------------------------------------------------ i18n, static
 LANGUAGE_CODE = "en-us"
@@ -304,11 +316,22 @@ LOGGING = {
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # Secrets never reach a log: header values and bearer tokens are blanked.
+    "filters": {"redact": {"()": "portal.redact.RedactSecrets"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["redact"],
+        }
+    },
     "root": {"handlers": ["console"], "level": envstr("GPULAB_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.db.backends": {"level": "INFO"},
         "celery": {"level": "INFO"},
+        # uvicorn's own handlers are not ours: filter at its logger, where the
+        # websockets library logs handshake headers at debug level.
+        "uvicorn.error": {"filters": ["redact"]},
     },
 }
 
@@ -410,6 +433,29 @@ GPULAB_GPU_JOB_LIMIT = envint("GPULAB_GPU_JOB_LIMIT", 2, minimum=1)
 GPULAB_DEFAULT_GROUP = envstr("GPULAB_DEFAULT_GROUP", "lab")
 # Seconds without a heartbeat after which a node is LOST and its jobs requeued.
 GPULAB_NODE_LOST_AFTER = envint("GPULAB_NODE_LOST_AFTER", 60, minimum=5)
+# The reconciler (services.reconcile, beat every GPULAB_RECONCILE_INTERVAL s)
+# compares what each agent says it holds (heartbeats, hello) with the database: an
+# attempt the agent holds although the portal ended it is killed (stale), and a
+# started attempt the agent's reports have lacked for GPULAB_RECONCILE_GRACE s is
+# ended as lost (requeued or failed per the job). Keep the grace at several agent
+# heartbeats (5 s).
+GPULAB_RECONCILE_INTERVAL = envfloat("GPULAB_RECONCILE_INTERVAL", 30.0, minimum=0.5)
+GPULAB_RECONCILE_GRACE = envint("GPULAB_RECONCILE_GRACE", 60, minimum=2)
+CELERY_BEAT_SCHEDULE["reconcile"] = {
+    "task": "scheduler.tasks.reconcile",
+    "schedule": GPULAB_RECONCILE_INTERVAL,
+    "options": {"expires": GPULAB_RECONCILE_INTERVAL},
+}
+# What one agent connection may send: frames and bytes per second, with this many
+# seconds' worth saved up for bursts (a spool replayed after an outage). A node
+# sending faster is throttled: its frames wait, none is dropped.
+GPULAB_AGENT_MAX_FRAMES_PER_S = envfloat(
+    "GPULAB_AGENT_MAX_FRAMES_PER_S", 200.0, minimum=1
+)
+GPULAB_AGENT_MAX_BYTES_PER_S = envint(
+    "GPULAB_AGENT_MAX_BYTES_PER_S", 8 * 1024 * 1024, minimum=64 * 1024
+)
+GPULAB_AGENT_BURST_S = envfloat("GPULAB_AGENT_BURST_S", 10.0, minimum=1)
 # A launch (one rank's, for a job spanning nodes) with no start reported after this
 # many seconds is sent again to its node, if connected; after GPULAB_LAUNCH_RESENDS
 # re-sends the attempt is given up. A job whose attempts could not launch (launch

@@ -52,3 +52,6 @@ urlpatterns = [
         "tokens/<int:token_id>/revoke/", api_pages.token_revoke, name="api-token-revoke"
     ),
 ]
+
+# The database unreachable: a 503 page (or JSON), not a 500 (portal/views/errors.py).
+handler500 = "portal.views.errors.server_error"

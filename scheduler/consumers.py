@@ -10,9 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.db import InterfaceError, OperationalError
+from redis.exceptions import RedisError
 
 from agents import protocol
 from scheduler import events, live, metrics, services
+from scheduler.models import Node
+from scheduler.throttle import TokenBucket
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable
@@ -23,6 +28,15 @@ log = logging.getLogger(__name__)
 CLOSE_BAD_TOKEN = 4401
 CLOSE_BAD_VERSION = 4400
 CLOSE_REPLACED = 4409
+# The node was declared lost: reconnect and say hello (reconciliation).
+CLOSE_NODE_LOST = 4410
+# RFC 6455: a frame over protocol.MAX_FRAME_BYTES; the database unreachable ("try
+# again later": the agent reconnects with backoff and replays what was not acked).
+CLOSE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN = 1013
+
+# PostgreSQL unreachable (Django's wrappers of the driver's errors).
+_DB_DOWN = (OperationalError, InterfaceError)
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -60,11 +74,39 @@ class AgentConsumer(AsyncWebsocketConsumer):
     out_seq: int = 0
     # sampled_at of the last metrics frame persisted to the history.
     last_persisted: float | None = None
+    # The hash of the token this connection authenticated with (rotation).
+    token_hash: str = ""
+    # Set once this side closes: frames still queued are not handled.
+    closing: bool = False
+    # Per-connection allowance (GPULAB_AGENT_MAX_FRAMES_PER_S / _BYTES_PER_S).
+    frame_rate: TokenBucket | None = None
+    byte_rate: TokenBucket | None = None
+    throttled: bool = False
+
+    @staticmethod
+    def _now() -> float:
+        """The throttle's clock."""
+        return time.monotonic()
+
+    @staticmethod
+    async def _wait(seconds: float) -> None:
+        """How the throttle waits."""
+        await asyncio.sleep(seconds)
 
     async def connect(self) -> None:
         token = _bearer_token(self.scope.get("headers", []))
-        node = await database_sync_to_async(services.authenticate_node)(token or "")
         client = self.scope.get("client") or ("?", 0)
+        try:
+            node = await database_sync_to_async(services.authenticate_node)(token or "")
+        except _DB_DOWN as exc:
+            log.warning(
+                "agent connection from %s: database unavailable (%s); told to retry",
+                client[0],
+                exc,
+            )
+            await self.accept()
+            await self.close(code=CLOSE_TRY_AGAIN)
+            return
         if node is None:
             log.warning(
                 "agent connection from %s rejected: %s",
@@ -77,6 +119,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.node_id = node.pk
         self.node_name = node.name
+        self.token_hash = node.token_hash
+        burst = settings.GPULAB_AGENT_BURST_S
+        self.frame_rate = TokenBucket(
+            settings.GPULAB_AGENT_MAX_FRAMES_PER_S, burst, clock=self._now
+        )
+        self.byte_rate = TokenBucket(
+            settings.GPULAB_AGENT_MAX_BYTES_PER_S, burst, clock=self._now
+        )
         group = events.agent_group(node.pk)
         # One agent per node: a new connection replaces any older one (which may be
         # half-open after a network cut), so a job.launch reaches one agent only.
@@ -96,18 +146,39 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await asyncio.wait([self.latest_writer], timeout=10)
         if self.node_id is None:
             return
-        await self.channel_layer.group_discard(
-            events.agent_group(self.node_id), self.channel_name
-        )
-        await database_sync_to_async(services.record_disconnect)(self.node_id)
+        try:
+            await self.channel_layer.group_discard(
+                events.agent_group(self.node_id), self.channel_name
+            )
+            await database_sync_to_async(services.record_disconnect)(self.node_id)
+        except (*_DB_DOWN, RedisError, OSError) as exc:
+            # Nothing to undo: liveness marks a silent node lost in any case.
+            log.warning(
+                "agent of node %s: disconnect not recorded: %r", self.node_name, exc
+            )
         log.info("agent of node %s disconnected (%s)", self.node_name, code)
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None
     ) -> None:
-        if self.node_id is None:
+        if self.node_id is None or self.closing:
             return
         raw = text_data if text_data is not None else bytes_data or b""
+        if len(raw) > protocol.MAX_FRAME_BYTES:
+            log.warning(
+                "node %s sent a frame of %d bytes (limit %d); closing",
+                self.node_name,
+                len(raw),
+                protocol.MAX_FRAME_BYTES,
+            )
+            await self._send_error(
+                "too_large",
+                f"frame of {len(raw)} bytes exceeds the limit of"
+                f" {protocol.MAX_FRAME_BYTES} bytes",
+            )
+            await self._close(CLOSE_TOO_BIG)
+            return
+        await self._throttle(len(raw))
         try:
             message = protocol.parse_agent_message(raw)
         except protocol.ProtocolError as exc:
@@ -130,6 +201,18 @@ class AgentConsumer(AsyncWebsocketConsumer):
             # below so that the agent does not replay it.
             log.warning("node %s: %s refused: %s", self.node_name, message.type, exc)
             await self._send_error("refused", str(exc))
+        except _DB_DOWN as exc:
+            # Not acked: closing makes the agent reconnect (with backoff) and send
+            # it again from its spool once the database is back.
+            log.warning(
+                "node %s: database unavailable for %s (%s); closing so that the"
+                " agent sends it again",
+                self.node_name,
+                message.type,
+                exc,
+            )
+            await self._close(CLOSE_TRY_AGAIN)
+            return
         except Exception:
             # One bad message must not take the node's connection down.
             log.exception("node %s: %s handling failed", self.node_name, message.type)
@@ -151,7 +234,24 @@ class AgentConsumer(AsyncWebsocketConsumer):
             for command in result.commands:
                 await self._send_frame(command)
         elif isinstance(message, protocol.Heartbeat):
-            await database_sync_to_async(services.record_heartbeat)(node_id)
+            status = await database_sync_to_async(services.record_heartbeat)(
+                node_id, message.data.running
+            )
+            await self._rejoin(node_id)
+            if status == Node.Status.LOST:
+                # Requeued (or failed) its jobs already: its agent must say hello,
+                # which has it kill the attempts the portal ended.
+                log.warning(
+                    "node %s was declared lost; closing so that its agent says hello",
+                    self.node_name,
+                )
+                # Its new connection may say hello before this one's disconnect
+                # runs: leave the node's state to that one (as when replaced).
+                await self.channel_layer.group_discard(
+                    events.agent_group(node_id), self.channel_name
+                )
+                self.node_id = None
+                await self._close(CLOSE_NODE_LOST)
         elif isinstance(message, protocol.Metrics):
             if self.feed is not None:
                 await self._live(self.feed.offer(message.data))
@@ -225,6 +325,53 @@ class AgentConsumer(AsyncWebsocketConsumer):
         )
         self.node_id = None
         await self.close(code=CLOSE_REPLACED)
+
+    async def agent_revoked(self, event: dict[str, Any]) -> None:
+        """The node's token was rotated: a connection made with the old one ends
+        (4401, as for a bad token; the agent keeps retrying with what it has)."""
+        if self.node_id is None or event["token_hash"] == self.token_hash:
+            return
+        log.warning("agent of node %s: its token was rotated; closing", self.node_name)
+        await self._close(CLOSE_BAD_TOKEN)
+
+    async def _rejoin(self, node_id: int) -> None:
+        """Join the node's command group again (on every heartbeat): a membership
+        lapses after channels_redis's ``group_expiry`` (a day) and is gone when
+        Redis restarts, and a launch sent to the group would then reach nobody."""
+        try:
+            await self.channel_layer.group_add(
+                events.agent_group(node_id), self.channel_name
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("node %s: cannot rejoin its group: %r", self.node_name, exc)
+
+    async def _throttle(self, size: int) -> None:
+        """Wait while this connection is over its allowance (frames and bytes per
+        second): nothing is dropped, the node is slowed down (TCP pushes back)."""
+        assert self.frame_rate is not None and self.byte_rate is not None
+        wait = max(self.frame_rate.delay(1), self.byte_rate.delay(size))
+        if wait <= 0:
+            self.throttled = False
+            return
+        if not self.throttled:
+            self.throttled = True
+            log.warning(
+                "node %s sends more than %g frames/s or %d bytes/s: throttled",
+                self.node_name,
+                self.frame_rate.rate,
+                int(self.byte_rate.rate),
+            )
+            await self._send_error(
+                "throttled",
+                f"over {self.frame_rate.rate:g} frames/s or"
+                f" {int(self.byte_rate.rate)} bytes/s: frames are handled at that"
+                " rate",
+            )
+        await self._wait(wait)
+
+    async def _close(self, code: int) -> None:
+        self.closing = True
+        await self.close(code=code)
 
     async def agent_command(self, event: dict[str, Any]) -> None:
         """A command for this node's agent (from ``events.send_to_agent``)."""

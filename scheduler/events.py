@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from redis.exceptions import RedisError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,6 +56,11 @@ def dashboard_group(kind: str, object_id: int | None = None) -> str | None:
 class AgentCommandEvent(TypedDict):
     type: Literal["agent.command"]
     frame: dict[str, Any]
+
+
+class AgentRevokedEvent(TypedDict):
+    type: Literal["agent.revoked"]
+    token_hash: str  # the node's new token's: a connection made with another ends
 
 
 class JobStatusEvent(TypedDict):
@@ -279,18 +285,37 @@ def frame(model: Callable[..., protocol._Envelope], data: Any) -> dict[str, Any]
     return result
 
 
-def _group_send(group: str, event: AgentCommandEvent | JobStatusEvent) -> None:
+def _group_send(
+    group: str, event: AgentCommandEvent | AgentRevokedEvent | JobStatusEvent
+) -> None:
+    """Send, or log why not: called after commit, where an exception would skip the
+    other callbacks of the transaction and fail a request whose change is stored.
+    With Redis down the message is lost; what must arrive has a backstop (a
+    launch is re-sent by ``resend_launches`` and at hello; browsers re-read)."""
     layer = get_channel_layer()
     if layer is None:  # pragma: no cover - CHANNEL_LAYERS is always configured
         log.error("no channel layer configured; dropped %s", event["type"])
         return
-    async_to_sync(layer.group_send)(group, dict(event))
+    try:
+        async_to_sync(layer.group_send)(group, dict(event))
+    except (RedisError, OSError) as exc:
+        log.error(
+            "channel layer unavailable; %s to %s lost: %r", event["type"], group, exc
+        )
 
 
 def send_to_agent(node_id: int, command: dict[str, Any]) -> None:
     """Send one command frame to a node's agent (lost if it is not connected: the
     agent's next ``hello`` reconciles, see ``services.record_hello``)."""
     _group_send(agent_group(node_id), {"type": "agent.command", "frame": command})
+
+
+def revoke_agent_token(node_id: int, token_hash: str) -> None:
+    """The node's token was rotated: its agent's live connection, made with the old
+    token, is closed (4401); one made with the new token stays."""
+    _group_send(
+        agent_group(node_id), {"type": "agent.revoked", "token_hash": token_hash}
+    )
 
 
 def broadcast_job_status(job_id: int, status: str, message: str) -> None:

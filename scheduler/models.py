@@ -984,3 +984,47 @@ class InterferencePair(models.Model):
     def slowdown(self) -> float | None:
         """The mean observed slowdown (geometric), None before any observation."""
         return math.exp(self.mean_log) if self.n else None
+
+
+class AgentReport(models.Model):
+    """When a node's agent last listed the attempts it holds (every heartbeat and
+    hello); the list itself is the node's ``AgentSighting`` rows refreshed at that
+    instant (``last_seen_at == reported_at``). Read by the reconciler."""
+
+    node = models.OneToOneField(
+        Node, on_delete=models.CASCADE, primary_key=True, related_name="report"
+    )
+    reported_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.node_id} at {self.reported_at}"
+
+
+class AgentSighting(models.Model):
+    """An attempt a node's agent said it holds (running, or its exit not yet
+    acknowledged), and when it last said so: the reconciler's evidence
+    (``services.reconcile``). ``attempt_id`` is not a foreign key: an agent may
+    report an attempt the portal never made or gave to another node.
+
+    ``stale_since`` / ``killed_at`` are the reconciler's marks for an attempt the
+    agent holds although the portal ended it (or never gave it to this node):
+    first noticed, then told to stop (set once by compare-and-swap, so two
+    reconcilers write one event)."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="sightings")
+    attempt_id = models.BigIntegerField()
+    first_seen_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    stale_since = models.DateTimeField(null=True, blank=True)
+    killed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["node", "attempt_id"], name="%(app_label)s_%(class)s_unique"
+            )
+        ]
+        indexes: ClassVar = [models.Index(fields=["attempt_id"])]
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt_id} on node {self.node_id}"

@@ -161,6 +161,16 @@ def check_nodes() -> dict[str, list[int]]:
 
 
 @shared_task(ignore_result=True)
+def reconcile() -> dict[str, list[int]]:
+    """Compare what the agents hold with the database and repair the drift
+    (``services.reconcile``; beat, every ``GPULAB_RECONCILE_INTERVAL`` s)."""
+    result = services.reconcile()
+    if result["stale"] or result["lost"]:
+        log.warning("reconcile: %s", result)
+    return result
+
+
+@shared_task(ignore_result=True)
 def maintain_metrics() -> dict[str, Any]:
     """Roll samples up, keep partitions ahead, drop what is past retention; bring
     the GPU hours (held / idle, the admin overview's) up to date (beat)."""

@@ -19,6 +19,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from portal.api.errors import body
+from portal.views.errors import database_down, unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -145,6 +146,8 @@ class ApiErrorMiddleware:
     ) -> HttpResponse | None:
         if not request.path.startswith(PREFIX):
             return None
+        if database_down(exception):  # a 503 saying so, not a 500
+            return unavailable(request, exception)
         log.exception("API error on %s %s", request.method, request.path)
         return JsonResponse(
             body("server_error", "Internal error; it was logged."), status=500

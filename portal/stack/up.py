@@ -122,6 +122,9 @@ def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list
         "web": [
             py, "-m", "uvicorn", "portal.asgi:application",
             "--host", HOST, "--port", str(number),
+            # A websocket frame is never buffered past this (agents' frames are
+            # at most 1 MiB: protocol.MAX_FRAME_BYTES, refused with a reason).
+            "--ws-max-size", "2097152",
         ],
         "worker": [
             py, "-m", "celery", "-A", "portal", "worker",

@@ -15,6 +15,8 @@ and management commands are adapters around these functions: they call
 - ``agent_verbs``: what agents report (hello, heartbeats, metrics, starts, exits,
   logs, progress) and the stored output read back;
 - ``liveness``: lost nodes, time limits and lost launches (beat);
+- ``reconcile``: what agents say they hold against the database, drift repaired
+  (beat);
 - ``nodes``: admin verbs on nodes and headline counts;
 - ``console``: the admin console's verbs: hold / release, requeue, priority
   class, node drain / maintenance / resume;
@@ -36,6 +38,7 @@ from scheduler.services.agent_verbs import (
     record_hello,
     record_metrics,
     record_progress,
+    record_report,
 )
 from scheduler.services.arrays import (
     MAX_ARRAY_INDEX,
@@ -87,6 +90,7 @@ from scheduler.services.nodes import (
     rotate_node_token,
     set_draining,
 )
+from scheduler.services.reconcile import reconcile
 from scheduler.services.scheduling import (
     WAIT_FIELDS,
     ApplyResult,
@@ -159,11 +163,13 @@ __all__ = [
     "policy_config",
     "predict_runtime",
     "rank_env",
+    "reconcile",
     "record_disconnect",
     "record_heartbeat",
     "record_hello",
     "record_metrics",
     "record_progress",
+    "record_report",
     "release_job",
     "requeue_job",
     "resend_launches",

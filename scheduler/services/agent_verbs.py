@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, cast, get_args
+from typing import TYPE_CHECKING, Any, NamedTuple, cast, get_args
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -41,6 +41,9 @@ from scheduler.services.common import (
     kill_frame,
 )
 from scheduler.services.starts import launch_frame
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +173,7 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
                         attempt.job.kill_grace_s,
                     )
                 )
+        record_report(node.pk, running, now)
         live_ids = {a.pk for a in live}
         for job in hello.running:
             if job.attempt_id not in live_ids:
@@ -230,8 +234,45 @@ def relaunch_or_fail(job: Job, what: str) -> str:
     return f"{what}; not relaunched: {count} attempts could not launch"
 
 
-def record_heartbeat(node_id: int) -> None:
-    Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now(), connected=True)
+def record_heartbeat(node_id: int, held: Iterable[int] | None = None) -> str | None:
+    """The node is alive; with ``held`` (the heartbeat's attempt ids), also what
+    its agent holds (``record_report``). Returns the node's status (None: no such
+    node): a LOST node's agent must say hello again to be reconciled."""
+    now = timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE scheduler_node SET last_seen_at = %s, connected = true"
+            " WHERE id = %s RETURNING status",
+            [now, node_id],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    if held is not None:
+        record_report(node_id, held, now)
+    return str(row[0])
+
+
+# The node's report time and the sightings of what it listed, in one statement
+# (a heartbeat's only write besides the node's ``last_seen_at``).
+_REPORT_SQL = """
+WITH report AS (
+    INSERT INTO scheduler_agentreport (node_id, reported_at)
+    VALUES (%(node)s, %(now)s)
+    ON CONFLICT (node_id) DO UPDATE SET reported_at = EXCLUDED.reported_at
+)
+INSERT INTO scheduler_agentsighting (node_id, attempt_id, first_seen_at, last_seen_at)
+SELECT %(node)s, id, %(now)s, %(now)s FROM unnest(%(ids)s::bigint[]) AS t(id)
+ON CONFLICT (node_id, attempt_id) DO UPDATE SET last_seen_at = EXCLUDED.last_seen_at
+"""
+
+
+def record_report(node_id: int, held: Iterable[int], now: datetime) -> None:
+    """The node's agent holds exactly the attempts ``held`` at ``now`` (from a
+    heartbeat or hello): the reconciler's evidence (``services.reconcile``)."""
+    ids = sorted(set(held))[: protocol.MAX_HELD]
+    with connection.cursor() as cursor:
+        cursor.execute(_REPORT_SQL, {"node": node_id, "now": now, "ids": ids})
 
 
 def record_disconnect(node_id: int) -> None:
@@ -250,9 +291,15 @@ def record_metrics(
     3. With ``persist``, store it in the history (``scheduler.metrics``); a replay
        of a stored sample is ignored there.
     Samples of GPUs the node does not have (wrong index or uuid) are ignored.
+    A persisted frame's per-process attempt ids are first checked
+    (``_own_processes``): a node cannot charge memory or activity to an attempt
+    that never held that GPU. (Between persists, ``Gpu.latest`` keeps the frame as
+    sent: its readers look processes up by the GPU's own allocations.)
     """
     at = _ts(metrics.sampled_at)
     gpus = {g.index: g for g in Gpu.objects.filter(node_id=node_id)}
+    if persist:
+        metrics = _own_processes(node_id, metrics, gpus)
     known: dict[int, int] = {}
     changed = []
     lost = []
@@ -281,6 +328,52 @@ def record_metrics(
     if shared:
         stop_memory_overruns(shared)
     return len(changed)
+
+
+def _own_processes(
+    node_id: int, metrics: protocol.MetricsData, gpus: dict[int, Gpu]
+) -> protocol.MetricsData:
+    """The frame with every process's ``attempt_id`` that never had an allocation
+    on that GPU made None (a foreign process), in one query, only when the frame
+    names attempts. An attempt that ended keeps its processes: a replayed sample
+    may predate the end."""
+    claimed = {
+        (s.index, p.attempt_id)
+        for s in metrics.gpus
+        for p in s.processes
+        if p.attempt_id is not None
+    }
+    if not claimed:
+        return metrics
+    by_pk = {g.pk: g.index for g in gpus.values()}
+    allowed = {
+        (by_pk[gpu_id], attempt_id)
+        for gpu_id, attempt_id in Allocation.objects.filter(
+            gpu_id__in=list(by_pk), attempt_id__in={a for _, a in claimed}
+        ).values_list("gpu_id", "attempt_id")
+    }
+    if claimed <= allowed:
+        return metrics
+    log.warning(
+        "node %d: metrics name attempts on GPUs they never held"
+        " ((GPU index, attempt) %s); their processes are kept as foreign",
+        node_id,
+        sorted(claimed - allowed),
+    )
+    samples = [
+        s.model_copy(
+            update={
+                "processes": [
+                    p
+                    if p.attempt_id is None or (s.index, p.attempt_id) in allowed
+                    else p.model_copy(update={"attempt_id": None})
+                    for p in s.processes
+                ]
+            }
+        )
+        for s in metrics.gpus
+    ]
+    return metrics.model_copy(update={"gpus": samples})
 
 
 # Raise each live attempt's peak to what it holds now, where that is more: one
@@ -385,6 +478,13 @@ def _attempt_of_node(node_id: int, attempt_id: int, job_id: int) -> Attempt | No
         Attempt.objects.select_for_update().filter(pk=attempt_id, job_id=job_id).first()
     )
     if attempt is None or node_id not in attempt.node_ids:
+        log.warning(
+            "node %d reported attempt %d of job %d, which %s; ignored",
+            node_id,
+            attempt_id,
+            job_id,
+            "does not exist" if attempt is None else "is not allocated to it",
+        )
         return None
     return attempt
 

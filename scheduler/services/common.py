@@ -4,12 +4,15 @@ kill frames.
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.utils import timezone
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import RedisError
 
 from agents import protocol
 from portal.notifications import services as notifications
@@ -18,6 +21,8 @@ from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
+
+log = logging.getLogger(__name__)
 
 
 class JobStateError(Exception):
@@ -86,9 +91,18 @@ def _record_transition(
 
 def _pass_after_commit() -> None:
     """Ask for a scheduling pass once the current transaction commits."""
+    transaction.on_commit(request_pass)
+
+
+def request_pass() -> None:
+    """Enqueue a scheduling pass; with the broker (Redis) down, log it and go on:
+    the change is committed, and beat's next trigger runs the pass."""
     from scheduler.tasks import schedule_pass
 
-    transaction.on_commit(schedule_pass.delay)
+    try:
+        schedule_pass.delay()
+    except (KombuOperationalError, RedisError, OSError) as exc:
+        log.error("broker unavailable; pass not enqueued (beat will run one): %r", exc)
 
 
 def kill_frame(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
+from scheduler import events
 from scheduler.models import Allocation, Gpu, Job, Node
 from scheduler.services.common import _pass_after_commit
 
@@ -30,12 +32,16 @@ def create_node(name: str) -> tuple[Node, str]:
 
 
 def rotate_node_token(node_id: int) -> str:
-    """Give the node a new token; the old one stops working at once."""
+    """Give the node a new token; the old one stops working at once: no new
+    connection with it, and the live one (if any) is closed after commit."""
     token = Node.new_token()
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
         node.set_token(token)
         node.save(update_fields=["token_hash"])
+        transaction.on_commit(
+            partial(events.revoke_agent_token, node.pk, node.token_hash)
+        )
     return token
 
 

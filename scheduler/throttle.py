@@ -1,0 +1,48 @@
+"""A token bucket for one agent connection: frames and bytes per second.
+
+An agent's frames are handled one at a time; when a node sends faster than its
+allowance, the consumer waits (``delay``) before handling the next frame. Waiting
+(rather than dropping) loses nothing: the websocket stops being read, TCP pushes
+back on the node, and a legitimate burst (a spool replayed after a long outage)
+only takes longer. A node therefore never costs the portal more than its rate,
+whatever it sends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+@dataclass
+class TokenBucket:
+    """``rate`` tokens per second, at most ``rate * burst_s`` saved up."""
+
+    rate: float
+    burst_s: float
+    clock: Callable[[], float] = time.monotonic
+    tokens: float = field(init=False)
+    updated: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.capacity
+        self.updated = self.clock()
+
+    @property
+    def capacity(self) -> float:
+        return self.rate * self.burst_s
+
+    def delay(self, cost: float) -> float:
+        """Take ``cost`` tokens; return how long to wait before going ahead (0 when
+        the allowance covers it). A cost above the capacity waits for all of it."""
+        now = self.clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        self.tokens -= cost
+        if self.tokens >= 0:
+            return 0.0
+        return -self.tokens / self.rate
