@@ -16,7 +16,7 @@ from django.urls import URLPattern, URLResolver, get_resolver, reverse
 from portal.api.models import ApiToken
 from portal.api.tokens import create_token
 from scheduler import services
-from scheduler.models import Job
+from scheduler.models import Job, Node
 from tests.conftest import make_node
 from tests.factories import JobFactory
 
@@ -93,6 +93,15 @@ def token(w: World) -> list[Any]:
     return [w.token.pk]
 
 
+def gpu(w: World) -> list[Any]:
+    return [w.node_id, 0]
+
+
+def node_mode(w: World) -> str:
+    n = Node.objects.get(pk=w.node_id)
+    return "draining" if n.draining else "takes jobs"
+
+
 def job_status(w: World) -> str:
     w.job.refresh_from_db()
     return str(w.job.status)
@@ -108,9 +117,25 @@ CASES = [
     Case("portal-queue", "GET", everyone(200)),
     Case("portal-nodes", "GET", everyone(200)),
     Case("portal-node", "GET", everyone(200), args=node),
+    Case("portal-node-series", "GET", everyone(200), args=node),
+    Case("portal-gpu", "GET", everyone(200), args=gpu),
+    Case("portal-gpu-series", "GET", everyone(200), args=gpu),
+    # Drain / maintenance / resume need drain_node, which no persona here has
+    # (staff included, as for the console's node actions): refused, nothing
+    # changes. tests/portal/test_dashboard_pages.py drains with the permission.
+    Case(
+        "portal-node-mode",
+        "POST",
+        everyone(403),
+        args=node,
+        data={"mode": "drain"},
+        state=node_mode,
+        before="takes jobs",
+    ),
     Case("portal-jobs", "GET", everyone(200)),
     Case("portal-job-new", "GET", everyone(200)),
     Case("portal-job", "GET", owner_and_staff(200), args=job),
+    Case("portal-job-series", "GET", owner_and_staff(200), args=job),
     Case(
         "portal-job-cancel",
         "POST",
