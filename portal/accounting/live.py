@@ -140,20 +140,7 @@ def load(
         scope, params["scope"] = "AND j0.owner_id = %(scope)s", user_id
     with connection.cursor() as cursor:
         cursor.execute(_SQL.format(scope=scope), params)
-        rows = [
-            RunRow(
-                gpu_id=r[0],
-                attempt_id=r[1],
-                start=float(r[2]),
-                end=None if r[3] is None else float(r[3]),
-                declared_mib=r[4],
-                gpu_memory_mib=r[5],
-                user_id=r[6],
-                group_id=r[7],
-                job_id=r[8],
-            )
-            for r in cursor.fetchall()
-        ]
+        rows = [RunRow.from_row(r) for r in cursor.fetchall()]
     by_gpu: dict[int, list[RunRow]] = defaultdict(list)
     running: dict[int, tuple[int, int, int]] = {}
     for r in rows:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection
@@ -26,7 +26,7 @@ from portal.accounting.models import DailyUsage
 from scheduler.models import Allocation, Attempt, Gpu, UsageRecord
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Iterable
+    from collections.abc import Collection, Iterable, Sequence
 
 
 class RunRow(NamedTuple):
@@ -41,6 +41,23 @@ class RunRow(NamedTuple):
     user_id: int
     group_id: int
     job_id: int
+
+    @classmethod
+    def from_row(cls, r: Sequence[Any]) -> RunRow:
+        """From a row of the run queries' columns (``_RUNS_SQL``, ``live._SQL``):
+        gpu, attempt, start and end epochs, declared and total memory, owner,
+        group, job."""
+        return cls(
+            gpu_id=r[0],
+            attempt_id=r[1],
+            start=float(r[2]),
+            end=None if r[3] is None else float(r[3]),
+            declared_mib=r[4],
+            gpu_memory_mib=r[5],
+            user_id=r[6],
+            group_id=r[7],
+            job_id=r[8],
+        )
 
 
 _RUNS_SQL = """
@@ -62,20 +79,7 @@ def load_runs(
     """Every started attempt's run on these GPUs overlapping [since, until]."""
     with connection.cursor() as cursor:
         cursor.execute(_RUNS_SQL, [list(gpu_ids), until, since])
-        return [
-            RunRow(
-                gpu_id=r[0],
-                attempt_id=r[1],
-                start=float(r[2]),
-                end=None if r[3] is None else float(r[3]),
-                declared_mib=r[4],
-                gpu_memory_mib=r[5],
-                user_id=r[6],
-                group_id=r[7],
-                job_id=r[8],
-            )
-            for r in cursor.fetchall()
-        ]
+        return [RunRow.from_row(r) for r in cursor.fetchall()]
 
 
 def as_runs(rows: Iterable[RunRow], mode: str) -> list[charging.Run]:
