@@ -235,6 +235,15 @@ class JobQuerySet(models.QuerySet["Job"]):
         return self.filter(status__in=Job.ACTIVE)
 
 
+def may_cancel(user: User | AnonymousUser, *, owner_id: int) -> bool:
+    """The one cancel rule for a job or an array, whatever its state: its owner,
+    or an admin with ``scheduler.cancel_any_job``. Seeing a job is not enough:
+    staff see every job, and a group's leader the group's jobs, read only."""
+    return user.is_authenticated and (
+        owner_id == user.pk or user.has_perm("scheduler.cancel_any_job")
+    )
+
+
 class Job(models.Model):
     """A training job submitted by a lab member.
 
@@ -427,13 +436,16 @@ class Job(models.Model):
         return Job.objects.visible_to(user).filter(pk=self.pk).exists()
 
     def can_be_cancelled_by(self, user: User | AnonymousUser) -> bool:
-        """Its owner or staff (a group's leader sees the job, read only)."""
+        """Active, not already being cancelled, and ``user`` may cancel it
+        (``may_cancel``)."""
         return (
-            user.is_authenticated
-            and (user.is_staff or self.owner_id == user.pk)
-            and self.status in self.ACTIVE
+            self.status in self.ACTIVE
             and self.cancel_requested_at is None
+            and self.may_cancel(user)
         )
+
+    def may_cancel(self, user: User | AnonymousUser) -> bool:
+        return may_cancel(user, owner_id=self.owner_id)
 
     def can_be_held_by(self, user: User | AnonymousUser) -> bool:
         """Its owner may hold their own pending job; an admin with ``hold_job``

@@ -13,11 +13,11 @@ import re
 from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from scheduler.models import Job, JobArray, JobDependency, JobEvent
+from scheduler.models import Job, JobArray, JobDependency, JobEvent, may_cancel
 from scheduler.services.common import _pass_after_commit
 from scheduler.services.dependencies import (
     dependency_rows,
@@ -182,8 +182,17 @@ def cancel_array(array_id: int, *, by: User | None, reason: str = "") -> list[in
        waited for its lock no longer matches and is skipped, so two cancels at
        once cancel each task once.
     2. Each one as ``cancel_job`` does (``_cancel_locked``): a waiting task ends
-       CANCELLED at once, a running one gets ``job.kill``; one event each."""
+       CANCELLED at once, a running one gets ``job.kill``; one event each.
+
+    ``by`` (None: gpulab itself) must be the array's owner or an admin with
+    ``cancel_any_job`` (``Job.may_cancel``), else ``PermissionDenied``."""
     with transaction.atomic():
+        if by is not None:
+            owner_id = JobArray.objects.values_list("owner_id", flat=True).get(
+                pk=array_id
+            )
+            if not may_cancel(by, owner_id=owner_id):
+                raise PermissionDenied(f"You may not cancel array {array_id}.")
         tasks = list(
             Job.objects.select_for_update()
             .filter(

@@ -11,7 +11,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
@@ -386,10 +386,14 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
     2. PENDING / HELD: it becomes CANCELLED at once.
     3. STARTING / RUNNING: record the request and, after commit, send ``job.kill``
        to its node; the job becomes CANCELLED when the agent reports the exit.
-    ``by`` None: gpulab cancels it itself (an idle job), ``reason`` says why.
+    ``by`` None: gpulab cancels it itself (an idle job), ``reason`` says why;
+    otherwise ``by`` must be allowed to (``Job.may_cancel``: its owner or an
+    admin with ``cancel_any_job``), else ``PermissionDenied`` and nothing changes.
     """
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job_id)
+        if by is not None and not job.may_cancel(by):
+            raise PermissionDenied(f"You may not cancel job #{job.pk}.")
         if job.is_terminal:
             raise JobStateError(f"Job #{job.pk} has already ended ({job.status}).")
         if job.cancel_requested_at is not None:

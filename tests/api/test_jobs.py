@@ -11,6 +11,7 @@ import pytest
 from scheduler import services
 from scheduler.models import Attempt, Job, JobLogChunk
 from scheduler.tasks import run_one_pass
+from tests.api.conftest import api_for
 from tests.factories import JobFactory, exited_data, started_data
 
 if TYPE_CHECKING:
@@ -141,10 +142,42 @@ def test_cancel_by_persona_and_twice(
     }
 
 
-def test_staff_cancel_any_job(job: Job, as_admin: Api, quiet: Any) -> None:
+def test_cancelling_another_users_job_needs_cancel_any_job(
+    job: Job, as_admin: Api, admin_user: User, quiet: Any
+) -> None:
+    from django.contrib.auth.models import Permission
+
+    # staff see every job; without the console's cancel_any_job they may not
+    # cancel one, and it keeps waiting
+    got = as_admin.post(f"/api/v1/jobs/{job.pk}/cancel/")
+    assert (got.status_code, got.json()["error"]) == (403, "permission_denied")
+    assert got.json()["detail"] == f"You may not cancel job #{job.pk}."
+    job.refresh_from_db()
+    assert (job.status, job.cancel_requested_at) == (Job.Status.PENDING, None)
+    admin_user.user_permissions.add(Permission.objects.get(codename="cancel_any_job"))
     assert as_admin.post(f"/api/v1/jobs/{job.pk}/cancel/").json()["state"] == (
         "cancelled"
     )
+
+
+def test_a_leader_sees_the_groups_jobs_but_cannot_cancel_them(
+    job: Job, bob: User, as_alice: Api, cluster: list[Node], quiet: Any
+) -> None:
+    """Leaders see their group's jobs read only (issue 6): a job and an array of
+    alice's are visible to bob as leader, and neither cancel changes anything."""
+    from scheduler.models import Membership
+
+    Membership.objects.filter(user=bob).update(is_leader=True)
+    as_leader = api_for(bob)
+    assert as_leader.get(f"/api/v1/jobs/{job.pk}/").json()["owner"] == "alice"
+    got = as_leader.post(f"/api/v1/jobs/{job.pk}/cancel/")
+    assert (got.status_code, got.json()["error"]) == (403, "permission_denied")
+    array = as_alice.post("/api/v1/arrays/", {**JOB, "array": "0-2"}).json()
+    assert as_leader.get(f"/api/v1/arrays/{array['id']}/").status_code == 200
+    got = as_leader.post(f"/api/v1/arrays/{array['id']}/cancel/")
+    assert (got.status_code, got.json()["error"]) == (403, "permission_denied")
+    assert set(Job.objects.values_list("status", flat=True)) == {Job.Status.PENDING}
+    assert not Job.objects.filter(cancel_requested_at__isnull=False).exists()
 
 
 def test_hold_and_release_follow_the_model_rules(

@@ -136,13 +136,15 @@ CASES = [
     Case("portal-job-new", "GET", everyone(200)),
     Case("portal-job", "GET", owner_and_staff(200), args=job),
     Case("portal-job-series", "GET", owner_and_staff(200), args=job),
+    # Staff see every job, but cancelling another's needs cancel_any_job (the
+    # console's permission; tests/api/test_jobs.py grants it): not here.
     Case(
         "portal-job-cancel",
         "POST",
         owner_and_staff(302),
         args=job,
         state=job_status,
-        changed={"owner": Job.Status.CANCELLED, "staff": Job.Status.CANCELLED},
+        changed={"owner": Job.Status.CANCELLED},
     ),
     # Staff see every job, but holding one needs the hold_job permission
     # (test_admin_console): without it the page says so and nothing changes.

@@ -158,8 +158,8 @@ def _verb(name: str, summary: str, codes: tuple[int, ...]) -> type[JobVerb]:
 
 JobCancel = _verb(
     "cancel",
-    "Cancel a job (a waiting one ends at once; a running one is stopped)",
-    (404, 409),
+    "Cancel a job (yours; admins with cancel_any_job: any). A waiting one ends at once; a running one is stopped",
+    (403, 404, 409),
 )
 JobHold = _verb("hold", "Hold a pending job (yours; admins: any)", (403, 404, 409))
 JobRelease = _verb(
@@ -354,8 +354,8 @@ class ArrayCancel(APIView):
     @extend_schema(
         operation_id="arrays_cancel",
         request=None,
-        responses={200: s.CancelledSerializer, **errors(404)},
-        summary="Cancel every task of an array still waiting or running",
+        responses={200: s.CancelledSerializer, **errors(403, 404)},
+        summary="Cancel every task of an array still waiting or running (yours; admins with cancel_any_job: any)",
     )
     def post(self, request: Request, array_id: int) -> Response:
         array = _visible_array(request, array_id)
