@@ -7,6 +7,8 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+# A connection pool, not persistent connections, under ASGI (portal/settings.py).
+os.environ.setdefault("GPULAB_DB_POOL", "1")
 # Initialise Django before importing anything that touches models.
 django_asgi_app = get_asgi_application()
 
