@@ -183,9 +183,12 @@ async def browse(
         while not stop.is_set():
             for url in PAGES:
                 t0 = time.time()
-                resp = await client.get(url)
+                try:
+                    code = (await client.get(url)).status_code
+                except httpx.HTTPError:
+                    code = -1
                 t1 = time.time()
-                out.append((t0, url, (t1 - t0) * 1000, resp.status_code))
+                out.append((t0, url, (t1 - t0) * 1000, code))
 
 
 # ------------------------------------------------------------------ settling
