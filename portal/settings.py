@@ -323,6 +323,13 @@ GPULAB_API_RATE_WINDOW = envint("GPULAB_API_RATE_WINDOW", 60, minimum=1)
 GPULAB_API_MAX_BODY_BYTES = envint(
     "GPULAB_API_MAX_BODY_BYTES", 256 * 1024, minimum=1024, maximum=16 * 1024 * 1024
 )
+# Requests running in Django at once per web process: API calls (/api/) and
+# everything else (pages) in separate lanes; the rest wait in the event loop, and
+# a lane with GPULAB_WEB_QUEUE already waiting answers 503 with Retry-After
+# (portal/gate.py). Each running request holds a thread and a database connection.
+GPULAB_WEB_API_CONCURRENCY = envint("GPULAB_WEB_API_CONCURRENCY", 4, minimum=1)
+GPULAB_WEB_PAGE_CONCURRENCY = envint("GPULAB_WEB_PAGE_CONCURRENCY", 4, minimum=1)
+GPULAB_WEB_QUEUE = envint("GPULAB_WEB_QUEUE", 200, minimum=0)
 # Days a new API token lives unless its owner picks otherwise (0: no expiry).
 GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 
