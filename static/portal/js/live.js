@@ -128,7 +128,12 @@
 
   // One socket per page. `subscribe(kind, id)` is kept and sent again after a
   // reconnect; `on(type, fn)` for update types and for "subscribed"
-  // (fn(group, first)), "error" (fn(message)).
+  // (fn(group, first)), "error" (fn(message)). A closed socket reconnects after
+  // a delay (1 s doubling to 30 s, with jitter) that starts again from 1 s
+  // only once a connection stayed up STABLE_MS: a server that accepts and then
+  // drops the connection (Redis away: the subscriptions fail) is retried ever
+  // more slowly, not every second by every open tab.
+  const STABLE_MS = 10000;
   class Live {
     constructor() {
       this.subs = [];
@@ -175,9 +180,9 @@
       const ws = new WebSocket(`${scheme}${location.host}/ws/dashboard/`);
       this.ws = ws;
       if (!this.openedAt) setStatus("connecting", "connecting\u2026");
+      let opened = 0; // when this socket opened (0: it never did)
       ws.onopen = () => {
-        this.openedAt = Date.now();
-        this.backoff = 1000;
+        opened = this.openedAt = Date.now();
         setStatus("open", "live");
         for (const s of this.subs) ws.send(JSON.stringify(s));
       };
@@ -200,7 +205,9 @@
         }
       };
       ws.onclose = (ev) => {
+        if (this.ws !== ws) return; // not the page's socket any more
         this.ws = null;
+        if (opened && Date.now() - opened >= STABLE_MS) this.backoff = 1000;
         if (ev.code === 4401) {
           setStatus("closed", "signed out");
           return;
