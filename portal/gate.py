@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Mapping
+from portal.api.errors import body
 
-    Scope = dict[str, Any]
-    Message = Mapping[str, Any]
-    Receive = Callable[[], Awaitable[Message]]
-    Send = Callable[[Message], Awaitable[None]]
-    AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+if TYPE_CHECKING:
+    from portal.api.middleware import AsgiApp, Receive, Scope, Send
 
 API_PREFIX = "/api/"
 RETRY_AFTER_S = 1
@@ -106,7 +102,7 @@ class ConcurrencyGate:
 async def _busy(send: Send, *, api: bool) -> None:
     detail = f"The server is busy; try again in {RETRY_AFTER_S} s."
     if api:
-        payload = json.dumps({"error": "busy", "detail": detail, "fields": {}})
+        payload = json.dumps(body("busy", detail))
         kind = b"application/json"
     else:
         payload = detail + "\n"
