@@ -189,7 +189,9 @@ def make_nodes(count: int) -> tuple[list[dict[str, Any]], str]:
     for i in range(count):
         node, token = services.create_node(f"ingest-{i:04d}")
         nodes.append({"id": node.pk, "name": node.name, "token": token})
-    staff = User.objects.create_user("bench-admin", password="bench-pw-1", is_staff=True)
+    staff = User.objects.create_user(
+        "bench-admin", password="bench-pw-1", is_staff=True
+    )
     client = Client()
     client.force_login(staff)
     return nodes, client.cookies[settings.SESSION_COOKIE_NAME].value

@@ -497,7 +497,13 @@ def start_server(
         if proc.poll() is not None:
             raise RuntimeError(
                 "uvicorn exited:\n"
-                + (proc.stdout.read() if proc.stdout else log.read_text() if log else "")
+                + (
+                    proc.stdout.read()
+                    if proc.stdout
+                    else log.read_text()
+                    if log
+                    else ""
+                )
             )
         time.sleep(0.2)
     raise RuntimeError("uvicorn did not start listening within 60 s")
