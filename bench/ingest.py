@@ -445,7 +445,21 @@ def profile_top(raw: Path, keep: int = 15) -> dict[str, list[str]]:
             for frame, c in counter.most_common(keep)
         ]
 
-    return {"samples": [str(total)], "own": fmt(own), "inclusive": fmt(inclusive)}
+    project = Counter(
+        {
+            f: c
+            for f, c in inclusive.items()
+            if any(
+                k in f for k in ("(scheduler/", "(portal/", "(channels", "(psycopg/")
+            )
+        }
+    )
+    return {
+        "samples": [str(total)],
+        "own": fmt(own),
+        "inclusive": fmt(inclusive),
+        "project_inclusive": fmt(project),
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -526,12 +540,17 @@ def main() -> int:
             run = measure(args, db_url, nodes[:target], cookie, work, profile_to=raw)
             print_row(run)
             run["profile"] = profile_top(raw) if raw.exists() else None
+            if raw.exists():
+                Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+                shutil.copy(raw, Path(args.out_dir) / f"ingest-profile-{target}.txt")
             result["profile"] = run
             if run["profile"]:
                 print(f"  {run['profile']['samples'][0]} samples; top by own time:")
                 print("\n".join("    " + x for x in run["profile"]["own"]))
-                print("  top by inclusive time:")
-                print("\n".join("    " + x for x in run["profile"]["inclusive"]))
+                print("  top project / driver frames by inclusive time:")
+                print(
+                    "\n".join("    " + x for x in run["profile"]["project_inclusive"])
+                )
         sustained = [r["nodes"] for r in result["runs"] if r["sustained"]]
         result["largest_sustained"] = max(sustained, default=None)
         print(f"largest N sustained: {result['largest_sustained']}")
