@@ -146,6 +146,14 @@ def populate(pending: int, gpus: int) -> None:
             for i in range(pending)
         ]
     )
+    # Statistics as a database in service has them (autovacuum analyzes a table
+    # within a minute of such a change): without them the planner takes the
+    # fresh tables for near empty and the running attempts' charges query
+    # (portal.accounting.live) goes quadratic, 3.4 s at 10,240 GPUs.
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
 
 
 def reset_started(before: set[int]) -> None:
@@ -189,6 +197,13 @@ def measure(pending: int, gpus: int, repeats: int) -> dict[str, Any]:
                 result = tasks.run_one_pass()
                 result["cpu_ms"] = (time.process_time() - cpu) * 1000
             result["queries"] = len(ctx.captured_queries)
+            result["slowest"] = sorted(
+                (
+                    (float(q["time"]) * 1000, " ".join(q["sql"].split())[:160])
+                    for q in ctx.captured_queries
+                ),
+                reverse=True,
+            )[:3]
             passes.append(result)
             reset_started(set())
 
@@ -210,6 +225,8 @@ def measure(pending: int, gpus: int, repeats: int) -> dict[str, Any]:
         "queries_per_pass": passes[-1]["queries"],
         "started_per_pass": passes[-1]["started"],
         "reasons_updated_per_pass": passes[-1]["reasons_updated"],
+        # The last timed pass's three slowest queries: (ms, the SQL's start).
+        "slowest_queries": passes[-1]["slowest"],
         "first_pass_ms": first["ms"],
         "first_pass_reasons_updated": first["reasons_updated"],
     }
@@ -242,11 +259,30 @@ def run_one_size(pending: int, gpus: int, repeats: int) -> dict[str, Any]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def _sizes(text: str) -> list[tuple[int, int]]:
+    """``"1000:512,20000:10240"`` -> [(1000, 512), (20000, 10240)]; GPUs in whole
+    nodes of 8, more than the ``FREE_GPUS`` left free."""
+    sizes = []
+    for item in text.split(","):
+        pending, sep, gpus = item.strip().partition(":")
+        if not sep or not pending.isdigit() or not gpus.isdigit():
+            raise ValueError(f"{item.strip()!r} is not PENDING:GPUS")
+        if int(gpus) % 8 or int(gpus) <= FREE_GPUS:
+            raise ValueError(f"{gpus} GPUs: need a multiple of 8 above {FREE_GPUS}")
+        sizes.append((int(pending), int(gpus)))
+    return sizes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-pending", type=int, default=10_000)
+    ap.add_argument(
+        "--sizes",
+        help="pending:GPUs pairs instead of the default table, e.g. 20000:10240"
+        " (docs/scaling.md's department size)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -257,8 +293,13 @@ def main() -> int:
     if not os.environ.get("DATABASE_URL"):
         print("DATABASE_URL is not set: run through `make bench`", file=sys.stderr)
         return 2
+    try:
+        sizes = _sizes(args.sizes) if args.sizes else SIZES
+    except ValueError as exc:
+        print(f"--sizes: {exc}", file=sys.stderr)
+        return 2
     rows = []
-    for pending, gpus in SIZES:
+    for pending, gpus in sizes:
         if pending > args.max_pending:
             continue
         row = run_one_size(pending, gpus, args.repeats)
@@ -273,6 +314,8 @@ def main() -> int:
             f" ({row['first_pass_reasons_updated']} reasons)",
             flush=True,
         )
+        for ms, sql in row["slowest_queries"]:
+            print(f"    {ms:8.1f} ms  {sql}", flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pass_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -7,6 +7,8 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+# A connection pool, not persistent connections, under ASGI (portal/settings.py).
+os.environ.setdefault("GPULAB_DB_POOL", "1")
 # Initialise Django before importing anything that touches models.
 django_asgi_app = get_asgi_application()
 
@@ -17,6 +19,7 @@ from django.urls import path  # noqa: E402
 
 from portal.api.middleware import BodyLimit  # noqa: E402
 from portal.consumers import DashboardConsumer  # noqa: E402
+from portal.gate import ConcurrencyGate  # noqa: E402
 from scheduler.consumers import AgentConsumer  # noqa: E402
 
 # Agents send no Origin header: the Origin check stays off their route (they
@@ -36,6 +39,10 @@ async def _websocket_router(scope, receive, send):  # type: ignore[no-untyped-de
 
 
 application = ProtocolTypeRouter(
-    # the API's body limit holds before Django's handler reads the body
-    {"http": BodyLimit(django_asgi_app), "websocket": _websocket_router}
+    # The API's body limit holds before Django's handler reads the body, and
+    # before the request waits for its turn (a slow body holds no slot).
+    {
+        "http": BodyLimit(ConcurrencyGate(django_asgi_app)),
+        "websocket": _websocket_router,
+    }
 )

@@ -24,6 +24,7 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from redis.exceptions import RedisError
 
 from scheduler import events, live
 from scheduler.models import Job, Node
@@ -59,6 +60,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     and marks it watched (``live.Hub``), so updates flow only while someone looks.
     A malformed, unknown or refused message gets ``{"error": ...}`` and the
     connection stays usable; a flood is refused and finally closed.
+
+    It is a member of its process's ``live.Hub``, whose ticker has it join its
+    groups again every ``live.REJOIN_S`` (``rejoin``): a Redis restart loses
+    the memberships while the websocket stays open.
     """
 
     groups_joined: set[str]
@@ -76,13 +81,33 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         self.refill_at = live.monotonic()
         self.refused = 0
         await self.accept()
+        live.Hub.current().add_member(self)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # However it ended: a consumer that crashed (its channel's receive
+            # failed while Redis was away) never ran ``disconnect``, and must
+            # neither stay a member of the hub (which would add its dead channel
+            # to its groups again) nor keep its groups watched.
+            await self._leave_all()
 
     async def disconnect(self, code: int) -> None:
+        await self._leave_all()
+
+    async def _leave_all(self) -> None:
         hub = live.Hub.current()
-        for group in self.groups_joined:
-            await self.channel_layer.group_discard(group, self.channel_name)
-            await hub.unwatch(group)
+        hub.remove_member(self)
+        groups: set[str] = getattr(self, "groups_joined", set())
         self.groups_joined = set()
+        for group in groups:
+            await hub.unwatch(group)
+            try:
+                await self.channel_layer.group_discard(group, self.channel_name)
+            except (RedisError, OSError) as exc:
+                # Redis is away (and when it comes back the group is gone).
+                log.info("dashboard: could not leave %s: %r", group, exc)
 
     # -------------------------------------------------------------- from the tab
 
@@ -183,6 +208,21 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(group, self.channel_name)
             await live.Hub.current().unwatch(group)
         await self.send_json({"unsubscribed": group})
+
+    async def rejoin(self, *, lost: bool) -> None:
+        """Join this tab's groups again and mark them watched (``live.Hub``'s
+        ticker calls it every ``live.REJOIN_S``). ``lost``: Redis lost its data,
+        so the page missed what was sent meanwhile: each group is acknowledged
+        again (``subscribed``), on which pages re-sync as after a reconnect."""
+        for group in sorted(self.groups_joined):
+            await self.channel_layer.group_add(group, self.channel_name)
+            if group not in self.groups_joined:
+                # Left while we were adding it back: leave it again.
+                await self.channel_layer.group_discard(group, self.channel_name)
+                continue
+            if lost:
+                await self.send_json({"subscribed": group})
+        await live.Hub.current().refresh(self.groups_joined)
 
     async def _resync(self) -> None:
         if events.CLUSTER_GROUP not in self.groups_joined:

@@ -106,6 +106,23 @@ DATABASES: dict[str, Any] = {
         conn_health_checks=True,
     )
 }
+# The web process (ASGI: portal/asgi.py sets GPULAB_DB_POOL) runs each request's
+# sync code on a thread of its own, so a persistent connection per thread would
+# stay open after its thread ended: under a burst of API calls one web process
+# held 95 idle connections and the server refused everyone else ("too many
+# clients"). Django says to disable persistent connections under ASGI and pool
+# instead: there, psycopg's pool bounds the process to GPULAB_DB_POOL_MAX
+# connections (a request waits up to 10 s for one). Workers and commands keep
+# persistent connections.
+DB_POOL = envbool("GPULAB_DB_POOL", default=False)
+DB_POOL_MAX = envint("GPULAB_DB_POOL_MAX", 10, minimum=1)
+if DB_POOL:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": DB_POOL_MAX,
+        "timeout": 10,
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # ------------------------------------------------------------------ Redis
@@ -306,6 +323,13 @@ GPULAB_API_RATE_WINDOW = envint("GPULAB_API_RATE_WINDOW", 60, minimum=1)
 GPULAB_API_MAX_BODY_BYTES = envint(
     "GPULAB_API_MAX_BODY_BYTES", 256 * 1024, minimum=1024, maximum=16 * 1024 * 1024
 )
+# Requests running in Django at once per web process: API calls (/api/) and
+# everything else (pages) in separate lanes; the rest wait in the event loop, and
+# a lane with GPULAB_WEB_QUEUE already waiting answers 503 with Retry-After
+# (portal/gate.py). Each running request holds a thread and a database connection.
+GPULAB_WEB_API_CONCURRENCY = envint("GPULAB_WEB_API_CONCURRENCY", 4, minimum=1)
+GPULAB_WEB_PAGE_CONCURRENCY = envint("GPULAB_WEB_PAGE_CONCURRENCY", 4, minimum=1)
+GPULAB_WEB_QUEUE = envint("GPULAB_WEB_QUEUE", 200, minimum=0)
 # Days a new API token lives unless its owner picks otherwise (0: no expiry).
 GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 

@@ -29,6 +29,15 @@ Three paths, each bounded whatever the cluster's size (docs/architecture.md,
 Which groups are watched: each browser subscription adds its group to a Redis
 sorted set (score = expiry, refreshed every ``WATCH_REFRESH_S``); each process reads
 the set at most once per interval and keeps it in memory.
+
+When Redis restarts (it keeps no data on disk), the browsers' group memberships,
+the watch set and the stored cluster state are gone while their websockets stay
+open. The hub's ticker has its members (the browser consumers of this process)
+join their groups again every ``REJOIN_S``, and notices the loss itself at once:
+an epoch key it sets (``NX``) and reads back each round is gone or another one.
+Then it marks its groups watched again and has its members rejoin and say
+``subscribed`` again, so the pages re-sync as after a reconnect; the next round
+finds no stored state and sends the whole state (``base`` 0).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import time
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import redis
 import redis.asyncio as aredis
@@ -55,7 +64,7 @@ from scheduler import events, livestate
 from scheduler.models import Allocation
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
+    from collections.abc import Awaitable, Iterable
 
     from agents import protocol
     from scheduler.events import (
@@ -84,6 +93,10 @@ CLAIM_MS = 2000
 # The nodes' last readings kept for the aggregator vanish when no node sent any
 # for this long (then the database's latest state is all there is).
 READINGS_TTL_S = 60
+# The hub's members (browser consumers) join their groups again this often: a
+# membership is gone when Redis restarted, and lapses after channels_redis's
+# group expiry (a day) on a tab left open.
+REJOIN_S = 10.0
 
 
 def interval() -> float:
@@ -250,6 +263,13 @@ def build_round(
         connections.close_all()
 
 
+class Member(Protocol):
+    """What the hub asks of a browser consumer of its process."""
+
+    async def rejoin(self, *, lost: bool) -> None:
+        """Join its groups again (``lost``: Redis lost them; tell the page)."""
+
+
 class Hub:
     """One per event loop (a web process): the Redis client, the watch set, and
     the cluster ticker (running while this process has browsers connected)."""
@@ -272,6 +292,10 @@ class Hub:
         self.claim_key = f"{prefix}:claim"
         self.queue_key = f"{prefix}:queue"
         self.readings_key = f"{prefix}:readings"
+        self.epoch_key = f"{prefix}:epoch"
+        # The epoch this hub last saw (None: not read yet).
+        self.epoch: bytes | None = None
+        self.members: weakref.WeakSet[Member] = weakref.WeakSet()
         self.local: Counter[str] = Counter()
         self._watched: frozenset[str] = frozenset()
         self._watched_at = -1e9
@@ -328,6 +352,65 @@ class Hub:
     def forget_watched(self) -> None:
         """Read the watch set again at the next ``watched()``."""
         self._watched_at = -1e9
+
+    async def refresh(self, groups: Iterable[str]) -> None:
+        """Mark ``groups`` (subscribed here already) watched again from now."""
+        expiry = time.time() + WATCH_TTL_S
+        mapping = dict.fromkeys(groups, expiry)
+        if mapping:
+            await self.redis.zadd(self.watch_key, mapping)
+
+    # -------------------------------------------------------------- members
+
+    def add_member(self, member: Member) -> None:
+        """A browser consumer of this process, rejoined by the ticker (weakly
+        held: a consumer that crashed without ``remove_member`` drops out)."""
+        self.members.add(member)
+
+    def remove_member(self, member: Member) -> None:
+        self.members.discard(member)
+
+    async def rejoin_members(self, *, lost: bool) -> None:
+        """Every member joins its groups again (concurrently); a failure is
+        logged (the next rejoin tries again)."""
+        members = list(self.members)
+        results = await asyncio.gather(
+            *(m.rejoin(lost=lost) for m in members), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            log.warning(
+                "live: %d of %d dashboards could not rejoin their groups: %r",
+                len(failed),
+                len(members),
+                failed[0],
+            )
+
+    async def lost_data(self) -> bool:
+        """True if Redis lost its data since the last call (it restarted: the
+        epoch key this hub, or another, set is gone or was set again). The first
+        call only reads the epoch (setting it if there is none)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.epoch_key, f"{self.token}-{time.time():.6f}", nx=True)
+        pipe.get(self.epoch_key)
+        _, epoch = await pipe.execute()
+        lost = self.epoch is not None and epoch != self.epoch
+        self.epoch = epoch
+        return lost
+
+    async def recover(self) -> None:
+        """Redis lost its data: this process's subscriptions are watched again
+        at once, its members rejoin their groups and tell their pages (which
+        re-sync as after a reconnect), and the next round, finding no stored
+        state, sends the whole state."""
+        log.warning(
+            "live: Redis lost its data (restarted?): %d dashboards rejoin %d groups",
+            len(self.members),
+            len(self.local),
+        )
+        await self.refresh(self.local)
+        self.forget_watched()
+        await self.rejoin_members(lost=True)
 
     # -------------------------------------------------------------- cluster
 
@@ -428,19 +511,23 @@ class Hub:
 
     async def _run(self) -> None:
         """The ticker: a round whenever the gate may be open; refresh this
-        process's subscriptions in the watch set; drop expired ones."""
-        refreshed = monotonic()
+        process's subscriptions in the watch set; drop expired ones; have the
+        members rejoin their groups, at once if Redis lost its data."""
+        refreshed = rejoined = monotonic()
         while True:
             try:
+                if await self.lost_data():
+                    await self.recover()
+                    refreshed = rejoined = monotonic()
                 if monotonic() - refreshed >= WATCH_REFRESH_S and self.local:
-                    expiry = time.time() + WATCH_TTL_S
-                    await self.redis.zadd(
-                        self.watch_key, dict.fromkeys(self.local, expiry)
-                    )
+                    await self.refresh(self.local)
                     await self.redis.zremrangebyscore(
                         self.watch_key, "-inf", time.time()
                     )
                     refreshed = monotonic()
+                if monotonic() - rejoined >= REJOIN_S:
+                    await self.rejoin_members(lost=False)
+                    rejoined = monotonic()
                 await self.publish_once()
                 ttl = await self.redis.pttl(self.gate_key)
                 # Sleep until the gate opens, plus a little jitter so processes

@@ -55,8 +55,12 @@ urlpatterns = [
     ),
     path(
         "docs/",
+        # GET and HEAD only: the page has no metadata for OPTIONS to render
+        # (its HTML renderer had no template for it: a 500 for anyone)
         SpectacularSwaggerView.as_view(
-            url_name="api-schema", permission_classes=[AllowAny]
+            url_name="api-schema",
+            permission_classes=[AllowAny],
+            http_method_names=["get", "head"],
         ),
         name="api-docs",
     ),

@@ -434,3 +434,40 @@ async def test_a_new_cluster_tab_gets_the_whole_state_and_can_ask_again(
     assert len(whole["state"]["gpus"]) == 6
     assert again == whole
     await comm.disconnect()
+
+
+async def test_a_tab_gets_its_groups_back_when_redis_lost_them(
+    cookies: dict[str, Any], cluster: list[Any]
+) -> None:
+    """A Redis restart loses the tab's group memberships (and the watch set)
+    while its websocket stays open: the hub's ticker notices and the tab joins
+    again, saying ``subscribed`` again so that the page re-syncs."""
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    assert layer is not None
+    node_group = events.node_group(cluster[0].pk)
+    comm = await dashboard(cookies["charlie"], GOOD_ORIGIN)
+    await comm.send_json_to({"subscribe": "node", "id": cluster[0].pk})
+    assert await comm.receive_json_from(timeout=TIMEOUT) == {"subscribed": node_group}
+    hub = live.Hub.current()
+    (tab,) = hub.members
+    await hub.lost_data()  # the epoch as it is now (the ticker's, or ours)
+
+    # What a restart does to the tab's part of Redis.
+    await layer.group_discard(node_group, tab.channel_name)  # type: ignore[attr-defined]
+    await hub.redis.delete(hub.watch_key, hub.epoch_key)
+    again = await comm.receive_json_from(timeout=TIMEOUT)
+    hub.forget_watched()
+    watched = await hub.watched()
+    await layer.group_send(
+        node_group,
+        {"type": "node.metrics", "node": cluster[0].pk, "at": time.time(), "gpus": []},
+    )
+    update = await comm.receive_json_from(timeout=TIMEOUT)
+
+    assert again == {"subscribed": node_group}
+    assert node_group in watched
+    assert update["type"] == "node.metrics"
+    await comm.disconnect()
+    assert not hub.members

@@ -1,7 +1,8 @@
 """Redis and PostgreSQL restarted under a running portal: web, worker, beat and the
 agent recover by themselves, no job exit is lost (the agent's spool replays it)
 or stored twice, and requests made meanwhile fail cleanly (a 503, never a
-traceback) or succeed without the broker.
+traceback) or succeed without the broker, and the dashboards open in a browser
+meanwhile show new readings again without a reload.
 
 These run against PRIVATE embedded servers (``portal.stack.embedded``) that this
 module starts, migrates and restarts: never the machine's shared PostgreSQL and
@@ -16,12 +17,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
+import redis as redis_lib
 
 from portal.stack.embedded import (
     EmbeddedPostgres,
@@ -30,6 +33,7 @@ from portal.stack.embedded import (
     start_redis,
 )
 from portal.stack.urls import celery_broker_url
+from tests.browser import chromium, collect_errors, log_in
 from tests.e2e.conftest import ROOT, Stack, free_port, login, submit, wait_until
 from tests.reliability.processes import start_beat, start_worker
 
@@ -215,6 +219,90 @@ def test_a_postgres_restart_fails_requests_cleanly_and_replays_the_exit(
     after = submit(p.client, "after-postgres", "echo after")
     assert p.wait_status(after, {"completed", "failed"}) == "completed"
     assert p.client.get("/jobs/").status_code == 200
+    p.all_running()
+
+
+# The node page's utilisation chart: how many points its first trace has.
+CHART_POINTS = "document.getElementById('chart-util').data[0].x.length"
+TILE_APPLIED_AFTER = (
+    "([sel, t]) => Number(document.querySelector(sel).dataset.appliedAt) > t"
+)
+
+
+def test_open_dashboards_show_new_readings_after_a_redis_restart(p: Private) -> None:
+    """Redis keeps no data: a restart loses the browsers' Channels group
+    memberships, the watch set and the published cluster state. Open pages must
+    show new readings again by themselves, never reloaded: after a real restart
+    (their sockets may close: they reconnect), and after the data is lost under
+    connections that stay open (a restart quicker than the clients' retries:
+    the sockets stay up and only the server side can notice)."""
+    from playwright.sync_api import expect
+
+    node_id = int(
+        p.sql("SELECT id FROM scheduler_node WHERE name = 'private-node'")[0][0]
+    )
+    base = p.stack.base_url
+    tile = f'[data-gpu="{node_id}:0"]'
+    with chromium() as browser:
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        log_in(context.new_page(), base, ADMIN, PASSWORD)
+        node_page, cluster_page = context.new_page(), context.new_page()
+        errors = (collect_errors(node_page), collect_errors(cluster_page))
+        sockets = {"node": 0, "cluster": 0}  # websockets each page opened
+
+        def count(name: str) -> Any:
+            return lambda _ws: sockets.__setitem__(name, sockets[name] + 1)
+
+        node_page.on("websocket", count("node"))
+        cluster_page.on("websocket", count("cluster"))
+        node_page.goto(f"{base}/nodes/{node_id}/")
+        cluster_page.goto(f"{base}/")
+        for page in (node_page, cluster_page):
+            expect(page.locator("#live-status")).to_have_text("live", timeout=60_000)
+            page.evaluate("window.__loaded = 'the first load'")
+
+        def new_readings(since: float, timeout_ms: int) -> None:
+            """Three more points on the node page's chart, and a cluster message
+            drawn into the GPU's tile after ``since``."""
+            points = node_page.evaluate(CHART_POINTS)
+            node_page.wait_for_function(
+                f"{CHART_POINTS} >= {points + 3}", timeout=timeout_ms
+            )
+            cluster_page.wait_for_function(
+                TILE_APPLIED_AFTER, arg=[tile, since], timeout=timeout_ms
+            )
+
+        new_readings(0, 60_000)  # live before anything happens
+
+        # 1. A real restart (stop, start): the server's consumers may fail and
+        # close the sockets; the pages reconnect, resubscribe and catch up.
+        p.redis.stop()
+        p.redis = start_redis(p.state)
+        new_readings(time.time(), 60_000)
+        reconnects = dict(sockets)
+
+        # 2. The same loss under connections that stay open: the dashboards'
+        # Redis data (Channels groups and queues, the live keys) gone at once.
+        # Within one rejoin period (10 s) or the hub noticing the loss.
+        lost_at = time.time()
+        with redis_lib.Redis.from_url(p.redis.url) as client:
+            keys = [
+                *client.scan_iter(match="glr:asgi*", count=1000),
+                *client.scan_iter(match="glr:live:*", count=1000),
+            ]
+            assert keys
+            client.delete(*keys)
+        new_readings(lost_at, 30_000)
+        assert sockets == reconnects, "a page reconnected: the loss went unnoticed"
+
+        expect(cluster_page.locator(f'{tile} [data-f="util"]')).not_to_have_text(
+            "\u2013"
+        )
+        for page in (node_page, cluster_page):
+            assert page.evaluate("window.__loaded") == "the first load"
+            expect(page.locator("#live-status")).to_have_text("live")
+        assert errors == ([], [])
+        print(f"\n[redis restart] websockets opened per page: {sockets}")  # noqa: T201
     p.all_running()
 
 

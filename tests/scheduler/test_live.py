@@ -323,6 +323,36 @@ async def test_a_marked_queue_is_announced_once(
     assert await nothing(channel)
 
 
+class Tab:
+    """A hub member standing for a browser consumer."""
+
+    def __init__(self) -> None:
+        self.rejoined: list[bool] = []
+
+    async def rejoin(self, *, lost: bool) -> None:
+        self.rejoined.append(lost)
+
+
+@pytest.mark.anyio
+async def test_each_hub_notices_once_that_redis_lost_its_data(clean_live: None) -> None:
+    first, second = live.Hub(), live.Hub()  # two web processes
+    tab = Tab()
+    first.add_member(tab)
+    first.local["node.7"] += 1  # a subscription of first's
+    seen = [await first.lost_data(), await second.lost_data(), await first.lost_data()]
+
+    # Redis restarted: no data at all (the epoch, the watch set) any more.
+    await first.redis.delete(first.epoch_key, first.watch_key)
+    after = [await second.lost_data(), await first.lost_data(), await first.lost_data()]
+    await first.recover()
+    await first.rejoin_members(lost=False)  # the ticker's periodic rejoin
+
+    assert seen == [False, False, False]  # first sightings, then no change
+    assert after == [True, True, False]  # each process once
+    assert tab.rejoined == [True, False]
+    assert "node.7" in await first.watched()  # watched again at once
+
+
 def metrics_frame(node: Any, at: float, util: float, attempt: int | None = None) -> Any:
     gpus = list(node.gpus.order_by("index"))
     return protocol.MetricsData(

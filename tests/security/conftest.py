@@ -1,8 +1,28 @@
 """The e2e ``stack`` fixture (real uvicorn, Celery worker, agents) for the
-security tests that need real processes."""
+security tests that need real processes, and the group-leader persona of the
+permission tables; ``quiet`` (no broadcasts, no queued pass) from tests/api."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.api.conftest import quiet
+from tests.conftest import _user
 from tests.e2e.conftest import stack
 
-__all__ = ["stack"]
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+__all__ = ["leader", "quiet", "stack"]
+
+
+@pytest.fixture
+def leader(groups: dict[str, Any]) -> User:
+    """dora leads alice's group (vision): she sees its jobs and usage, read only."""
+    from scheduler.models import Membership
+
+    user = _user("dora", None)
+    Membership.objects.create(user=user, group=groups["vision"], is_leader=True)
+    return user

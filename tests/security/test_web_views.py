@@ -1,8 +1,9 @@
 """Every web view, table-driven over the URL conf: who may see or do what (owner,
-same group, other group, staff, anonymous; 404 where a job's existence must not
-leak), CSRF on every view that accepts POST, and a new view without a row here
-fails. The admin console's own pages are tested in tests/portal/test_admin_console.py
-(staff only, each action its permission); the API's endpoints by the API's tests."""
+same group, the group's leader, other group, staff, anonymous; 404 where a job's
+existence must not leak), CSRF on every view that accepts POST, and a new view
+without a row here fails. The admin console's own pages are tested in
+tests/portal/test_admin_console.py (staff only, each action its permission); the
+API's endpoints by the same kind of table in test_api_endpoints.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from portal.api.tokens import create_token
 from scheduler import services
 from scheduler.models import Job, Node
 from tests.conftest import make_node
-from tests.factories import JobFactory
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.django_db
 
-PERSONAS = ("anonymous", "owner", "same_group", "other_group", "staff")
+PERSONAS = ("anonymous", "owner", "same_group", "leader", "other_group", "staff")
 FIXTURE = {"owner": "alice", "same_group": "bob", "other_group": "charlie"}
 FIXTURE["staff"] = "admin_user"
+FIXTURE["leader"] = "leader"  # dora leads alice's group: its jobs, read only
 LOGIN = "login"  # expected: a redirect to the login page
 ADMIN_LOGIN = "admin-login"  # expected: a redirect to the admin's login page
 
@@ -71,11 +72,13 @@ def everyone(status: int) -> dict[str, int | str]:
 
 
 def owner_and_staff(ok: int) -> dict[str, int | str]:
-    """The job's owner and staff get ``ok``; the rest 404 (no existence leak)."""
+    """The job's owner, her group's leader and staff get ``ok``; the rest 404 (no
+    existence leak)."""
     return {
         "anonymous": LOGIN,
         "owner": ok,
         "same_group": 404,
+        "leader": ok,
         "other_group": 404,
         "staff": ok,
     }
@@ -136,8 +139,9 @@ CASES = [
     Case("portal-job-new", "GET", everyone(200)),
     Case("portal-job", "GET", owner_and_staff(200), args=job),
     Case("portal-job-series", "GET", owner_and_staff(200), args=job),
-    # Staff see every job, but cancelling another's needs cancel_any_job (the
-    # console's permission; tests/api/test_jobs.py grants it): not here.
+    # Staff see every job, and a leader the group's, but cancelling another's
+    # needs cancel_any_job (the console's permission; test_api_endpoints grants
+    # it): refused (the page says so), nothing changes.
     Case(
         "portal-job-cancel",
         "POST",
@@ -146,8 +150,9 @@ CASES = [
         state=job_status,
         changed={"owner": Job.Status.CANCELLED},
     ),
-    # Staff see every job, but holding one needs the hold_job permission
-    # (test_admin_console): without it the page says so and nothing changes.
+    # Staff (and the leader) see the job, but holding one needs the hold_job
+    # permission (test_admin_console): without it the page says so and nothing
+    # changes. Releasing alice's own hold too.
     Case(
         "portal-job-hold",
         "POST",
@@ -166,18 +171,25 @@ CASES = [
         changed={"owner": Job.Status.PENDING},
     ),
     Case("portal-usage", "GET", everyone(200)),
-    # A group's usage: its leaders and staff (none of the others leads it).
+    # A group's usage: its leaders and staff.
+    Case(
+        "portal-usage",
+        "GET",
+        {**everyone(403), "leader": 200, "staff": 200, "anonymous": LOGIN},
+        query="?group=vision",
+    ),
+    # dora leads vision, not nlp
     Case(
         "portal-usage",
         "GET",
         {**everyone(403), "staff": 200, "anonymous": LOGIN},
-        query="?group=vision",
+        query="?group=nlp",
     ),
     Case("portal-usage-csv", "GET", everyone(200)),
     Case(
         "portal-usage-csv",
         "GET",
-        {**everyone(403), "staff": 200, "anonymous": LOGIN},
+        {**everyone(403), "leader": 200, "staff": 200, "anonymous": LOGIN},
         query="?group=vision",
     ),
     Case("notifications", "GET", everyone(200)),
@@ -205,7 +217,7 @@ CASES = [
 ]
 
 # Includes tested elsewhere: the admin site's (tests/portal/test_admin_console.py)
-# and the API's (tests/api/).
+# and the API's (test_api_endpoints.py, the same table for /api/v1/).
 DELEGATED = {"admin/", "api/v1/"}
 
 
@@ -229,10 +241,13 @@ def test_every_view_of_the_url_conf_has_a_case() -> None:
 
 
 @pytest.fixture
-def world(alice: User, bob: User, charlie: User, admin_user: User) -> World:
+def world(
+    alice: User, bob: User, charlie: User, admin_user: User, leader: User
+) -> World:
     node, _ = make_node("sec-node", 2)
     api_token, _ = create_token(alice, "laptop", 30)
-    return World(alice, JobFactory(owner=alice, name="alice-job"), node.pk, api_token)
+    request = services.JobRequest(name="alice-job", command="true", workdir="/tmp")
+    return World(alice, services.submit_job(alice, request), node.pk, api_token)
 
 
 def client_as(request: pytest.FixtureRequest, persona: str) -> Client:
@@ -272,12 +287,42 @@ def test_each_persona_gets_what_it_may(
 
 
 @pytest.mark.parametrize("persona", ["same_group", "other_group"])
-def test_a_job_is_listed_only_for_its_owner_and_staff(
+def test_a_job_is_listed_only_for_its_owner_leader_and_staff(
     request: pytest.FixtureRequest, world: World, persona: str
 ) -> None:
-    for who, sees in ((persona, False), ("owner", True), ("staff", True)):
+    for who, sees in (
+        (persona, False),
+        ("owner", True),
+        ("leader", True),
+        ("staff", True),
+    ):
         page = client_as(request, who).get(reverse("portal-jobs"))
         assert ("alice-job" in page.content.decode()) is sees, who
+
+
+def test_the_job_page_offers_its_verbs_only_to_whom_may_use_them(
+    request: pytest.FixtureRequest, world: World
+) -> None:
+    # The leader and staff see alice's job, read only: no Hold / Cancel buttons.
+    verbs = [
+        reverse(v, args=[world.job.pk])
+        for v in ("portal-job-hold", "portal-job-cancel")
+    ]
+    for who, offered in (("owner", True), ("leader", False), ("staff", False)):
+        page = client_as(request, who).get(reverse("portal-job", args=[world.job.pk]))
+        assert page.status_code == 200
+        for url in verbs:
+            assert (f'action="{url}"' in page.content.decode()) is offered, (who, url)
+
+
+@pytest.mark.parametrize("persona", ["same_group", "leader", "staff"])
+def test_the_tokens_page_lists_only_ones_own_tokens(
+    request: pytest.FixtureRequest, world: World, persona: str
+) -> None:
+    mine = client_as(request, "owner").get(reverse("api-tokens")).content.decode()
+    theirs = client_as(request, persona).get(reverse("api-tokens")).content.decode()
+    assert world.token.prefix in mine
+    assert world.token.prefix not in theirs
 
 
 # ------------------------------------------------------------------ CSRF

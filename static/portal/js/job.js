@@ -17,26 +17,20 @@
   const status = () => (state() ? state().dataset.status : "");
 
   // ------------------------------------------------------------ the fragment
-  let fetching = null;
-  const refresh = () => {
-    if (fetching) return fetching;
+  // Every announced change fetches it again at once; the latest request wins
+  // (an older response that completes last is dropped: gl.latestWins).
+  const draw = (html) => {
     const old = document.getElementById("job-log");
     const wasAtBottom = !old || old.scrollTop + old.clientHeight >= old.scrollHeight - 4;
-    fetching = gl
-      .fetchFragments(urls.partial, ["job-head", "job-live"])
-      .then(() => {
-        const log = document.getElementById("job-log");
-        if (log && wasAtBottom) log.scrollTop = log.scrollHeight;
-        if (WAITING.includes(status())) live.subscribe("queue");
-        else live.unsubscribe("queue");
-        if (gpusKey() !== chartsFor) loadCharts();
-      })
-      .catch((err) => console.warn(err))
-      .finally(() => {
-        fetching = null;
-      });
-    return fetching;
+    gl.putFragments(html, ["job-head", "job-live"]);
+    const log = document.getElementById("job-log");
+    if (log && wasAtBottom) log.scrollTop = log.scrollHeight;
+    if (WAITING.includes(status())) live.subscribe("queue");
+    else live.unsubscribe("queue");
+    if (gpusKey() !== chartsFor) loadCharts();
   };
+  const fetchLatest = gl.latestWins(() => gl.getFragment(urls.partial), draw);
+  const refresh = () => fetchLatest().catch((err) => console.warn(err));
   const soon = gl.debounced(refresh, 300);
 
   // ------------------------------------------------------------ output

@@ -56,33 +56,54 @@
     return node;
   };
 
-  // Replace a container's content with a server-rendered fragment of our own
-  // view (the same view, asked for its fragment as htmx would).
-  gl.fetchFragment = async (url, container) => {
+  // A server-rendered fragment of our own view (the same view, asked for its
+  // fragment as htmx would): a promise of its HTML.
+  gl.getFragment = async (url) => {
     const resp = await fetch(url, {
       headers: { "HX-Request": "true" },
       credentials: "same-origin",
     });
     if (!resp.ok) throw new Error(`${url}: ${resp.status}`);
-    container.innerHTML = await resp.text();
-    return container;
+    return resp.text();
   };
 
-  // Several parts of a page from one fetch of its fragment: each element of the
-  // response with one of `ids` replaces the page's element with that id.
-  gl.fetchFragments = async (url, ids) => {
-    const resp = await fetch(url, {
-      headers: { "HX-Request": "true" },
-      credentials: "same-origin",
-    });
-    if (!resp.ok) throw new Error(`${url}: ${resp.status}`);
+  // Several parts of a page from one fragment: each element of `html` with one
+  // of `ids` replaces the page's element with that id.
+  gl.putFragments = (html, ids) => {
     const tpl = document.createElement("template");
-    tpl.innerHTML = await resp.text(); // our own view's escaped HTML
+    tpl.innerHTML = html; // our own view's escaped HTML
     for (const id of ids) {
       const fresh = tpl.content.getElementById(id);
       const old = document.getElementById(id);
       if (fresh && old) old.replaceWith(fresh);
     }
+  };
+
+  // Replace a container's content with a fragment of our own view.
+  gl.fetchFragment = async (url, container) => {
+    container.innerHTML = await gl.getFragment(url);
+    return container;
+  };
+
+  // A page part fetched again whenever a change is announced: the latest
+  // request wins. Each call starts a fetch at once, so it sees every change
+  // announced before it (a change announced while another fetch is in flight
+  // is never folded into that one, which may predate it), and numbers it; a
+  // response is drawn only if no later request's response was drawn already,
+  // so overlapping fetches that complete out of order never leave an older
+  // state on the page. `load()` is a promise of the part (e.g. getFragment),
+  // `apply(part)` draws it. The call's promise says whether it was drawn.
+  gl.latestWins = (load, apply) => {
+    let asked = 0;
+    let drawn = 0;
+    return async () => {
+      const mine = ++asked;
+      const part = await load();
+      if (mine < drawn) return false; // a later request's answer is shown
+      drawn = mine;
+      apply(part);
+      return true;
+    };
   };
 
   // Times relative to now ("12s ago", "ran 4m") count on in the browser.
@@ -107,7 +128,12 @@
 
   // One socket per page. `subscribe(kind, id)` is kept and sent again after a
   // reconnect; `on(type, fn)` for update types and for "subscribed"
-  // (fn(group, first)), "error" (fn(message)).
+  // (fn(group, first)), "error" (fn(message)). A closed socket reconnects after
+  // a delay (1 s doubling to 30 s, with jitter) that starts again from 1 s
+  // only once a connection stayed up STABLE_MS: a server that accepts and then
+  // drops the connection (Redis away: the subscriptions fail) is retried ever
+  // more slowly, not every second by every open tab.
+  const STABLE_MS = 10000;
   class Live {
     constructor() {
       this.subs = [];
@@ -154,9 +180,9 @@
       const ws = new WebSocket(`${scheme}${location.host}/ws/dashboard/`);
       this.ws = ws;
       if (!this.openedAt) setStatus("connecting", "connecting\u2026");
+      let opened = 0; // when this socket opened (0: it never did)
       ws.onopen = () => {
-        this.openedAt = Date.now();
-        this.backoff = 1000;
+        opened = this.openedAt = Date.now();
         setStatus("open", "live");
         for (const s of this.subs) ws.send(JSON.stringify(s));
       };
@@ -179,7 +205,9 @@
         }
       };
       ws.onclose = (ev) => {
+        if (this.ws !== ws) return; // not the page's socket any more
         this.ws = null;
+        if (opened && Date.now() - opened >= STABLE_MS) this.backoff = 1000;
         if (ev.code === 4401) {
           setStatus("closed", "signed out");
           return;
