@@ -7,10 +7,15 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-# A connection pool, not persistent connections, under ASGI (portal/settings.py).
+# A connection pool, not persistent connections, under ASGI (portal/settings.py),
+# for this process's settings only: a process that imported this module after its
+# settings were loaded (a test run) must not hand the flag to its children.
+_pool_was_set = "GPULAB_DB_POOL" in os.environ
 os.environ.setdefault("GPULAB_DB_POOL", "1")
 # Initialise Django before importing anything that touches models.
 django_asgi_app = get_asgi_application()
+if not _pool_was_set:
+    del os.environ["GPULAB_DB_POOL"]
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
