@@ -249,9 +249,38 @@ def make_nodes(count: int) -> tuple[list[dict[str, Any]], str]:
     return nodes, client.cookies[settings.SESSION_COOKIE_NAME].value
 
 
+class AgentTrace:
+    """What one simulated agent sent and got back (``bench/ingest.py``): each
+    metrics frame's seq -> (sample time, monotonic send time), each ack's seq ->
+    monotonic receipt time, and the errors the server replied or the link raised."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[float, float]] = {}
+        self.acks: dict[int, float] = {}
+        self.errors: list[str] = []
+
+    def received(self, raw: str | bytes) -> None:
+        msg = json.loads(raw)
+        kind = msg.get("type")
+        if kind == "ack":
+            self.acks[msg["data"]["seq"]] = time.monotonic()
+        elif kind == "error":
+            self.errors.append(str(msg.get("data"))[:200])
+
+
 async def run_agent(
-    url: str, node: dict[str, Any], stop: asyncio.Event, sent: list[int]
+    url: str,
+    node: dict[str, Any],
+    stop: asyncio.Event,
+    sent: list[int],
+    *,
+    trace: AgentTrace | None = None,
+    connect_delay: float = 0.0,
+    drain_s: float = 0.0,
 ) -> None:
+    """One node's agent: hello, then a metrics frame a second at a random phase
+    until ``stop``. With a ``trace``, what it sent and the acks are recorded and,
+    after ``stop``, it waits up to ``drain_s`` for the acks still due."""
     from websockets.asyncio.client import connect
 
     from agents import protocol
@@ -265,6 +294,7 @@ async def run_agent(
         )
         for i in range(8)
     ]
+    await asyncio.sleep(connect_delay)
     async with connect(
         f"{url}/ws/agent/",
         additional_headers=[("Authorization", f"Bearer {node['token']}")],
@@ -273,8 +303,9 @@ async def run_agent(
 
         async def drain() -> None:
             with contextlib.suppress(Exception):
-                async for _ in ws:
-                    pass
+                async for raw in ws:
+                    if trace is not None:
+                        trace.received(raw)
 
         reader = asyncio.create_task(drain())
         seq = 1
@@ -315,9 +346,19 @@ async def run_agent(
             await ws.send(
                 protocol.Metrics(seq=seq, ts=now, data=data).model_dump_json()
             )
+            if trace is not None:
+                trace.sent[seq] = (now, time.monotonic())
             sent[0] += 1
             next_at += 1.0
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        deadline = time.monotonic() + drain_s
+        while (
+            trace is not None
+            and len(trace.acks) < len(trace.sent)
+            and time.monotonic() < deadline
+            and not reader.done()
+        ):
+            await asyncio.sleep(0.2)
         reader.cancel()
 
 
@@ -425,7 +466,11 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 1)
 
 
-def start_server(db_url: str, port: int) -> subprocess.Popen[str]:
+def start_server(
+    db_url: str, port: int, log: Path | None = None
+) -> subprocess.Popen[str]:
+    """The web process on ``port``; its output to ``log`` when given (a pipe
+    nobody reads would stall a server that logs much), else a pipe."""
     env = {
         **os.environ,
         "DATABASE_URL": db_url,
@@ -434,10 +479,13 @@ def start_server(db_url: str, port: int) -> subprocess.Popen[str]:
         "GPULAB_LOG_LEVEL": "WARNING",
     }
     env.pop("DJANGO_DEBUG", None)
+    from portal.stack.up import processes
+
+    # The web process exactly as `make up` runs it, quieter.
+    argv = processes(ROOT / "var", [], port)["web"] + ["--log-level", "warning"]
+    out = log.open("a") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "portal.asgi:application", "--host",
-         "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -448,7 +496,14 @@ def start_server(db_url: str, port: int) -> subprocess.Popen[str]:
             return proc
         if proc.poll() is not None:
             raise RuntimeError(
-                "uvicorn exited:\n" + (proc.stdout.read() if proc.stdout else "")
+                "uvicorn exited:\n"
+                + (
+                    proc.stdout.read()
+                    if proc.stdout
+                    else log.read_text()
+                    if log
+                    else ""
+                )
             )
         time.sleep(0.2)
     raise RuntimeError("uvicorn did not start listening within 60 s")

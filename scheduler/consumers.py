@@ -15,7 +15,7 @@ from django.db import InterfaceError, OperationalError
 from redis.exceptions import RedisError
 
 from agents import protocol
-from scheduler import events, live, metrics, services
+from scheduler import events, ingest, live, metrics, services
 from scheduler.models import Node
 from scheduler.throttle import TokenBucket
 
@@ -55,21 +55,18 @@ class AgentConsumer(AsyncWebsocketConsumer):
     failure there (Redis away) is logged and never stops the storing or the acks.
 
     Metrics frames: the live update goes out first, without waiting for the
-    database. A frame that starts a persistence interval is stored (history and
-    latest state) before its ack; the others (nine in ten) only update the GPUs'
-    latest state, written by one task per connection that always takes the newest
-    frame: when the database is slow, frames in between are skipped rather than
-    queued, so neither the live path nor the acks wait behind a backlog
-    (docs/architecture.md, "Live dashboards").
+    database. Then the process's ``ingest.MetricsWriter`` (one for all its
+    connections: their frames written in batches) takes it. A frame that starts a
+    persistence interval is stored (history and latest state) before its ack; the
+    others (nine in ten) only update the GPUs' latest state, the node's newest
+    frame of each batch: when the database is slow, frames in between are skipped
+    rather than queued, so neither the live path nor the acks wait behind a
+    backlog (docs/architecture.md, "Live dashboards").
     """
 
     node_id: int | None = None
     feed: live.NodeFeed | None = None
     live_failed_at: float = 0.0
-    # The newest live-only metrics frame not yet written as its GPUs' latest
-    # state, and the task writing them (one per connection).
-    latest_pending: protocol.MetricsData | None = None
-    latest_writer: asyncio.Task[None] | None = None
     node_name: str = ""
     out_seq: int = 0
     # sampled_at of the last metrics frame persisted to the history.
@@ -141,9 +138,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.feed is not None:
             self.feed.close()
-        if self.latest_writer is not None:
             # The latest state the agent sent is written before we say it left.
-            await asyncio.wait([self.latest_writer], timeout=10)
+            await ingest.writer().flushed(self.feed.node_id)
         if self.node_id is None:
             return
         try:
@@ -257,12 +253,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self._live(self.feed.offer(message.data))
             sampled_at = message.data.sampled_at
             if metrics.should_persist(self.last_persisted, sampled_at):
-                await database_sync_to_async(services.record_metrics)(
-                    node_id, message.data, persist=True
-                )
+                await ingest.writer().store(node_id, message.data)
                 self.last_persisted = max(self.last_persisted or 0.0, sampled_at)
             else:
-                self._write_latest(message.data)
+                ingest.writer().offer(node_id, message.data)
         elif isinstance(message, protocol.JobStarted):
             await database_sync_to_async(services.mark_started)(node_id, message.data)
             self._holders_changed()
@@ -279,25 +273,6 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await database_sync_to_async(services.record_progress)(
                 node_id, message.data
             )
-
-    def _write_latest(self, data: protocol.MetricsData) -> None:
-        self.latest_pending = data
-        if self.latest_writer is None or self.latest_writer.done():
-            self.latest_writer = asyncio.get_running_loop().create_task(
-                self._latest_loop()
-            )
-
-    async def _latest_loop(self) -> None:
-        node_id = self.node_id
-        while self.latest_pending is not None and node_id is not None:
-            data, self.latest_pending = self.latest_pending, None
-            try:
-                await database_sync_to_async(services.record_metrics)(
-                    node_id, data, persist=False
-                )
-            except Exception:
-                # The next frame (a second later) writes the state again.
-                log.exception("node %s: latest metrics not stored", self.node_name)
 
     def _holders_changed(self) -> None:
         if self.feed is not None:

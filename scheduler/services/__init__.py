@@ -28,6 +28,7 @@ from __future__ import annotations
 from scheduler.services.agent_verbs import (
     FrameRefused,
     HelloResult,
+    MetricsFrame,
     append_log,
     authenticate_node,
     finish_attempt,
@@ -37,6 +38,7 @@ from scheduler.services.agent_verbs import (
     record_heartbeat,
     record_hello,
     record_metrics,
+    record_metrics_many,
     record_progress,
     record_report,
 )
@@ -130,6 +132,7 @@ __all__ = [
     "HelloResult",
     "JobRequest",
     "JobStateError",
+    "MetricsFrame",
     "NodeMode",
     "Snapshot",
     "StoredWait",
@@ -168,6 +171,7 @@ __all__ = [
     "record_heartbeat",
     "record_hello",
     "record_metrics",
+    "record_metrics_many",
     "record_progress",
     "record_report",
     "release_job",

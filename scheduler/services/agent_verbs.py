@@ -5,6 +5,7 @@ nodes), log chunks, progress reports, and the stored output read back.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import datetime, timedelta
@@ -282,52 +283,111 @@ def record_disconnect(node_id: int) -> None:
 def record_metrics(
     node_id: int, metrics: protocol.MetricsData, *, persist: bool = False
 ) -> int:
-    """Take one metrics frame of a node.
+    """Take one metrics frame of a node: ``record_metrics_many`` of that frame.
+    Returns the GPUs whose latest state it became."""
+    return record_metrics_many([MetricsFrame(node_id, metrics, persist)])
 
-    1. Keep it as the latest state of each GPU (unless a newer one is stored: a
-       replayed sample never overwrites the present).
+
+class MetricsFrame(NamedTuple):
+    node_id: int
+    metrics: protocol.MetricsData
+    # Store it in the history too (it starts a persistence interval).
+    persist: bool = False
+
+
+# Each GPU's latest state, where the frame is not older than what is stored (a
+# replayed sample never overwrites the present, even one written meanwhile by
+# another web process).
+_LATEST_SQL = """
+UPDATE scheduler_gpu g SET latest = v.latest, latest_at = v.at
+FROM unnest(%s::bigint[], %s::jsonb[], %s::timestamptz[]) AS v(id, latest, at)
+WHERE g.id = v.id AND (g.latest_at IS NULL OR g.latest_at <= v.at)
+"""
+
+
+def record_metrics_many(frames: list[MetricsFrame]) -> int:
+    """Take metrics frames of any nodes in one transaction and a fixed number of
+    statements (the web process's ``scheduler.ingest.MetricsWriter`` batches what
+    its connections received meanwhile).
+
+    1. Keep each as the latest state of its GPUs (unless a newer one is stored: a
+       replayed sample never overwrites the present; of two frames of a GPU in the
+       batch the newer wins).
     2. A GPU reported lost (fell off the bus) stops being schedulable: the node's
        capacity shrinks until a hello reports it again.
-    3. With ``persist``, store it in the history (``scheduler.metrics``); a replay
-       of a stored sample is ignored there.
+    3. The ``persist`` ones are stored in the history (``scheduler.metrics``; a
+       replay of a stored sample is ignored there), and raise their attempts' peak
+       memory.
+    4. On GPUs whose frame shows processes of two attempts or more, a job over its
+       declared memory is stopped (``stop_memory_overruns``).
     Samples of GPUs the node does not have (wrong index or uuid) are ignored.
     A persisted frame's per-process attempt ids are first checked
     (``_own_processes``): a node cannot charge memory or activity to an attempt
     that never held that GPU. (Between persists, ``Gpu.latest`` keeps the frame as
     sent: its readers look processes up by the GPU's own allocations.)
+    Returns the GPUs whose latest state a frame became.
     """
-    at = _ts(metrics.sampled_at)
-    gpus = {g.index: g for g in Gpu.objects.filter(node_id=node_id)}
-    if persist:
-        metrics = _own_processes(node_id, metrics, gpus)
-    known: dict[int, int] = {}
-    changed = []
-    lost = []
-    for sample in metrics.gpus:
-        gpu = gpus.get(sample.index)
-        if gpu is None or gpu.uuid != sample.uuid:
-            continue
-        known[sample.index] = gpu.pk
-        if sample.lost and gpu.present:
-            lost.append(gpu.pk)
-        if gpu.latest_at is None or at >= gpu.latest_at:
-            gpu.latest = sample.model_dump(mode="json")
-            gpu.latest_at = at
-            changed.append(gpu)
-    Gpu.objects.bulk_update(changed, ["latest", "latest_at"])
-    if lost:
-        Gpu.objects.filter(pk__in=lost).update(present=False)
-        log.error("node %s: GPU(s) %s lost (fell off the bus)", node_id, lost)
-    Node.objects.filter(pk=node_id).update(last_seen_at=timezone.now())
-    if persist and known:
-        metrics_store.store_samples(known, metrics)
-        record_peak_memory(changed)
-    # only GPUs whose sample shows processes of two attempts or more: one query
-    # per metrics frame (every second per node) only where jobs share
-    shared = [g for g in changed if len(_attempts_in(g.latest)) > 1]
+    if not frames:
+        return 0
+    nodes = sorted({f.node_id for f in frames})
+    by_node: dict[int, dict[int, Gpu]] = {}
+    for row in Gpu.objects.filter(node_id__in=nodes):
+        by_node.setdefault(row.node_id, {})[row.index] = row
+    # Oldest first, so that the newest of a GPU's frames is its latest.
+    ordered = sorted(frames, key=lambda f: f.metrics.sampled_at)
+    newest: dict[int, Gpu] = {}
+    lost: set[int] = set()
+    persisted: list[tuple[dict[int, int], protocol.MetricsData]] = []
+    # the persisted samples (their attempt ids checked), for the peaks
+    peak_samples: list[dict[str, Any]] = []
+    changed = 0
+    for frame in ordered:
+        gpus = by_node.get(frame.node_id, {})
+        metrics = frame.metrics
+        if frame.persist:
+            metrics = _own_processes(frame.node_id, metrics, gpus)
+        at = _ts(metrics.sampled_at)
+        known: dict[int, int] = {}
+        for sample in metrics.gpus:
+            gpu = gpus.get(sample.index)
+            if gpu is None or gpu.uuid != sample.uuid:
+                continue
+            known[sample.index] = gpu.pk
+            if sample.lost and gpu.present:
+                lost.add(gpu.pk)
+            if gpu.latest_at is None or at >= gpu.latest_at:
+                gpu.latest = sample.model_dump(mode="json")
+                gpu.latest_at = at
+                newest[gpu.pk] = gpu
+                changed += 1
+                if frame.persist:
+                    peak_samples.append(gpu.latest)
+        if frame.persist and known:
+            persisted.append((known, metrics))
+    with transaction.atomic():
+        if newest:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    _LATEST_SQL,
+                    [
+                        list(newest),
+                        [json.dumps(g.latest) for g in newest.values()],
+                        [g.latest_at for g in newest.values()],
+                    ],
+                )
+        if lost:
+            Gpu.objects.filter(pk__in=sorted(lost)).update(present=False)
+            log.error("GPU(s) %s lost (fell off the bus)", sorted(lost))
+        Node.objects.filter(pk__in=nodes).update(last_seen_at=timezone.now())
+        if persisted:
+            metrics_store.store_samples_many(persisted)
+            record_peak_memory(peak_samples)
+    # only GPUs whose sample shows processes of two attempts or more: a query
+    # only where jobs share
+    shared = [g for g in newest.values() if len(_attempts_in(g.latest)) > 1]
     if shared:
         stop_memory_overruns(shared)
-    return len(changed)
+    return changed
 
 
 def _own_processes(
@@ -386,15 +446,16 @@ WHERE t.id = v.id AND t.ended_at IS NULL
 """
 
 
-def record_peak_memory(gpus: list[Gpu]) -> int:
+def record_peak_memory(samples: Iterable[dict[str, Any]]) -> int:
     """Keep the most memory each attempt's processes held on one GPU
     (``Attempt.peak_memory_mib``: the memory rule of co-location reads it beside
-    the declaration) from these GPUs' latest samples. Called on the persisted
-    frames, so a peak is seen at that cadence. Returns the rows raised."""
+    the declaration) from these samples (one GPU's each, as ``Gpu.latest``).
+    Called on the persisted frames, so a peak is seen at that cadence. Returns
+    the rows raised."""
     peaks: dict[int, int] = {}
-    for gpu in gpus:
+    for sample in samples:
         held: dict[int, int] = {}
-        for proc in gpu.latest.get("processes") or ():
+        for proc in sample.get("processes") or ():
             aid, mib = proc.get("attempt_id"), proc.get("used_memory_mib")
             if aid is not None and mib is not None:
                 held[int(aid)] = held.get(int(aid), 0) + int(mib)
