@@ -160,6 +160,11 @@ CELERY_TASK_TIME_LIMIT = envint("GPULAB_CELERY_TASK_TIME_LIMIT", 300, minimum=1)
 CELERY_TASK_SOFT_TIME_LIMIT = max(1, CELERY_TASK_TIME_LIMIT - 10)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 GPULAB_SCHEDULE_INTERVAL = envfloat("GPULAB_SCHEDULE_INTERVAL", 5.0, minimum=0.5)
+# A pass asked for while one runs follows it at the earliest this many seconds
+# after that one started (a burst's passes coalesced; a first pass never waits).
+GPULAB_PASS_MIN_SPACING = envfloat(
+    "GPULAB_PASS_MIN_SPACING", 1.0, minimum=0.0, maximum=60.0
+)
 CELERY_BEAT_SCHEDULE = {
     "schedule-pass": {
         "task": "scheduler.tasks.schedule_pass",

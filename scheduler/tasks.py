@@ -112,7 +112,12 @@ def schedule_pass_body() -> dict[str, Any]:
 
     1. Take the advisory lock without waiting. If another pass holds it, set the
        "rerun requested" flag, so the running pass loops once more, and return.
-    2. Clear the flag, run a pass; loop while the flag was set again meanwhile.
+    2. Clear the flag, run a pass; loop while the flag was set again meanwhile,
+       each further pass starting ``GPULAB_PASS_MIN_SPACING`` s at the earliest
+       after the previous one started: under a burst of submissions the passes
+       (each loading the whole queue and storing the waits' reasons) would
+       otherwise run back to back and hold the database's cores from the pages.
+       A first pass never waits, so an idle cluster starts a job at once.
     3. Release the lock, then look at the flag once more: a request that arrived
        between the last check and the release would otherwise be lost.
     The lock is session-level: if the worker dies, PostgreSQL drops it with the
@@ -127,6 +132,9 @@ def schedule_pass_body() -> dict[str, Any]:
             return {"skipped": "another pass is running", "passes": passes}
         try:
             while len(passes) < MAX_LOOPS:
+                if passes:
+                    _space_after(started)
+                started = time.monotonic()
                 flags.delete(key)
                 passes.append(run_one_pass())
                 if not flags.exists(key):
@@ -136,6 +144,13 @@ def schedule_pass_body() -> dict[str, Any]:
         if not flags.exists(key) or len(passes) >= MAX_LOOPS:
             break
     return {"passes": passes}
+
+
+def _space_after(started: float) -> None:
+    """Wait until ``GPULAB_PASS_MIN_SPACING`` s after ``started`` (a pass's start)."""
+    wait = started + settings.GPULAB_PASS_MIN_SPACING - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
 
 
 @shared_task(ignore_result=True)

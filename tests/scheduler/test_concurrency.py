@@ -204,3 +204,36 @@ def test_it_releases_the_lock_after_a_pass(
     ).fetchone()
 
     assert row == (True,)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rerun_waits_for_the_spacing_and_a_first_pass_never_does(
+    redis_flags: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass asked for during a pass (a burst of submissions) starts
+    GPULAB_PASS_MIN_SPACING s after the previous one started, not back to back."""
+    settings.GPULAB_PASS_MIN_SPACING = 30.0
+    clock = [1000.0]
+    slept: list[float] = []
+    calls: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+
+    def one_pass() -> dict[str, Any]:
+        calls.append(clock[0])
+        clock[0] += 2.0  # the pass itself takes 2 s
+        if len(calls) == 1:  # a submission arrives meanwhile
+            redis_flags.set(tasks._rerun_key(), "1")
+        return {"started": 0}
+
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(tasks.time, "sleep", sleep)
+    monkeypatch.setattr(tasks, "run_one_pass", one_pass)
+
+    result = tasks.schedule_pass_body()
+
+    assert len(result["passes"]) == 2
+    assert slept == [28.0]  # nothing before the first pass
+    assert calls == [1000.0, 1030.0]
