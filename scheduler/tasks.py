@@ -126,13 +126,14 @@ def schedule_pass_body() -> dict[str, Any]:
     flags = _redis_client()
     key = _rerun_key()
     passes: list[dict[str, Any]] = []
+    started: float | None = None  # when the last pass started
     for _ in range(MAX_LOOPS):
         if not _try_lock():
             flags.set(key, "1")
             return {"skipped": "another pass is running", "passes": passes}
         try:
             while len(passes) < MAX_LOOPS:
-                if passes:
+                if started is not None:
                     _space_after(started)
                 started = time.monotonic()
                 flags.delete(key)
