@@ -30,7 +30,7 @@ from portal.units import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     # generic in the stubs of click >= 8.2 only: subscripted for mypy alone
     _ParamType = click.ParamType[int | None, Any]
@@ -232,28 +232,24 @@ def whoami(state: State, *, as_json: bool) -> None:
 # ------------------------------------------------------------------ submit
 
 
-class Duration(_ParamType):
-    name = "DURATION"
+class Parsed(_ParamType):
+    """An option parsed by one of the request parsers (``parse_duration``,
+    ``parse_memory_mib``); a value it refuses fails with the format's help."""
+
+    def __init__(
+        self, name: str, parse: Callable[[str], int | None], help_text: str
+    ) -> None:
+        self.name = name
+        self.parse = parse
+        self.help_text = help_text
 
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> int | None:
         try:
-            return parse_duration(str(value))
+            return self.parse(str(value))
         except ValueError:
-            self.fail(f"{value!r}: {DURATION_HELP}", param, ctx)
-
-
-class Memory(_ParamType):
-    name = "SIZE"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> int | None:
-        try:
-            return parse_memory_mib(str(value))
-        except ValueError:
-            self.fail(f"{value!r}: {MEMORY_HELP}", param, ctx)
+            self.fail(f"{value!r}: {self.help_text}", param, ctx)
 
 
 def _env(values: Sequence[str]) -> dict[str, str]:
@@ -302,14 +298,14 @@ def default_name(words: Sequence[str]) -> str:
 @click.option("--gpus", type=int, default=1, show_default=True, help="GPUs.")
 @click.option(
     "--gpu-mem",
-    type=Memory(),
+    type=Parsed("SIZE", parse_memory_mib, MEMORY_HELP),
     help="GPU memory the job needs on each GPU, e.g. 12G (required to share).",
 )
 @click.option("--gpu-model", default="", help="Only GPUs of this model, e.g. A100.")
 @click.option(
     "--time",
     "time_limit",
-    type=Duration(),
+    type=Parsed("DURATION", parse_duration, DURATION_HELP),
     help="Time limit, e.g. 4h, 90m, 1d12h (default: the class's).",
 )
 @click.option(
