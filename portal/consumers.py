@@ -210,10 +210,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json({"unsubscribed": group})
 
     async def rejoin(self, *, lost: bool) -> None:
-        """Join this tab's groups again and mark them watched (``live.Hub``'s
-        ticker calls it every ``live.REJOIN_S``). ``lost``: Redis lost its data,
-        so the page missed what was sent meanwhile: each group is acknowledged
-        again (``subscribed``), on which pages re-sync as after a reconnect."""
+        """Join this tab's groups again (``live.Hub``'s ticker calls it every
+        ``live.REJOIN_S``; the hub itself keeps the process's groups watched).
+        ``lost``: Redis lost its data, so the page missed what was sent
+        meanwhile: each group is acknowledged again (``subscribed``), on which
+        pages re-sync as after a reconnect."""
         for group in sorted(self.groups_joined):
             await self.channel_layer.group_add(group, self.channel_name)
             if group not in self.groups_joined:
@@ -222,7 +223,6 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 continue
             if lost:
                 await self.send_json({"subscribed": group})
-        await live.Hub.current().refresh(self.groups_joined)
 
     async def _resync(self) -> None:
         if events.CLUSTER_GROUP not in self.groups_joined:
