@@ -129,6 +129,12 @@ def test_a_worker_killed_mid_pass_applies_nothing_and_the_next_pass_does_it(
     for job in (high, normal):
         assert Attempt.objects.filter(job=job).count() == 1
         assert JobEvent.objects.filter(job=job, to_status="starting").count() == 1
+    # The victim's exit (it was told to stop) is recorded when its agent reports
+    # it; `normal` may meanwhile have run on node-y, freed by `high`.
+    wait_until(
+        lambda: Job.objects.get(pk=victim.pk).preemptions > 0,
+        what="the victim's preempted exit recorded",
+    )
     victim.refresh_from_db()
     assert victim.preemptions == 1
     preempted = JobEvent.objects.filter(job=victim, message__startswith="preempted for")
