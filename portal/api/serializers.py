@@ -170,6 +170,8 @@ class JobSerializer(serializers.Serializer[Job]):
 def latest_nodes(job: Job, names: dict[int, str]) -> list[str]:
     """The nodes of its latest attempt, rank 0 first (none before a start);
     reads the prefetched ``attempt_set`` (``views.common.jobs_for``)."""
+    if not job.attempts:  # never started: no attempt to read
+        return []
     attempts = list(job.attempt_set.all())
     if not attempts:
         return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Count, F, Func, IntegerField, Q
+from django.db.models import Count, F, Func, IntegerField, Q, prefetch_related_objects
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
@@ -110,7 +110,11 @@ class JobList(APIView):
         parsed = s.JobRequestSerializer(data=request.data)
         parsed.is_valid(raise_exception=True)
         job = services.submit_job(request.user, _request(parsed.validated_data))  # type: ignore[arg-type]
-        return _job_response(request, job.pk, status.HTTP_201_CREATED)
+        # Answered from the row just stored (its owner, group and dependencies
+        # are at hand; no attempt yet): read again through the visibility
+        # filter, the answer cost as much as the submission (bench/submit_burst.py).
+        prefetch_related_objects([job], "dependencies__depends_on")
+        return Response(s.JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
 
 class JobDetail(APIView):
