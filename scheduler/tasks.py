@@ -31,8 +31,31 @@ MAX_LOOPS = 20
 _redis: redis.Redis | None = None
 
 
+# How long a pass request marks a pass as queued (claim_pass_request): if its task
+# is lost (a worker killed before it began), requests enqueue again after this.
+QUEUED_TTL_S = 10
+
+
 def _rerun_key() -> str:
     return f"{settings.REDIS_PREFIX}:schedule:rerun"
+
+
+def _queued_key() -> str:
+    return f"{settings.REDIS_PREFIX}:schedule:queued"
+
+
+def claim_pass_request() -> bool:
+    """True if the caller should enqueue a pass: none is queued and not yet begun.
+
+    A burst of submissions asked for a pass each: thousands of tasks that each
+    took the advisory lock's query, found a pass running and set the rerun flag,
+    about half of the worker's time (bench/submit_burst.py). A queued pass that
+    has not begun will load every change committed before it begins, so one is
+    enough: the first request marks it queued (SET NX) and enqueues it, the rest
+    return. The task clears the mark as it begins (``schedule_pass_body``), before
+    it loads anything; a request after that enqueues a new pass.
+    """
+    return bool(_redis_client().set(_queued_key(), "1", nx=True, ex=QUEUED_TTL_S))
 
 
 def _redis_client() -> redis.Redis:
@@ -110,11 +133,13 @@ def run_one_pass() -> dict[str, Any]:
 def schedule_pass_body() -> dict[str, Any]:
     """One single-flight scheduling run.
 
+    0. Clear the "pass queued" mark (``claim_pass_request``).
     1. Take the advisory lock without waiting. If another pass holds it, set the
        "rerun requested" flag, so the running pass loops once more, and return.
     2. Clear the flag, run a pass; loop while the flag was set again meanwhile,
        each further pass starting ``GPULAB_PASS_MIN_SPACING`` s at the earliest
-       after the previous one started: under a burst of submissions the passes
+       after the previous one started, and no sooner after it ended than it
+       took (``_space_after``): under a burst of submissions the passes
        (each loading the whole queue and storing the waits' reasons) would
        otherwise run back to back and hold the database's cores from the pages.
        A first pass never waits, so an idle cluster starts a job at once.
@@ -124,9 +149,12 @@ def schedule_pass_body() -> dict[str, Any]:
     connection, and each pass's writes are one transaction, so nothing is half-applied.
     """
     flags = _redis_client()
+    # Begun: a change committed from now on asks for a pass of its own.
+    flags.delete(_queued_key())
     key = _rerun_key()
     passes: list[dict[str, Any]] = []
     started: float | None = None  # when the last pass started
+    ended = 0.0  # and when it ended
     for _ in range(MAX_LOOPS):
         if not _try_lock():
             flags.set(key, "1")
@@ -134,10 +162,11 @@ def schedule_pass_body() -> dict[str, Any]:
         try:
             while len(passes) < MAX_LOOPS:
                 if started is not None:
-                    _space_after(started)
+                    _space_after(started, ended)
                 started = time.monotonic()
                 flags.delete(key)
                 passes.append(run_one_pass())
+                ended = time.monotonic()
                 if not flags.exists(key):
                     break
         finally:
@@ -147,9 +176,14 @@ def schedule_pass_body() -> dict[str, Any]:
     return {"passes": passes}
 
 
-def _space_after(started: float) -> None:
-    """Wait until ``GPULAB_PASS_MIN_SPACING`` s after ``started`` (a pass's start)."""
-    wait = started + settings.GPULAB_PASS_MIN_SPACING - time.monotonic()
+def _space_after(started: float, ended: float) -> None:
+    """Wait until ``GPULAB_PASS_MIN_SPACING`` s after the last pass started, and at
+    least as long after it ended as it took: passes hold at most half of the time.
+    A pass over thousands of waiting jobs (each start shifts every position, so
+    each pass rewrites most of the queue's rows) took 1-2 s and ran back to back
+    under a job's churn; the pages waited on the database meanwhile."""
+    resume = max(started + settings.GPULAB_PASS_MIN_SPACING, ended + (ended - started))
+    wait = resume - time.monotonic()
     if wait > 0:
         time.sleep(wait)
 

@@ -74,6 +74,16 @@ def _fast_passwords(request: pytest.FixtureRequest) -> None:
         settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+@pytest.fixture(autouse=True)
+def _no_pass_queued() -> None:
+    """Each test starts with no scheduling pass marked queued: an earlier test
+    that mocked the task out (``quiet``) left the mark (scheduler.tasks.
+    claim_pass_request), and its next pass request would enqueue nothing."""
+    from scheduler.tasks import _queued_key, _redis_client
+
+    _redis_client().delete(_queued_key())
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

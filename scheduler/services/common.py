@@ -95,12 +95,15 @@ def _pass_after_commit() -> None:
 
 
 def request_pass() -> None:
-    """Enqueue a scheduling pass; with the broker (Redis) down, log it and go on:
-    the change is committed, and beat's next trigger runs the pass."""
-    from scheduler.tasks import schedule_pass
+    """Enqueue a scheduling pass, unless one is already queued and not yet begun
+    (``tasks.claim_pass_request``: it will see this change); with the broker
+    (Redis) down, log it and go on: the change is committed, and beat's next
+    trigger runs the pass."""
+    from scheduler.tasks import claim_pass_request, schedule_pass
 
     try:
-        schedule_pass.delay()
+        if claim_pass_request():
+            schedule_pass.delay()
     except (KombuOperationalError, RedisError, OSError) as exc:
         log.error("broker unavailable; pass not enqueued (beat will run one): %r", exc)
 

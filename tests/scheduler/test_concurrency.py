@@ -237,3 +237,68 @@ def test_a_rerun_waits_for_the_spacing_and_a_first_pass_never_does(
     assert len(result["passes"]) == 2
     assert slept == [28.0]  # nothing before the first pass
     assert calls == [1000.0, 1030.0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pass_requests_while_one_is_queued_enqueue_it_once(
+    redis_flags: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of submissions enqueues one pass, not one each; once that pass
+    begins (before it loads anything) the next request enqueues another."""
+    from scheduler.services.common import request_pass
+
+    queued_when_a_pass_ran: list[bool] = []
+
+    def one_pass() -> dict[str, Any]:
+        queued_when_a_pass_ran.append(bool(redis_flags.exists(tasks._queued_key())))
+        return {"started": 0}
+
+    monkeypatch.setattr(tasks, "run_one_pass", one_pass)
+    delay = tasks.schedule_pass.delay  # mocked (_no_io)
+    delay.reset_mock()  # type: ignore[attr-defined]
+    for _ in range(5):
+        request_pass()
+    assert delay.call_count == 1
+    # if its task were lost, requests would enqueue again within the TTL
+    assert 0 < redis_flags.ttl(tasks._queued_key()) <= tasks.QUEUED_TTL_S
+
+    tasks.schedule_pass_body()  # the queued pass begins
+    request_pass()
+    request_pass()
+
+    assert delay.call_count == 2
+    # the mark was cleared before the pass loaded the state
+    assert queued_when_a_pass_ran == [False]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_pass_is_followed_by_a_rest_as_long_as_itself(
+    redis_flags: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Passes that take longer than the spacing (thousands of waiting jobs) hold
+    at most half of the time: a rerun starts no sooner after a pass ended than
+    that pass took."""
+    settings.GPULAB_PASS_MIN_SPACING = 1.0
+    clock = [1000.0]
+    slept: list[float] = []
+    calls: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+
+    def one_pass() -> dict[str, Any]:
+        calls.append(clock[0])
+        clock[0] += 5.0
+        if len(calls) < 3:  # more submissions arrive during each of the first two
+            redis_flags.set(tasks._rerun_key(), "1")
+        return {"started": 0}
+
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(tasks.time, "sleep", sleep)
+    monkeypatch.setattr(tasks, "run_one_pass", one_pass)
+
+    tasks.schedule_pass_body()
+
+    assert calls == [1000.0, 1010.0, 1020.0]
+    assert slept == [5.0, 5.0]
