@@ -9,7 +9,11 @@ seconds. So at most ``GPULAB_WEB_API_CONCURRENCY`` API requests (``/api/``) and
 ``GPULAB_WEB_PAGE_CONCURRENCY`` other requests (pages, forms, static files) run
 at once in each web process; the others wait their turn in the event loop
 (first come, first served, no thread, no connection). The lanes are separate,
-so a queue of API calls never holds up a page. A lane with
+so a queue of API calls never holds up a page, and pages come first: while one
+runs, the API lane starts no more than ``API_BESIDE_PAGES`` (1) at once, so a
+page shares the process's one GIL with at most that many calls it did not find
+running (in a burst, a page's own time was 2-4 times its idle time beside four).
+A lane with
 ``GPULAB_WEB_QUEUE`` requests already waiting answers the next at once: 503
 with ``Retry-After`` (the API's JSON error body under ``/api/``).
 Websockets are not counted: they are long-lived and run no thread per frame.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -30,33 +35,23 @@ if TYPE_CHECKING:
 
 API_PREFIX = "/api/"
 RETRY_AFTER_S = 1
+# API requests that may run while a page does (pages first; the API still moves).
+API_BESIDE_PAGES = 1
 
 
 class Lane:
-    """A bounded number of requests running, a bounded number waiting."""
+    """Requests of one kind: how many run, and the queue of those waiting."""
 
     def __init__(self, name: str, running: int, waiting: int) -> None:
         self.name = name
         self.limit = running
         self.max_waiting = waiting
         self.running = 0
-        self.waiting = 0
-        self._slots = asyncio.Semaphore(running)
+        self.queue: deque[asyncio.Future[None]] = deque()
 
-    def full(self) -> bool:
-        return self.running >= self.limit and self.waiting >= self.max_waiting
-
-    async def acquire(self) -> None:
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._slots.release()
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
 
 
 class ConcurrencyGate:
@@ -84,19 +79,56 @@ class ConcurrencyGate:
     def lane(self, scope: Scope) -> Lane:
         return self.api if scope["path"].startswith(API_PREFIX) else self.pages
 
+    def limit(self, lane: Lane) -> int:
+        """How many of ``lane`` may run now: pages come first, so while one runs
+        the API lane starts no more than ``API_BESIDE_PAGES`` at once."""
+        if lane is self.api and self.pages.running:
+            return min(lane.limit, API_BESIDE_PAGES)
+        return lane.limit
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         lane = self.lane(scope)
-        if lane.full():
+        if not await self._enter(lane):
             await _busy(send, api=lane is self.api)
             return
-        await lane.acquire()
         try:
             await self.app(scope, receive, send)
         finally:
-            lane.release()
+            self._leave(lane)
+
+    async def _enter(self, lane: Lane) -> bool:
+        """Wait for a turn in ``lane``; False (at once) if its queue is full."""
+        if not lane.queue and lane.running < self.limit(lane):
+            lane.running += 1
+            self._dispatch()  # a page starting lowers the API's limit: no-op then
+            return True
+        if lane.waiting >= lane.max_waiting:
+            return False
+        turn = asyncio.get_running_loop().create_future()
+        lane.queue.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.cancelled():
+                lane.queue.remove(turn)
+            else:  # given its turn as it was cancelled: hand the turn on
+                self._leave(lane)
+            raise
+        return True
+
+    def _leave(self, lane: Lane) -> None:
+        lane.running -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start waiting requests while their lane has room, pages first."""
+        for lane in (self.pages, self.api):
+            while lane.queue and lane.running < self.limit(lane):
+                lane.running += 1
+                lane.queue.popleft().set_result(None)
 
 
 async def _busy(send: Send, *, api: bool) -> None:

@@ -88,6 +88,70 @@ def test_a_page_is_not_held_up_by_a_full_api_lane() -> None:
     asyncio.run(scenario())
 
 
+class PerPathApp(BlockingApp):
+    """Each path's requests run until that path is released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, asyncio.Event] = {}
+        self.now: dict[str, int] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+        self.now[path] = self.now.get(path, 0) + 1
+        self.started.append(path)
+        try:
+            await self.gates.setdefault(path, asyncio.Event()).wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+        finally:
+            self.now[path] -= 1
+
+
+def test_while_a_page_runs_the_api_starts_one_call_at_a_time() -> None:
+    """Pages first: API calls started before the page go on, but while a page
+    runs no more than API_BESIDE_PAGES (1) run beside it; then the lane refills."""
+
+    async def scenario() -> None:
+        app = PerPathApp()
+        gate = ConcurrencyGate(app, api=3, pages=2, queue=100)
+        page = asyncio.create_task(call(gate, "/queue/"))
+        await settle()
+        api = [asyncio.create_task(call(gate, "/api/v1/jobs/")) for _ in range(6)]
+        await settle()
+        assert app.now["/api/v1/jobs/"] == 1
+        assert gate.api.waiting == 5
+        app.gates["/queue/"].set()  # the page is answered: the API lane refills
+        await page
+        await settle()
+        assert app.now["/api/v1/jobs/"] == 3
+        app.gates["/api/v1/jobs/"].set()
+        answers = await asyncio.gather(*api)
+        assert [a[0]["status"] for a in answers] == [200] * 6
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_request_that_goes_away_gives_up_its_place() -> None:
+    async def scenario() -> None:
+        app = PerPathApp()
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=100)
+        first = asyncio.create_task(call(gate, "/api/v1/jobs/"))
+        await settle()
+        gone = asyncio.create_task(call(gate, "/api/v1/jobs/"))
+        await settle()
+        assert gate.api.waiting == 1
+        gone.cancel()  # the client disconnected while it waited
+        await settle()
+        assert gate.api.waiting == 0
+        app.gates["/api/v1/jobs/"].set()
+        await first
+        assert gate.api.running == 0
+        assert (await call(gate, "/api/v1/jobs/"))[0]["status"] == 200
+
+    asyncio.run(scenario())
+
+
 def test_a_full_queue_answers_503_with_retry_after_at_once() -> None:
     async def scenario() -> None:
         app = BlockingApp()
