@@ -52,8 +52,8 @@ def claim_pass_request() -> bool:
     about half of the worker's time (bench/submit_burst.py). A queued pass that
     has not begun will load every change committed before it begins, so one is
     enough: the first request marks it queued (SET NX) and enqueues it, the rest
-    return. The task clears the mark as it begins (``schedule_pass_body``), before
-    it loads anything; a request after that enqueues a new pass.
+    return. The mark is cleared just before a pass loads the state
+    (``schedule_pass_body``); a request after that enqueues a new pass.
     """
     return bool(_redis_client().set(_queued_key(), "1", nx=True, ex=QUEUED_TTL_S))
 
@@ -133,10 +133,11 @@ def run_one_pass() -> dict[str, Any]:
 def schedule_pass_body() -> dict[str, Any]:
     """One single-flight scheduling run.
 
-    0. Clear the "pass queued" mark (``claim_pass_request``).
     1. Take the advisory lock without waiting. If another pass holds it, set the
        "rerun requested" flag, so the running pass loops once more, and return.
-    2. Clear the flag, run a pass; loop while the flag was set again meanwhile,
+    2. Clear the flag and the "pass queued" mark (``claim_pass_request``; a task
+       that found the lock taken leaves the mark: the holder's next pass covers
+       the requests it stands for, and they enqueue no more tasks), run a pass; loop while the flag was set again meanwhile,
        each further pass starting ``GPULAB_PASS_MIN_SPACING`` s at the earliest
        after the previous one started, and no sooner after it ended than it
        took (``_space_after``): under a burst of submissions the passes
@@ -149,8 +150,6 @@ def schedule_pass_body() -> dict[str, Any]:
     connection, and each pass's writes are one transaction, so nothing is half-applied.
     """
     flags = _redis_client()
-    # Begun: a change committed from now on asks for a pass of its own.
-    flags.delete(_queued_key())
     key = _rerun_key()
     passes: list[dict[str, Any]] = []
     started: float | None = None  # when the last pass started
@@ -165,6 +164,9 @@ def schedule_pass_body() -> dict[str, Any]:
                     _space_after(started, ended)
                 started = time.monotonic()
                 flags.delete(key)
+                # About to load the state: a change committed from now on asks
+                # for a pass of its own (claim_pass_request).
+                flags.delete(_queued_key())
                 passes.append(run_one_pass())
                 ended = time.monotonic()
                 if not flags.exists(key):

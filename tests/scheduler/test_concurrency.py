@@ -262,7 +262,7 @@ def test_pass_requests_while_one_is_queued_enqueue_it_once(
     # if its task were lost, requests would enqueue again within the TTL
     assert 0 < redis_flags.ttl(tasks._queued_key()) <= tasks.QUEUED_TTL_S
 
-    tasks.schedule_pass_body()  # the queued pass begins
+    tasks.schedule_pass_body()  # the queued pass runs
     request_pass()
     request_pass()
 
@@ -302,3 +302,28 @@ def test_a_long_pass_is_followed_by_a_rest_as_long_as_itself(
 
     assert calls == [1000.0, 1010.0, 1020.0]
     assert slept == [5.0, 5.0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_that_finds_a_pass_running_leaves_it_marked_queued(
+    redis_flags: Any, other_session: Any
+) -> None:
+    """Under a burst, the tasks that found the lock taken each cleared the mark,
+    so every next submission enqueued one more: the running pass's next round
+    covers them, and it clears the mark itself before it loads the state."""
+    from scheduler.services.common import request_pass
+
+    delay = tasks.schedule_pass.delay  # mocked (_no_io)
+    delay.reset_mock()  # type: ignore[attr-defined]
+    other_session.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+    request_pass()
+
+    assert tasks.schedule_pass_body()["skipped"] == "another pass is running"
+    request_pass()
+
+    assert delay.call_count == 1
+    assert redis_flags.exists(tasks._rerun_key())
+    other_session.execute("SELECT pg_advisory_unlock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+    tasks.schedule_pass_body()  # the holder's next round
+    request_pass()
+    assert delay.call_count == 2
