@@ -206,6 +206,33 @@ def test_it_releases_the_lock_after_a_pass(
     assert row == (True,)
 
 
+class FakePasses:
+    """A fake clock and sleep for ``scheduler.tasks``, and passes that each take
+    ``took`` s on it, with a submission arriving during the first ``busy`` ones."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, flags: Any, took: float, busy: int
+    ) -> None:
+        self.clock = 1000.0
+        self.slept: list[float] = []
+        self.calls: list[float] = []
+        self.flags, self.took, self.busy = flags, took, busy
+        monkeypatch.setattr(tasks.time, "monotonic", lambda: self.clock)
+        monkeypatch.setattr(tasks.time, "sleep", self.sleep)
+        monkeypatch.setattr(tasks, "run_one_pass", self.one_pass)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.clock += seconds
+
+    def one_pass(self) -> dict[str, Any]:
+        self.calls.append(self.clock)
+        self.clock += self.took
+        if len(self.calls) <= self.busy:
+            self.flags.set(tasks._rerun_key(), "1")
+        return {"started": 0}
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_rerun_waits_for_the_spacing_and_a_first_pass_never_does(
     redis_flags: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
@@ -213,30 +240,13 @@ def test_a_rerun_waits_for_the_spacing_and_a_first_pass_never_does(
     """A pass asked for during a pass (a burst of submissions) starts
     GPULAB_PASS_MIN_SPACING s after the previous one started, not back to back."""
     settings.GPULAB_PASS_MIN_SPACING = 30.0
-    clock = [1000.0]
-    slept: list[float] = []
-    calls: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        clock[0] += seconds
-
-    def one_pass() -> dict[str, Any]:
-        calls.append(clock[0])
-        clock[0] += 2.0  # the pass itself takes 2 s
-        if len(calls) == 1:  # a submission arrives meanwhile
-            redis_flags.set(tasks._rerun_key(), "1")
-        return {"started": 0}
-
-    monkeypatch.setattr(tasks.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(tasks.time, "sleep", sleep)
-    monkeypatch.setattr(tasks, "run_one_pass", one_pass)
+    fake = FakePasses(monkeypatch, redis_flags, took=2.0, busy=1)
 
     result = tasks.schedule_pass_body()
 
     assert len(result["passes"]) == 2
-    assert slept == [28.0]  # nothing before the first pass
-    assert calls == [1000.0, 1030.0]
+    assert fake.slept == [28.0]  # nothing before the first pass
+    assert fake.calls == [1000.0, 1030.0]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -279,29 +289,12 @@ def test_a_long_pass_is_followed_by_a_rest_as_long_as_itself(
     at most half of the time: a rerun starts no sooner after a pass ended than
     that pass took."""
     settings.GPULAB_PASS_MIN_SPACING = 1.0
-    clock = [1000.0]
-    slept: list[float] = []
-    calls: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        clock[0] += seconds
-
-    def one_pass() -> dict[str, Any]:
-        calls.append(clock[0])
-        clock[0] += 5.0
-        if len(calls) < 3:  # more submissions arrive during each of the first two
-            redis_flags.set(tasks._rerun_key(), "1")
-        return {"started": 0}
-
-    monkeypatch.setattr(tasks.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(tasks.time, "sleep", sleep)
-    monkeypatch.setattr(tasks, "run_one_pass", one_pass)
+    fake = FakePasses(monkeypatch, redis_flags, took=5.0, busy=2)
 
     tasks.schedule_pass_body()
 
-    assert calls == [1000.0, 1010.0, 1020.0]
-    assert slept == [5.0, 5.0]
+    assert fake.calls == [1000.0, 1010.0, 1020.0]
+    assert fake.slept == [5.0, 5.0]
 
 
 @pytest.mark.django_db(transaction=True)
