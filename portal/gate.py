@@ -103,7 +103,6 @@ class ConcurrencyGate:
         """Wait for a turn in ``lane``; False (at once) if its queue is full."""
         if not lane.queue and lane.running < self.limit(lane):
             lane.running += 1
-            self._dispatch()  # a page starting lowers the API's limit: no-op then
             return True
         if lane.waiting >= lane.max_waiting:
             return False

@@ -137,8 +137,8 @@ def schedule_pass_body() -> dict[str, Any]:
        "rerun requested" flag, so the running pass loops once more, and return.
     2. Clear the flag and the "pass queued" mark (``claim_pass_request``; a task
        that found the lock taken leaves the mark: the holder's next pass covers
-       the requests it stands for, and they enqueue no more tasks), run a pass; loop while the flag was set again meanwhile,
-       each further pass starting ``GPULAB_PASS_MIN_SPACING`` s at the earliest
+       the requests it stands for, and they enqueue no more tasks), run a pass;
+       loop while the flag was set again meanwhile, each further pass starting ``GPULAB_PASS_MIN_SPACING`` s at the earliest
        after the previous one started, and no sooner after it ended than it
        took (``_space_after``): under a burst of submissions the passes
        (each loading the whole queue and storing the waits' reasons) would
