@@ -130,7 +130,7 @@ def populate_pages() -> dict[str, Any]:
             time_limit_s=86400,
             status=Job.Status.HELD if i < 20 else Job.Status.PENDING,
             submitted_at=now - timezone.timedelta(minutes=i),
-            queue_position=None if i < 20 else i - 19,
+            queue_order=None if i < 20 else i - 19,
             pending_message="" if i < 20 else "waiting for GPUs: 0 of 64 free",
             priority_breakdown={"class": 500.0, "age": float(i), "fairshare": 300.0},
         )

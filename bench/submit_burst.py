@@ -213,7 +213,7 @@ def scheduled_state(ids: list[int]) -> dict[str, int]:
 
     counts: collections.Counter[str] = collections.Counter()
     for status, position, message in Job.objects.filter(pk__in=ids).values_list(
-        "status", "queue_position", "pending_message"
+        "status", "queue_order", "pending_message"
     ):
         if status != "pending":
             counts["started_or_ended" if status != "held" else "held"] += 1

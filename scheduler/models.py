@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.conf import settings
 from django.core.validators import MinValueValidator, RegexValidator
-from django.db import models
+from django.db import connection, models
 from django.db.models import Q
 from django.utils import timezone
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from django.contrib.auth.models import AnonymousUser, User
 
 
@@ -231,8 +233,81 @@ class JobQuerySet(models.QuerySet["Job"]):
     def pending(self) -> JobQuerySet:
         return self.filter(status=Job.Status.PENDING)
 
+    def in_queue_order(self) -> JobQuerySet:
+        """The waiting jobs in the last pass's order; those it has not seen yet last."""
+        return self.pending().order_by(*QUEUE_ORDER)
+
+    def ahead_of(self, job: Job) -> JobQuerySet:
+        """The waiting jobs ahead of ``job`` in the queue, the nearest first (none
+        if no pass has placed it)."""
+        key, at = job.queue_order, job.submitted_at
+        if key is None:
+            return self.none()
+        return (
+            self.pending()
+            .filter(queue_order__isnull=False)
+            .filter(
+                Q(queue_order__lt=key)
+                | Q(queue_order=key, submitted_at__lt=at)
+                | Q(queue_order=key, submitted_at=at, pk__lt=job.pk)
+            )
+            .order_by(*(f"-{f}" for f in QUEUE_ORDER))
+        )
+
     def active(self) -> JobQuerySet:
         return self.filter(status__in=Job.ACTIVE)
+
+
+# The queue's order: the last pass's keys, then (ties, jobs no pass has placed
+# yet) submission order. Every listing of the queue and every count of a place
+# uses it, so a place shown matches the row's place in the list.
+QUEUE_ORDER = ("queue_order", "submitted_at", "id")
+
+_PLACE_SQL = """
+SELECT count(*) + 1 FROM scheduler_job
+WHERE status = 'pending' AND queue_order IS NOT NULL
+  AND (queue_order, submitted_at, id) < (%s, %s, %s)
+"""
+_PLACES_SQL = """
+SELECT id, place FROM (
+    SELECT id, row_number() OVER (ORDER BY queue_order, submitted_at, id) AS place
+    FROM scheduler_job WHERE status = 'pending' AND queue_order IS NOT NULL
+) AS q WHERE id = ANY(%s)
+"""
+
+
+def attach_queue_positions(jobs: Iterable[Job], *, first: int | None = None) -> None:
+    """Set ``queue_position`` on each of ``jobs`` in at most one query.
+
+    A place is counted when read, not stored: each start would otherwise shift,
+    and rewrite, the place of every job behind it (``scheduler.queue_order``).
+    One job: the waiting jobs ahead of it are counted (the queue index). More:
+    one numbering of the whole queue. ``first``: ``jobs`` are consecutive rows
+    of the queue in ``QUEUE_ORDER`` starting at that 1-based place (a page of
+    the queue), so no query is needed.
+    """
+    jobs = list(jobs)
+    placed = [
+        j for j in jobs if j.status == Job.Status.PENDING and j.queue_order is not None
+    ]
+    for job in jobs:
+        job.queue_position = None
+    if first is not None:
+        for n, job in enumerate(placed):
+            job.queue_position = first + n
+        return
+    if not placed:
+        return
+    with connection.cursor() as cursor:
+        if len(placed) == 1:
+            job = placed[0]
+            cursor.execute(_PLACE_SQL, [job.queue_order, job.submitted_at, job.pk])
+            job.queue_position = int(cursor.fetchone()[0])
+            return
+        cursor.execute(_PLACES_SQL, [[j.pk for j in placed]])
+        places = dict(cursor.fetchall())
+    for job in placed:
+        job.queue_position = places.get(job.pk)
 
 
 def may_cancel(user: User | AnonymousUser, *, owner_id: int) -> bool:
@@ -315,9 +390,11 @@ class Job(models.Model):
     # Why a pending job waits (a scheduler.policy.Reason code) and the details.
     pending_reason = models.CharField(max_length=32, blank=True)
     pending_message = models.CharField(max_length=500, blank=True)
-    # The last pass's view of a pending job: its place in the scheduling order, its
-    # weighted priority factors, and when its reservation plans to start it.
-    queue_position = models.PositiveIntegerField(null=True, blank=True)
+    # The last pass's view of a pending job: its key in the scheduling order (keys
+    # increase along the order and stay put when others start: scheduler.queue_order;
+    # the place itself is counted when read, ``queue_position``), its weighted
+    # priority factors, and when its reservation plans to start it.
+    queue_order = models.BigIntegerField(null=True, blank=True)
     priority_breakdown = models.JSONField(default=dict, blank=True)
     est_start = models.DateTimeField(null=True, blank=True)
     preemptions = models.PositiveIntegerField(default=0)
@@ -385,6 +462,13 @@ class Job(models.Model):
                 name="scheduler_job_pending_idx",
             ),
             models.Index(fields=["owner", "-id"], name="scheduler_job_owner_idx"),
+            # The queue in the last pass's order (QUEUE_ORDER): its pages, and a
+            # job's place counted from the jobs ahead of it.
+            models.Index(
+                fields=["queue_order", "submitted_at", "id"],
+                condition=Q(status="pending"),
+                name="scheduler_job_queue_idx",
+            ),
         ]
         # Per-action permissions of the admin console (superusers have them all).
         permissions: ClassVar = [
@@ -396,6 +480,21 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.pk} {self.name}"
+
+    @property
+    def queue_position(self) -> int | None:
+        """Its 1-based place among the waiting jobs in the last pass's order; None
+        if it is not waiting or no pass has placed it yet. Counted on first read
+        (one query); ``attach_queue_positions`` counts a list's in one."""
+        try:
+            return self._queue_position
+        except AttributeError:
+            attach_queue_positions([self])
+            return self._queue_position
+
+    @queue_position.setter
+    def queue_position(self, value: int | None) -> None:
+        self._queue_position = value
 
     @property
     def is_terminal(self) -> bool:

@@ -23,7 +23,7 @@ from django.views.decorators.http import require_POST
 
 from portal.templatetags.gpulab import duration
 from scheduler import livestate, metrics, services
-from scheduler.models import Allocation, Attempt, Gpu, Job, Node
+from scheduler.models import Allocation, Attempt, Gpu, Job, Node, attach_queue_positions
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -41,7 +41,7 @@ QUEUE_FIELDS = (
     "gpus",
     "gpu_model",
     "priority_breakdown",
-    "queue_position",
+    "queue_order",
     "pending_message",
     "est_start",
     "submitted_at",
@@ -89,13 +89,10 @@ def queue_context(user: Any, page: str | None = None) -> dict[str, Any]:
     """Waiting jobs in the last pass's scheduling order, a page of QUEUE_PAGE at a
     time; held jobs; the jobs on nodes with where they run (at most QUEUE_PAGE of
     each of the last two, longest first)."""
-    ordered = (
-        Job.objects.pending()
-        .select_related("owner")
-        .only(*QUEUE_FIELDS)
-        .order_by("queue_position", "submitted_at", "id")
-    )
+    ordered = Job.objects.in_queue_order().select_related("owner").only(*QUEUE_FIELDS)
     pending = Paginator(ordered, QUEUE_PAGE).get_page(page)
+    # A page of the queue in its order: the places follow from the page's first.
+    attach_queue_positions(pending.object_list, first=pending.start_index())
     held = list(
         Job.objects.filter(status=Job.Status.HELD)
         .select_related("owner")

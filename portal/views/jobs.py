@@ -139,14 +139,9 @@ def _job_context(job: Job) -> dict[str, Any]:
             .distinct()
         )
     ahead: list[Job] = []
-    if job.status == Job.Status.PENDING and job.queue_position:
+    if job.queue_position:
         # "Behind whom": the jobs just ahead of it in the last pass's order.
-        ahead = list(
-            Job.objects.pending()
-            .filter(queue_position__lt=job.queue_position)
-            .select_related("owner")
-            .order_by("-queue_position")[:5]
-        )
+        ahead = list(Job.objects.ahead_of(job).select_related("owner")[:5])
     return {
         "job": job,
         "attempt": attempt,

@@ -386,7 +386,10 @@ def decide_multifactor(
             wait(
                 job,
                 Reason.RESOURCES,
-                f"; job {top.id} (higher priority) holds the reservation",
+                # Not named: the holder changes with nearly every start, and
+                # naming it rewrote most waiting rows on each pass (the queue
+                # and the job's page show the jobs ahead).
+                "; the first job ahead of it that waits for GPUs holds the reservation",
                 resources=(c, job.gpus),
             )
             continue

@@ -70,7 +70,7 @@ def hold_job(job_id: int, *, by: User) -> Job:
         job.held_by = by
         job.pending_reason = "held"
         job.pending_message = f"held by {who}; it waits until released"
-        job.queue_position = None
+        job.queue_order = None
         job.est_start = None
         job.save(
             update_fields=[
@@ -78,7 +78,7 @@ def hold_job(job_id: int, *, by: User) -> Job:
                 "held_by",
                 "pending_reason",
                 "pending_message",
-                "queue_position",
+                "queue_order",
                 "est_start",
             ]
         )

@@ -9,7 +9,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.conf import settings
@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from portal.accounting import live
 from portal.quotas.usage import QuotaState, quota_states
-from scheduler import classes, policy
+from scheduler import classes, policy, queue_order
 from scheduler.models import (
     Allocation,
     Attempt,
@@ -115,7 +115,7 @@ _PENDING_SQL = """
 SELECT j.id, j.gpus, j.gpu_memory_mib, date_part('epoch', j.submitted_at), j.owner_id,
        j.group_id, j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        j.shareable, j.gpu_model, j.workload, j.slowdown_cap, j.array_id,
-       a.max_running, j.pending_reason, j.pending_message, j.queue_position,
+       a.max_running, j.pending_reason, j.pending_message, j.queue_order,
        j.priority_breakdown::text, date_part('epoch', j.est_start)
 FROM scheduler_job j LEFT JOIN scheduler_jobarray a ON a.id = j.array_id
 WHERE j.status = 'pending'
@@ -263,7 +263,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         array_limit,
         reason,
         message,
-        position,
+        order_key,
         breakdown,
         est_start,
     ) in pending_rows:
@@ -288,7 +288,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 dependencies=tuple(dependencies.get(pk, ())),
             )
         )
-        stored_waits[pk] = (reason, message, position, breakdown, est_start)
+        stored_waits[pk] = (reason, message, order_key, breakdown, est_start)
     # The running attempts' GPU time so far by the charging rule (one query),
     # for fair share here and the quotas' live usage below.
     live_charges = live.load(now)
@@ -629,7 +629,7 @@ def load_knowledge(
 WAIT_FIELDS = (
     "pending_reason",
     "pending_message",
-    "queue_position",
+    "queue_order",
     "priority_breakdown",
     "est_start",
 )
@@ -641,9 +641,9 @@ WAIT_FIELDS = (
 # that locks jobs in id order (two passes raced in tests/scheduler/test_concurrency).
 _UPDATE_WAITS = """
 WITH v AS (
-    SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::int[], %s::text[],
+    SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::bigint[], %s::text[],
                          %s::timestamptz[])
-        AS v(id, reason, message, position, breakdown, est_start)
+        AS v(id, reason, message, order_key, breakdown, est_start)
 ), mine AS (
     SELECT j.id FROM scheduler_job AS j JOIN v ON v.id = j.id
     WHERE j.status = 'pending'
@@ -652,7 +652,7 @@ WITH v AS (
 UPDATE scheduler_job AS j SET
     pending_reason = v.reason,
     pending_message = v.message,
-    queue_position = v.position,
+    queue_order = v.order_key,
     priority_breakdown = v.breakdown::jsonb,
     est_start = v.est_start
 FROM v JOIN mine ON mine.id = v.id
@@ -660,7 +660,7 @@ WHERE j.id = v.id
 """
 
 _STORED_WAITS = """
-SELECT id, pending_reason, pending_message, queue_position, priority_breakdown::text,
+SELECT id, pending_reason, pending_message, queue_order, priority_breakdown::text,
        extract(epoch FROM est_start)::float8
 FROM scheduler_job WHERE status = 'pending' AND id = ANY(%s)
 """
@@ -669,12 +669,15 @@ FROM scheduler_job WHERE status = 'pending' AND id = ANY(%s)
 def _update_reasons(
     waits: list[policy.Wait], stored: Mapping[int, StoredWait] | None = None
 ) -> int:
-    """Store each waiting job's reason, place, factors and planned start.
+    """Store each waiting job's reason, order key, factors and planned start.
 
     Only rows that changed are written, in ONE statement (``UPDATE ... FROM
     unnest``): Django's ``bulk_update`` builds a CASE per field and row and took a
     minute for 10,000 jobs. Factors are rounded to 0.1 and planned starts to the
-    second, so a job's growing age does not rewrite every row on every pass.
+    second, so a job's growing age does not rewrite every row on every pass; the
+    order keys (``scheduler.queue_order``) change only where the order did, so a
+    start does not rewrite the place of every job behind it (it did: 95 % of the
+    waiting rows were written on each pass of a burst, bench/submit_burst.py).
     The stored values come from the pass's snapshot (or one query without it); a
     job no longer pending is left (the UPDATE checks too).
     """
@@ -682,6 +685,10 @@ def _update_reasons(
         with connection.cursor() as cursor:
             cursor.execute(_STORED_WAITS, [[w.job_id for w in waits]])
             stored = {row[0]: row[1:] for row in cursor.fetchall()}
+    placed = sorted((w for w in waits if w.position), key=attrgetter("position"))
+    keys = queue_order.assign(
+        [w.job_id for w in placed], {pk: old[2] for pk, old in stored.items()}
+    )
     rows: list[tuple[Any, ...]] = []
     for wait in waits:
         old = stored.get(wait.job_id)
@@ -689,7 +696,8 @@ def _update_reasons(
             continue
         breakdown = {k: round(v, 1) for k, v in wait.breakdown.items()}
         est = round(wait.est_start) if wait.est_start is not None else None
-        new = (wait.reason.value, wait.message[:500], wait.position or None)
+        key = keys.get(wait.job_id, old[2]) if wait.position else None
+        new = (wait.reason.value, wait.message[:500], key)
         # The scalars first: the stored breakdown is parsed only when they match.
         if new == old[:3] and est == old[4] and breakdown == json.loads(old[3]):
             continue

@@ -63,8 +63,8 @@ def test_the_queue_shows_everyones_waiting_jobs(
 ) -> None:
     running = JobFactory(owner=alice)
     start_job(running, cluster[1])
-    a = JobFactory(owner=alice, queue_position=2)
-    c = JobFactory(owner=charlie, queue_position=1)
+    a = JobFactory(owner=alice, queue_order=2)
+    c = JobFactory(owner=charlie, queue_order=1)
     JobFactory(owner=alice, status=Job.Status.COMPLETED)
     got = as_bob.get("/api/v1/queue/").json()
     assert [(j["id"], j["owner"], j["nodes"]) for j in got] == [

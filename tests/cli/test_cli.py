@@ -325,8 +325,8 @@ def test_ls_is_mine_and_queue_is_everyones(
     cluster: list[Node],
     quiet: Any,
 ) -> None:
-    mine = JobFactory(owner=admin_user, name="admins", queue_position=2)
-    theirs = JobFactory(owner=charlie, name="charlies", queue_position=1)
+    mine = JobFactory(owner=admin_user, name="admins", queue_order=2)
+    theirs = JobFactory(owner=charlie, name="charlies", queue_order=1)
     running = JobFactory(owner=alice, name="alices")
     start_job(running, cluster[1])
     ended = JobFactory(owner=admin_user, status=Job.Status.COMPLETED)

@@ -88,7 +88,7 @@ def busy_cluster(alice: User, bob: User) -> dict[str, Any]:
     )
     waiting = JobFactory(owner=bob, name="needs-eight", gpus=1)
     Job.objects.filter(pk=waiting.pk).update(
-        queue_position=1, pending_message="waiting for a GPU: 0 of 2 free"
+        queue_order=1, pending_message="waiting for a GPU: 0 of 2 free"
     )
     services.append_log(
         node.pk,

@@ -360,10 +360,10 @@ def test_the_queue_lists_waiting_jobs_in_order_with_reasons_and_own_actions(
     second = JobFactory(owner=alice, name="second")
     first = JobFactory(owner=bob, name="<b>first</b>")
     Job.objects.filter(pk=first.pk).update(
-        queue_position=1, pending_message="waiting for 4 GPUs of A100"
+        queue_order=1, pending_message="waiting for 4 GPUs of A100"
     )
     Job.objects.filter(pk=second.pk).update(
-        queue_position=2, pending_message="behind higher priority"
+        queue_order=2, pending_message="behind higher priority"
     )
     held = JobFactory(owner=alice, name="held-one")
     services.hold_job(held.pk, by=alice)
@@ -396,7 +396,7 @@ def test_the_queue_pages_long_queues_in_a_fixed_number_of_queries(
             command="x",
             workdir="/tmp",
             time_limit_s=60,
-            queue_position=i + 1,
+            queue_order=i + 1,
         )
         for i in range(QUEUE_PAGE + 5)
     )

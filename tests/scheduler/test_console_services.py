@@ -50,14 +50,14 @@ def kills(send: Any) -> list[tuple[int, str]]:
 def test_it_holds_a_pending_job(
     alice: User, admin: User, quiet: None, django_capture_on_commit_callbacks: Any
 ) -> None:
-    job = JobFactory(owner=alice, queue_position=3)
+    job = JobFactory(owner=alice, queue_order=3)
 
     services.hold_job(job.pk, by=admin)
 
     job.refresh_from_db()
     assert job.status == Job.Status.HELD
     assert job.held_by == admin
-    assert job.queue_position is None
+    assert (job.queue_order, job.queue_position) == (None, None)
     assert job.pending_reason == "held"
     event = last_event(job)
     assert (event.actor, event.from_status, event.to_status) == (

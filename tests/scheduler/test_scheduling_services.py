@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from agents import protocol
 from scheduler import policy, services
-from scheduler.models import Attempt, Job, JobEvent, UsageRecord
+from scheduler.models import Attempt, Job, JobEvent, UsageRecord, attach_queue_positions
 from tests.conftest import hello_data, make_node
 from tests.factories import JobFactory, start_job, started_data
 
@@ -114,9 +114,10 @@ def test_a_victim_being_stopped_is_no_preemption_candidate(
 # ------------------------------------------------------------------ waiting jobs
 
 
-def test_it_stores_reason_position_breakdown_and_planned_start(
+def test_it_stores_reason_order_breakdown_and_planned_start(
     alice: User, cluster: list[Node]
 ) -> None:
+    ahead = [JobFactory(owner=alice), JobFactory(owner=alice)]
     job = JobFactory(owner=alice)
     wait = policy.Wait(
         job.pk,
@@ -126,15 +127,79 @@ def test_it_stores_reason_position_breakdown_and_planned_start(
         breakdown={"class": 500.0, "age": 12.3456, "fairshare": 800.0, "size": 1.0},
         est_start=1_800_000_000.0,
     )
+    others = [
+        policy.Wait(j.pk, policy.Reason.PRIORITY, "", n) for n, j in enumerate(ahead, 1)
+    ]
 
-    services.apply_decisions([wait])
+    services.apply_decisions([*others, wait])
 
     job.refresh_from_db()
     assert job.pending_reason == "resources"
-    assert job.queue_position == 3
+    assert job.queue_position == 3  # counted from the jobs ahead of it
     assert job.priority_breakdown["age"] == 12.3  # rounded: less churn
     assert job.priority == pytest.approx(1313.3)
     assert job.est_start == datetime.fromtimestamp(1_800_000_000.0, tz=UTC)
+
+
+def _waits(jobs: list[Job]) -> list[policy.Wait]:
+    return [
+        policy.Wait(j.pk, policy.Reason.RESOURCES, "waiting for 1 GPU", n)
+        for n, j in enumerate(jobs, 1)
+    ]
+
+
+def _places(jobs: list[Job]) -> list[int | None]:
+    fresh = list(Job.objects.filter(pk__in=[j.pk for j in jobs]).order_by("pk"))
+    attach_queue_positions(fresh)
+    by_pk = {j.pk: j.queue_position for j in fresh}
+    return [by_pk[j.pk] for j in jobs]
+
+
+def test_a_start_at_the_head_rewrites_no_waiting_row(
+    alice: User, cluster: list[Node]
+) -> None:
+    jobs = [JobFactory(owner=alice) for _ in range(5)]
+    assert services.apply_decisions(_waits(jobs)).updated_reasons == 5
+    assert _places(jobs) == [1, 2, 3, 4, 5]
+
+    start_job(jobs[0], cluster[0])  # the head starts: everyone moves up ...
+    after = services.apply_decisions(_waits(jobs[1:]))
+
+    assert after.updated_reasons == 0  # ... and no row is written for it
+    assert _places(jobs) == [None, 1, 2, 3, 4]
+
+
+def test_a_new_or_overtaking_job_is_the_only_row_written(
+    alice: User, cluster: list[Node]
+) -> None:
+    jobs = [JobFactory(owner=alice) for _ in range(4)]
+    services.apply_decisions(_waits(jobs))
+    urgent = JobFactory(owner=alice)
+
+    # the new job goes second; the last one overtakes two others
+    order = [jobs[0], urgent, jobs[3], jobs[1], jobs[2]]
+    got = services.apply_decisions(_waits(order))
+
+    assert got.updated_reasons == 2
+    assert _places(order) == [1, 2, 3, 4, 5]
+    # the job page's "behind whom": the nearest first
+    jobs[1].refresh_from_db()
+    assert [j.pk for j in Job.objects.ahead_of(jobs[1])] == [
+        jobs[3].pk, urgent.pk, jobs[0].pk
+    ]  # fmt: skip
+
+
+def test_a_held_job_leaves_the_count_and_no_place_is_shown_before_a_pass(
+    alice: User, cluster: list[Node]
+) -> None:
+    jobs = [JobFactory(owner=alice) for _ in range(3)]
+    services.apply_decisions(_waits(jobs))
+    services.hold_job(jobs[0].pk, by=alice)
+    new = JobFactory(owner=alice)
+
+    assert _places([*jobs, new]) == [None, 1, 2, None]
+    single = Job.objects.get(pk=jobs[2].pk)
+    assert single.queue_position == 2  # one job: counted alone, the same place
 
 
 def test_the_job_page_says_why_and_behind_whom(

@@ -21,7 +21,7 @@ from portal.api.views.common import attempts_for_nodes, errors, no_empty, node_n
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import services
-from scheduler.models import Allocation, Gpu, Job, Node
+from scheduler.models import Allocation, Gpu, Job, Node, attach_queue_positions
 
 if TYPE_CHECKING:
     from rest_framework.request import Request
@@ -211,18 +211,19 @@ class Queue(APIView):
         " then every pending one in scheduling order",
     )
     def get(self, request: Request) -> Response:
-        running = (
+        running = list(
             Job.objects.filter(status__in=Job.ON_NODE)
             .select_related("owner", "group")
             .prefetch_related(attempts_for_nodes())
             .order_by("started_at", "id")
         )
-        pending = (
-            Job.objects.pending()
+        pending = list(
+            Job.objects.in_queue_order()
             .select_related("owner", "group")
             .prefetch_related(attempts_for_nodes())
-            .order_by("queue_position", "submitted_at", "id")
         )
+        attach_queue_positions(pending, first=1)
+        attach_queue_positions(running)
         return Response(
             QueueEntry(
                 [*running, *pending],  # type: ignore[arg-type]

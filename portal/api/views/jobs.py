@@ -15,7 +15,7 @@ from rest_framework.views import APIView
 from portal.api import serializers as s
 from portal.api.views.common import errors, jobs_for, node_names, query, visible_job
 from scheduler import services
-from scheduler.models import Attempt, Job, JobArray, JobLogChunk
+from scheduler.models import Attempt, Job, JobArray, JobLogChunk, attach_queue_positions
 
 if TYPE_CHECKING:
     from rest_framework.request import Request
@@ -81,6 +81,7 @@ class JobList(APIView):
         count = jobs.count()
         limit, offset = q["limit"], q["offset"]
         page = list(jobs[offset : offset + limit])
+        attach_queue_positions(page)
 
         def link(at: int) -> str:
             params = request.query_params.copy()

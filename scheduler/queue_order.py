@@ -1,0 +1,122 @@
+"""Stable order keys for the waiting jobs (pure: no Django).
+
+A pass orders every waiting job. Storing each job's 1-based place meant that one
+start at the head shifted every place behind it: each pass rewrote nearly every
+waiting row (99 % of them in a burst of submissions, bench/submit_burst.py), and
+the queue's pages waited on that database work. Instead each waiting job stores
+an order key (``Job.queue_order``): the keys increase along the pass's order, and
+a job's place is counted when it is read (``scheduler.models.attach_queue_positions``). A
+start, an end or a cancellation then rewrites nothing; a pass changes the keys of
+the jobs whose order relative to the others changed, and gives new jobs theirs.
+
+``assign`` keeps the longest run of stored keys that is already in order (a
+longest increasing subsequence) and fits every other job in the gaps between
+them. Keys are spaced ``STEP`` apart when there is room, so a new job lands
+between two others without moving them; only when a gap is too small (after
+some 20 halvings at one spot) or the keys near the ends of the integer range is
+the whole queue numbered afresh.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+# Spacing of fresh keys: 2**20 leaves room for twenty halvings between two jobs.
+STEP = 1 << 20
+# Keys stay well inside PostgreSQL's bigint (signed 64 bits).
+LIMIT = 1 << 62
+
+
+def assign(order: Sequence[int], stored: Mapping[int, int | None]) -> dict[int, int]:
+    """The new keys of the jobs of ``order`` (ids, first to last) whose key must
+    change; every other job keeps its stored key. ``stored`` maps a job id to its
+    key (None or absent: it has none). Afterwards the keys strictly increase
+    along ``order``."""
+    old = [stored.get(job_id) for job_id in order]
+    keep = _kept(old)
+    new: dict[int, int] = {}
+    i = 0
+    n = len(order)
+    while i < n:
+        if keep[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and not keep[j]:
+            j += 1
+        # order[i:j] need keys between the kept neighbours (if any)
+        lo = old[i - 1] if i > 0 else None
+        hi = old[j] if j < n else None
+        keys = _between(lo, hi, j - i)
+        if keys is None:
+            return _afresh(order, old)
+        for job_id, key in zip(order[i:j], keys, strict=True):
+            new[job_id] = key
+        i = j
+    return new
+
+
+def _kept(old: Sequence[int | None]) -> list[bool]:
+    """Which stored keys stay: a longest strictly increasing subsequence of them
+    (patience sorting, O(n log n)); a run already in order costs one scan."""
+    keep = [False] * len(old)
+    present = [
+        (i, k) for i, k in enumerate(old) if k is not None and -LIMIT < k < LIMIT
+    ]
+    if all(a[1] < b[1] for a, b in itertools.pairwise(present)):
+        for i, _ in present:
+            keep[i] = True
+        return keep
+    tails: list[int] = []  # smallest tail key of an increasing run of each length
+    tail_at: list[int] = []  # its index in ``old``
+    parent: dict[int, int] = {}
+    for i, key in present:
+        length = bisect_left(tails, key)
+        if length:
+            parent[i] = tail_at[length - 1]
+        if length == len(tails):
+            tails.append(key)
+            tail_at.append(i)
+        else:
+            tails[length] = key
+            tail_at[length] = i
+    at = tail_at[-1] if tail_at else None
+    while at is not None:
+        keep[at] = True
+        at = parent.get(at)
+    return keep
+
+
+def _between(lo: int | None, hi: int | None, m: int) -> list[int] | None:
+    """``m`` increasing keys strictly between ``lo`` and ``hi`` (None: open end),
+    ``STEP`` apart where an end is open, evenly spread otherwise; None if they do
+    not fit."""
+    if lo is None and hi is None:
+        keys = [STEP * (k + 1) for k in range(m)]
+    elif lo is None:
+        assert hi is not None
+        keys = [hi - STEP * (m - k) for k in range(m)]
+    elif hi is None:
+        keys = [lo + STEP * (k + 1) for k in range(m)]
+    else:
+        gap = hi - lo
+        if gap <= m:
+            return None
+        keys = [lo + gap * (k + 1) // (m + 1) for k in range(m)]
+    if keys and not (keys[0] > -LIMIT and keys[-1] < LIMIT):
+        return None
+    return keys
+
+
+def _afresh(order: Sequence[int], old: Sequence[int | None]) -> dict[int, int]:
+    """Every job numbered ``STEP`` apart from ``STEP``; those whose key changes."""
+    return {
+        job_id: STEP * (k + 1)
+        for k, job_id in enumerate(order)
+        if old[k] != STEP * (k + 1)
+    }
