@@ -5,16 +5,18 @@ start at the head shifted every place behind it: each pass rewrote nearly every
 waiting row (99 % of them in a burst of submissions, bench/submit_burst.py), and
 the queue's pages waited on that database work. Instead each waiting job stores
 an order key (``Job.queue_order``): the keys increase along the pass's order, and
-a job's place is counted when it is read (``scheduler.models.attach_queue_positions``). A
-start, an end or a cancellation then rewrites nothing; a pass changes the keys of
+a job's place is counted when it is read
+(``scheduler.models.attach_queue_positions``). A start, an end or a cancellation then rewrites nothing; a pass changes the keys of
 the jobs whose order relative to the others changed, and gives new jobs theirs.
 
 ``assign`` keeps the longest run of stored keys that is already in order (a
 longest increasing subsequence) and fits every other job in the gaps between
 them. Keys are spaced ``STEP`` apart when there is room, so a new job lands
-between two others without moving them; only when a gap is too small (after
-some 20 halvings at one spot) or the keys near the ends of the integer range is
-the whole queue numbered afresh.
+between two others without moving them. When a gap is used up (jobs keep
+landing at one spot) the neighbourhood is spread out afresh, twice as wide each
+time until it leaves ``MIN_GAP`` between two keys, as in an order-maintenance
+list: rewrites stay local and few on average; the whole queue is renumbered only
+if nothing less will do.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 STEP = 1 << 20
 # Keys stay well inside PostgreSQL's bigint (signed 64 bits).
 LIMIT = 1 << 62
+# A neighbourhood spread out afresh leaves at least this much between two keys.
+MIN_GAP = 1 << 10
 
 
 def assign(order: Sequence[int], stored: Mapping[int, int | None]) -> dict[int, int]:
@@ -39,9 +43,9 @@ def assign(order: Sequence[int], stored: Mapping[int, int | None]) -> dict[int, 
     along ``order``."""
     old = [stored.get(job_id) for job_id in order]
     keep = _kept(old)
-    new: dict[int, int] = {}
-    i = 0
+    cur: list[int | None] = list(old)  # the keys so far; final left of ``i``
     n = len(order)
+    i = 0
     while i < n:
         if keep[i]:
             i += 1
@@ -49,16 +53,29 @@ def assign(order: Sequence[int], stored: Mapping[int, int | None]) -> dict[int, 
         j = i
         while j < n and not keep[j]:
             j += 1
-        # order[i:j] need keys between the kept neighbours (if any)
-        lo = old[i - 1] if i > 0 else None
-        hi = old[j] if j < n else None
-        keys = _between(lo, hi, j - i)
-        if keys is None:
-            return _afresh(order, old)
-        for job_id, key in zip(order[i:j], keys, strict=True):
-            new[job_id] = key
+        # order[i:j] need keys between their kept neighbours (if any) ...
+        keys = _between(cur[i - 1] if i else None, old[j] if j < n else None, j - i)
+        while keys is None:
+            # ... and where they do not fit, the neighbourhood is spread out
+            # afresh: twice as wide each time, until it leaves MIN_GAP a job
+            # (so it is not filled again at once); the whole queue at worst.
+            width = j - i
+            i, j = max(0, i - width), min(n, j + width)
+            while j < n and not keep[j]:
+                j += 1
+            keys = _between(
+                cur[i - 1] if i else None,
+                old[j] if j < n else None,
+                j - i,
+                min_gap=MIN_GAP,
+            )
+        cur[i:j] = keys
         i = j
-    return new
+    return {
+        job_id: key
+        for job_id, key, was in zip(order, cur, old, strict=True)
+        if key != was and key is not None
+    }
 
 
 def _kept(old: Sequence[int | None]) -> list[bool]:
@@ -92,10 +109,12 @@ def _kept(old: Sequence[int | None]) -> list[bool]:
     return keep
 
 
-def _between(lo: int | None, hi: int | None, m: int) -> list[int] | None:
+def _between(
+    lo: int | None, hi: int | None, m: int, *, min_gap: int = 1
+) -> list[int] | None:
     """``m`` increasing keys strictly between ``lo`` and ``hi`` (None: open end),
     ``STEP`` apart where an end is open, evenly spread otherwise; None if they do
-    not fit."""
+    not fit at least ``min_gap`` apart."""
     if lo is None and hi is None:
         keys = [STEP * (k + 1) for k in range(m)]
     elif lo is None:
@@ -105,18 +124,9 @@ def _between(lo: int | None, hi: int | None, m: int) -> list[int] | None:
         keys = [lo + STEP * (k + 1) for k in range(m)]
     else:
         gap = hi - lo
-        if gap <= m:
+        if gap < (m + 1) * min_gap:
             return None
         keys = [lo + gap * (k + 1) // (m + 1) for k in range(m)]
     if keys and not (keys[0] > -LIMIT and keys[-1] < LIMIT):
         return None
     return keys
-
-
-def _afresh(order: Sequence[int], old: Sequence[int | None]) -> dict[int, int]:
-    """Every job numbered ``STEP`` apart from ``STEP``; those whose key changes."""
-    return {
-        job_id: STEP * (k + 1)
-        for k, job_id in enumerate(order)
-        if old[k] != STEP * (k + 1)
-    }

@@ -70,10 +70,18 @@ def test_a_reversed_queue_keeps_one_key() -> None:
     assert increasing(applied(order, stored))
 
 
-def test_a_gap_too_small_numbers_the_queue_afresh() -> None:
-    stored: dict[int, int | None] = {1: 10, 2: 11}
-    order = [1, 3, 2]  # nothing fits between 10 and 11
-    assert assign(order, stored) == {1: STEP, 3: 2 * STEP, 2: 3 * STEP}
+def test_a_gap_too_small_spreads_out_its_neighbourhood_only() -> None:
+    stored: dict[int, int | None] = {1: 10, 2: 11, 4: 10 * STEP}
+    order = [1, 3, 2, 4]  # nothing fits between 10 and 11
+    # one job on each side joins it, spread out below the next kept key
+    assert assign(order, stored) == {1: 7 * STEP, 3: 8 * STEP, 2: 9 * STEP}
+    # twenty jobs STEP apart but 6 and 7 packed behind 5; job 100 goes between 5
+    # and 6: 5 and 6 are spread out with it below 7, the rest keep their keys
+    stored = {j: j * STEP for j in range(20)} | {6: 5 * STEP + 1, 7: 5 * STEP + 2}
+    order = [*range(6), 100, *range(6, 20)]
+    new = assign(order, stored)
+    assert set(new) == {5, 100, 6}
+    assert increasing(applied(order, stored))
 
 
 def test_keys_near_the_end_of_the_range_are_numbered_afresh() -> None:
@@ -83,16 +91,19 @@ def test_keys_near_the_end_of_the_range_are_numbered_afresh() -> None:
     assert assign([1], {1: LIMIT + 5}) == {1: STEP}
 
 
-def test_a_hundred_insertions_at_one_spot_stay_in_order() -> None:
+def test_a_thousand_insertions_at_one_spot_rewrite_few_keys() -> None:
+    order = list(range(100))
     stored: dict[int, int | None] = {}
-    order = [1, 2]
-    keys = applied(order, stored)
-    stored = dict(zip(order, keys, strict=True))
-    for new in range(3, 103):
-        order.insert(1, new)  # always right behind the head
-        keys = applied(order, stored)
-        assert increasing(keys)
-        stored = dict(zip(order, keys, strict=True))
+    written = 0
+    for new in range(100, 1100):
+        changes = assign(order, stored)
+        written += len(changes)
+        stored.update(changes)
+        assert increasing([stored[j] for j in order])  # type: ignore[misc]
+        order.insert(50, new)  # always at the middle of the queue
+    # each insertion writes its own key and, now and then, a neighbourhood's:
+    # not the queue behind it (that would be ~500 each, 500,000 in all)
+    assert written < 4 * 1100
 
 
 @settings(max_examples=300, deadline=None)
@@ -114,10 +125,9 @@ def test_keys_increase_along_any_order(
     assert all(-LIMIT < k < LIMIT for k in got)
     assert set(new) <= set(order)
     old = [stored.get(j) for j in order]
-    afresh = [STEP * (k + 1) for k in range(len(order))]
-    # the fewest changes (the jobs outside a longest run already in order), or,
-    # where the keys left no room, the queue numbered afresh
-    assert len(new) == len(order) - longest_increasing(old) or got == afresh
+    # at least the jobs outside a longest run already in order (more where the
+    # keys left no room between them)
+    assert len(new) >= len(order) - longest_increasing(old)
 
 
 @settings(max_examples=300, deadline=None)
