@@ -673,8 +673,11 @@ def _update_reasons(
 
     Only rows that changed are written, in ONE statement (``UPDATE ... FROM
     unnest``): Django's ``bulk_update`` builds a CASE per field and row and took a
-    minute for 10,000 jobs. Factors are rounded to 0.1 and planned starts to the
-    second, so a job's growing age does not rewrite every row on every pass; the
+    minute for 10,000 jobs. Factors are rounded to whole points (as the pages
+    show them: at 0.1, the fair share moving with the running jobs' usage
+    rewrote a fifth of the waiting rows on every pass of a burst) and planned
+    starts to the second, so a job's growing age does not rewrite every row on
+    every pass; the
     order keys (``scheduler.queue_order``) change only where the order did, so a
     start does not rewrite the place of every job behind it (it did: 95 % of the
     waiting rows were written on each pass of a burst, bench/submit_burst.py).
@@ -694,7 +697,7 @@ def _update_reasons(
         old = stored.get(wait.job_id)
         if old is None:
             continue
-        breakdown = {k: round(v, 1) for k, v in wait.breakdown.items()}
+        breakdown = {k: float(round(v)) for k, v in wait.breakdown.items()}
         est = round(wait.est_start) if wait.est_start is not None else None
         key = keys.get(wait.job_id, old[2]) if wait.position else None
         new = (wait.reason.value, wait.message[:500], key)
