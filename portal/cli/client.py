@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 API = "/api/v1/"
 TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
-# A 429 is waited out (Retry-After) this many times when the wait is short;
-# a longer wait is the user's call.
+# A 429, or the 503 of a server too busy to take the request (the concurrency
+# gate's "busy": refused before anything ran, so repeating it does nothing
+# twice), is waited out (Retry-After) this many times when the wait is short;
+# a longer wait is the user's call. Other 503s (the database away) are not
+# repeated: the request may have been carried out.
 RETRIES_429 = 3
 MAX_WAIT_429_S = 30.0
 
@@ -80,14 +83,14 @@ class Api:
         ``fields`` maps the API's field names to the option names shown."""
         for attempt in range(RETRIES_429 + 1):
             response = self._send(method, path, params, json)
-            if response.status_code != 429 or attempt == RETRIES_429:
+            why = _wait_out(response)
+            if why is None or attempt == RETRIES_429:
                 break
             wait = _retry_after(response)
             if wait is None or wait > MAX_WAIT_429_S:
                 break
             click.echo(
-                f"gpulab: rate limited by {self.server}; retrying in {wait:g} s",
-                err=True,
+                f"gpulab: {why.format(self.server)}; retrying in {wait:g} s", err=True
             )
             time.sleep(wait)
         return self._result(response, fields or {})
@@ -141,10 +144,11 @@ class Api:
             raise CliError(Exit.NOT_FOUND, detail)
         if code == 413:
             raise CliError(Exit.USAGE, detail)
-        if code == 429:
+        why = _wait_out(response)
+        if why is not None:
             wait = _retry_after(response)
             after = f"; retry in {wait:g} s" if wait is not None else ""
-            raise CliError(Exit.SERVER, f"rate limited by {self.server}{after}")
+            raise CliError(Exit.SERVER, f"{why.format(self.server)}{after}")
         if code == 403:
             raise CliError(Exit.SERVER, f"not allowed: {detail}")
         raise CliError(Exit.SERVER, detail if code < 500 else f"server error: {detail}")
@@ -160,6 +164,18 @@ def _json(response: httpx.Response) -> Any:
         return response.json()
     except ValueError:
         return _NOT_JSON
+
+
+def _wait_out(response: httpx.Response) -> str | None:
+    """What a refusal worth repeating after its Retry-After says (``{}``: the
+    server), or None."""
+    if response.status_code == 429:
+        return "rate limited by {}"
+    if response.status_code == 503:
+        body = _json(response)
+        if isinstance(body, dict) and body.get("error") == "busy":
+            return "{} is too busy"
+    return None
 
 
 def _retry_after(response: httpx.Response) -> float | None:

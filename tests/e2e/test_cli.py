@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for_job
+from tests.e2e.conftest import Stack, wait_for_job, wait_until
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -205,3 +205,62 @@ def test_logs_follow_a_running_job_to_its_end_and_an_array_is_cancelled(
         4,
         "gpulab: No job 999999 visible to you.",
     )
+
+
+def test_a_server_too_busy_is_waited_out(
+    stack: Stack, shell: Shell, alice: User
+) -> None:
+    import threading
+
+    import httpx
+    import psycopg
+
+    from portal.api import tokens
+    from portal.api.models import ApiToken
+    from tests.e2e.conftest import database_url
+
+    # One API call at a time and none waiting: a second is refused with 503 "busy"
+    stack.procs["web"].stop()
+    web = stack.start_web(
+        "web-narrow", GPULAB_WEB_API_CONCURRENCY="1", GPULAB_WEB_QUEUE="0"
+    )
+    web.wait_for(r"Uvicorn running on")
+    # The one slot held: a call whose token's first use (it stamps last_used_at)
+    # waits on a row lock this test holds.
+    token, secret = tokens.create_token(alice, "holder", None)
+    lock = psycopg.connect(database_url())
+    lock.execute(
+        f"SELECT 1 FROM {ApiToken._meta.db_table} WHERE id = %s FOR UPDATE",
+        [token.pk],
+    )
+    me = f"{stack.base_url}/api/v1/me/"
+    holder = threading.Thread(
+        target=httpx.get,
+        args=(me,),
+        kwargs={"headers": {"Authorization": f"Bearer {secret}"}, "timeout": 60},
+    )
+    holder.start()
+    probe = {"Authorization": f"Bearer {tokens.create_token(alice, 'probe', None)[1]}"}
+    wait_until(
+        lambda: httpx.get(me, headers=probe).status_code == 503,
+        what="the API lane full",
+    )
+
+    cli = subprocess.Popen(
+        [GPULAB, "queue"],
+        env=shell.env,
+        cwd=shell.cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert cli.stderr is not None
+    said = cli.stderr.readline()
+    assert said == f"gpulab: {stack.base_url} is too busy; retrying in 1 s\n"
+    lock.commit()  # the held call ends and gives up the slot: the retry gets in
+    out, err = cli.communicate(timeout=60)
+    holder.join(timeout=60)
+    lock.close()
+
+    assert cli.returncode == 0, err
+    assert out.split()[:2] == ["JOBID", "ARRAY"]
