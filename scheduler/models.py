@@ -496,6 +496,10 @@ class Job(models.Model):
     def queue_position(self, value: int | None) -> None:
         self._queue_position = value
 
+    def refresh_from_db(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.pop("_queue_position", None)  # counted again when read
+        super().refresh_from_db(*args, **kwargs)
+
     @property
     def is_terminal(self) -> bool:
         return self.status in self.TERMINAL

@@ -200,6 +200,10 @@ def test_a_held_job_leaves_the_count_and_no_place_is_shown_before_a_pass(
     assert _places([*jobs, new]) == [None, 1, 2, None]
     single = Job.objects.get(pk=jobs[2].pk)
     assert single.queue_position == 2  # one job: counted alone, the same place
+    services.release_job(jobs[0].pk, by=alice)
+    services.apply_decisions(_waits([jobs[0], jobs[1], jobs[2], new]))
+    single.refresh_from_db()
+    assert single.queue_position == 3  # counted again after a refresh
 
 
 def test_the_job_page_says_why_and_behind_whom(
