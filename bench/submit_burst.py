@@ -28,7 +28,7 @@ client per user.
   before the burst (idle), during it (goal: p95 < 500 ms), and for
   ``--after-pages`` s after it, with the burst's jobs stored.
 - The load generator's own CPU, as a share of one core over the burst.
-- ``--profile``: py-spy (``pip install py-spy``) samples the web process and the
+- ``--profile``: py-spy (a dev dependency: ``make venv`` installs it) samples the web process and the
   worker (with its pool children) during the burst, non-blocking; the top
   functions by own time and by total time are printed.
 
