@@ -28,9 +28,9 @@ client per user.
   before the burst (idle), during it (goal: p95 < 500 ms), and for
   ``--after-pages`` s after it, with the burst's jobs stored.
 - The load generator's own CPU, as a share of one core over the burst.
-- ``--profile``: py-spy (a dev dependency: ``make venv`` installs it) samples the web process and the
-  worker (with its pool children) during the burst, non-blocking; the top
-  functions by own time and by total time are printed.
+- ``--profile``: py-spy (a dev dependency: ``make venv`` installs it) samples
+  the web process and the worker (with its pool children) during the burst,
+  non-blocking; the top functions by own time and by total time are printed.
 
 Prints the figures and writes ``<out-dir>/submit_burst.json``. Run:
 ``DATABASE_URL=... REDIS_URL=... python bench/submit_burst.py``.
