@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from django.conf import settings
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import connection, models
-from django.db.models import Q
+from django.db.models import BooleanField, Q
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 if TYPE_CHECKING:
@@ -240,17 +241,17 @@ class JobQuerySet(models.QuerySet["Job"]):
     def ahead_of(self, job: Job) -> JobQuerySet:
         """The waiting jobs ahead of ``job`` in the queue, the nearest first (none
         if no pass has placed it)."""
-        key, at = job.queue_order, job.submitted_at
-        if key is None:
+        if job.queue_order is None:
             return self.none()
+        before = RawSQL(
+            _AHEAD_SQL,
+            [job.queue_order, job.submitted_at, job.pk],
+            output_field=BooleanField(),
+        )
         return (
             self.pending()
             .filter(queue_order__isnull=False)
-            .filter(
-                Q(queue_order__lt=key)
-                | Q(queue_order=key, submitted_at__lt=at)
-                | Q(queue_order=key, submitted_at=at, pk__lt=job.pk)
-            )
+            .filter(before)
             .order_by(*(f"-{f}" for f in QUEUE_ORDER))
         )
 
@@ -263,11 +264,11 @@ class JobQuerySet(models.QuerySet["Job"]):
 # uses it, so a place shown matches the row's place in the list.
 QUEUE_ORDER = ("queue_order", "submitted_at", "id")
 
-_PLACE_SQL = """
-SELECT count(*) + 1 FROM scheduler_job
-WHERE status = 'pending' AND queue_order IS NOT NULL
-  AND (queue_order, submitted_at, id) < (%s, %s, %s)
-"""
+# Before a job in QUEUE_ORDER: one row comparison, which the queue index serves.
+_AHEAD_SQL = (
+    "(scheduler_job.queue_order, scheduler_job.submitted_at, scheduler_job.id)"
+    " < (%s, %s, %s)"
+)
 _PLACES_SQL = """
 SELECT id, place FROM (
     SELECT id, row_number() OVER (ORDER BY queue_order, submitted_at, id) AS place
@@ -298,12 +299,11 @@ def attach_queue_positions(jobs: Iterable[Job], *, first: int | None = None) -> 
         return
     if not placed:
         return
+    if len(placed) == 1:
+        job = placed[0]
+        job.queue_position = Job.objects.ahead_of(job).count() + 1
+        return
     with connection.cursor() as cursor:
-        if len(placed) == 1:
-            job = placed[0]
-            cursor.execute(_PLACE_SQL, [job.queue_order, job.submitted_at, job.pk])
-            job.queue_position = int(cursor.fetchone()[0])
-            return
         cursor.execute(_PLACES_SQL, [[j.pk for j in placed]])
         places = dict(cursor.fetchall())
     for job in placed:

@@ -2,12 +2,13 @@
 
 A pass orders every waiting job. Storing each job's 1-based place meant that one
 start at the head shifted every place behind it: each pass rewrote nearly every
-waiting row (99 % of them in a burst of submissions, bench/submit_burst.py), and
+waiting row (95 % of them in a burst of submissions, bench/submit_burst.py), and
 the queue's pages waited on that database work. Instead each waiting job stores
 an order key (``Job.queue_order``): the keys increase along the pass's order, and
 a job's place is counted when it is read
-(``scheduler.models.attach_queue_positions``). A start, an end or a cancellation then rewrites nothing; a pass changes the keys of
-the jobs whose order relative to the others changed, and gives new jobs theirs.
+(``scheduler.models.attach_queue_positions``). A start, an end or a cancellation
+then rewrites nothing; a pass changes the keys of the jobs whose order relative
+to the others changed, and gives new jobs theirs.
 
 ``assign`` keeps the longest run of stored keys that is already in order (a
 longest increasing subsequence) and fits every other job in the gaps between

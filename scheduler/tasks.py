@@ -138,9 +138,10 @@ def schedule_pass_body() -> dict[str, Any]:
     2. Clear the flag and the "pass queued" mark (``claim_pass_request``; a task
        that found the lock taken leaves the mark: the holder's next pass covers
        the requests it stands for, and they enqueue no more tasks), run a pass;
-       loop while the flag was set again meanwhile, each further pass starting ``GPULAB_PASS_MIN_SPACING`` s at the earliest
-       after the previous one started, and no sooner after it ended than it
-       took (``_space_after``): under a burst of submissions the passes
+       loop while the flag was set again meanwhile, each further pass starting
+       ``GPULAB_PASS_MIN_SPACING`` s at the earliest after the previous one
+       started, and no sooner after it ended than it took (``_space_after``):
+       under a burst of submissions the passes
        (each loading the whole queue and storing the waits' reasons) would
        otherwise run back to back and hold the database's cores from the pages.
        A first pass never waits, so an idle cluster starts a job at once.
@@ -163,10 +164,9 @@ def schedule_pass_body() -> dict[str, Any]:
                 if started is not None:
                     _space_after(started, ended)
                 started = time.monotonic()
-                flags.delete(key)
                 # About to load the state: a change committed from now on asks
                 # for a pass of its own (claim_pass_request).
-                flags.delete(_queued_key())
+                flags.delete(key, _queued_key())
                 passes.append(run_one_pass())
                 ended = time.monotonic()
                 if not flags.exists(key):
@@ -181,9 +181,8 @@ def schedule_pass_body() -> dict[str, Any]:
 def _space_after(started: float, ended: float) -> None:
     """Wait until ``GPULAB_PASS_MIN_SPACING`` s after the last pass started, and at
     least as long after it ended as it took: passes hold at most half of the time.
-    A pass over thousands of waiting jobs (each start shifts every position, so
-    each pass rewrites most of the queue's rows) took 1-2 s and ran back to back
-    under a job's churn; the pages waited on the database meanwhile."""
+    A pass over thousands of waiting jobs took 1-2 s and ran back to back under a
+    job's churn; the pages waited on the database meanwhile."""
     resume = max(started + settings.GPULAB_PASS_MIN_SPACING, ended + (ended - started))
     wait = resume - time.monotonic()
     if wait > 0:

@@ -222,8 +222,7 @@ class Queue(APIView):
             .select_related("owner", "group")
             .prefetch_related(attempts_for_nodes())
         )
-        attach_queue_positions(pending, first=1)
-        attach_queue_positions(running)
+        attach_queue_positions(pending, first=1)  # running jobs have none
         return Response(
             QueueEntry(
                 [*running, *pending],  # type: ignore[arg-type]
