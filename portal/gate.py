@@ -16,14 +16,25 @@ running (in a burst, a page's own time was 2-4 times its idle time beside four).
 A lane with
 ``GPULAB_WEB_QUEUE`` requests already waiting answers the next at once: 503
 with ``Retry-After`` (the API's JSON error body under ``/api/``).
+
+One client may hold at most ``GPULAB_WEB_API_PER_CLIENT`` places in the API
+lane (running or waiting): its next call is answered at once with 429 and
+``Retry-After``, the API's ``throttled`` body. A client is its credential (the
+``Authorization`` header, else the session cookie), else its address: people
+behind one address (a login node) are told apart by their tokens. So one user's
+script cannot fill the queue that everyone's calls wait in, and it is told to slow
+down (429) where the server as a whole is not out of room (503). The per-token rate
+limit (``portal/api/throttling.py``) counts requests over a minute; this counts
+requests at once, before anything runs, with no Redis round trip.
 Websockets are not counted: they are long-lived and run no thread per frame.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -42,12 +53,17 @@ API_BESIDE_PAGES = 1
 class Lane:
     """Requests of one kind: how many run, and the queue of those waiting."""
 
-    def __init__(self, name: str, running: int, waiting: int) -> None:
+    def __init__(
+        self, name: str, running: int, waiting: int, per_client: int = 0
+    ) -> None:
         self.name = name
         self.limit = running
         self.max_waiting = waiting
+        # places (running or waiting) one client may hold; 0: no cap
+        self.per_client = per_client
         self.running = 0
         self.queue: deque[asyncio.Future[None]] = deque()
+        self.clients: Counter[bytes] = Counter()
 
     @property
     def waiting(self) -> int:
@@ -64,11 +80,15 @@ class ConcurrencyGate:
         api: int | None = None,
         pages: int | None = None,
         queue: int | None = None,
+        per_client: int | None = None,
     ) -> None:
         self.app = app
         waiting = settings.GPULAB_WEB_QUEUE if queue is None else queue
         self.api = Lane(
-            "api", settings.GPULAB_WEB_API_CONCURRENCY if api is None else api, waiting
+            "api",
+            settings.GPULAB_WEB_API_CONCURRENCY if api is None else api,
+            waiting,
+            settings.GPULAB_WEB_API_PER_CLIENT if per_client is None else per_client,
         )
         self.pages = Lane(
             "pages",
@@ -91,13 +111,23 @@ class ConcurrencyGate:
             await self.app(scope, receive, send)
             return
         lane = self.lane(scope)
-        if not await self._enter(lane):
-            await _busy(send, api=lane is self.api)
+        client = client_key(scope) if lane.per_client else b""
+        if client and lane.clients[client] >= lane.per_client:
+            await _refuse(send, api=lane is self.api, per_client=lane.per_client)
             return
+        lane.clients[client] += 1
         try:
-            await self.app(scope, receive, send)
+            if not await self._enter(lane):
+                await _refuse(send, api=lane is self.api)
+                return
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self._leave(lane)
         finally:
-            self._leave(lane)
+            lane.clients[client] -= 1
+            if not lane.clients[client]:
+                del lane.clients[client]
 
     async def _enter(self, lane: Lane) -> bool:
         """Wait for a turn in ``lane``; False (at once) if its queue is full."""
@@ -112,7 +142,9 @@ class ConcurrencyGate:
             await turn
         except asyncio.CancelledError:
             if turn.cancelled():
-                lane.queue.remove(turn)
+                # still queued, unless a dispatch already dropped it
+                with contextlib.suppress(ValueError):
+                    lane.queue.remove(turn)
             else:  # given its turn as it was cancelled: hand the turn on
                 self._leave(lane)
             raise
@@ -126,14 +158,45 @@ class ConcurrencyGate:
         """Start waiting requests while their lane has room, pages first."""
         for lane in (self.pages, self.api):
             while lane.queue and lane.running < self.limit(lane):
+                turn = lane.queue.popleft()
+                if turn.done():  # cancelled (the client went away) but its
+                    continue  # task has not run since: it takes no place
                 lane.running += 1
-                lane.queue.popleft().set_result(None)
+                turn.set_result(None)
 
 
-async def _busy(send: Send, *, api: bool) -> None:
-    detail = f"The server is busy; try again in {RETRY_AFTER_S} s."
+def client_key(scope: Scope) -> bytes:
+    """Who sends a request, for the per-client cap: its ``Authorization`` header,
+    else its session cookie, else its address."""
+    cookie = b""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization" and value:
+            return b"auth " + value
+        if name == b"cookie":
+            cookie = value
+    session = settings.SESSION_COOKIE_NAME.encode() + b"="
+    for part in cookie.split(b";"):
+        part = part.strip()
+        if part.startswith(session) and len(part) > len(session):
+            return b"session " + part[len(session) :]
+    client = scope.get("client")
+    return b"addr " + (client[0] if client else "").encode()
+
+
+async def _refuse(send: Send, *, api: bool, per_client: int = 0) -> None:
+    """503 ``busy`` (the lane's queue is full) or, for a client over its cap,
+    429 ``throttled``; both with ``Retry-After``."""
+    if per_client:
+        status, code = 429, "throttled"
+        detail = (
+            f"Too many requests at once from this client (at most {per_client}); "
+            f"try again in {RETRY_AFTER_S} s."
+        )
+    else:
+        status, code = 503, "busy"
+        detail = f"The server is busy; try again in {RETRY_AFTER_S} s."
     if api:
-        payload = json.dumps(body("busy", detail))
+        payload = json.dumps(body(code, detail))
         kind = b"application/json"
     else:
         payload = detail + "\n"
@@ -142,7 +205,7 @@ async def _busy(send: Send, *, api: bool) -> None:
     await send(
         {
             "type": "http.response.start",
-            "status": 503,
+            "status": status,
             "headers": [
                 (b"content-type", kind),
                 (b"content-length", str(len(data)).encode()),

@@ -336,6 +336,12 @@ GPULAB_API_MAX_BODY_BYTES = envint(
 GPULAB_WEB_API_CONCURRENCY = envint("GPULAB_WEB_API_CONCURRENCY", 4, minimum=1)
 GPULAB_WEB_PAGE_CONCURRENCY = envint("GPULAB_WEB_PAGE_CONCURRENCY", 4, minimum=1)
 GPULAB_WEB_QUEUE = envint("GPULAB_WEB_QUEUE", 200, minimum=0)
+# API calls one client (token, else session, else address) may have in its web
+# process at once, running or waiting; the next is answered 429 with Retry-After
+# at once (0: no cap). Default: as many as may run at once.
+GPULAB_WEB_API_PER_CLIENT = envint(
+    "GPULAB_WEB_API_PER_CLIENT", GPULAB_WEB_API_CONCURRENCY, minimum=0
+)
 # Days a new API token lives unless its owner picks otherwise (0: no expiry).
 GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 

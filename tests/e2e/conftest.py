@@ -390,6 +390,31 @@ def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "") 
         time.sleep(0.05)
 
 
+def hold_a_call_on_a_row_lock(url: str, secret: str, lock: Any) -> threading.Thread:
+    """Start, in a thread, an API call that stays running until ``lock`` (a
+    psycopg connection holding ``FOR UPDATE`` on the token's row) ends its
+    transaction: the call's first use of its token stamps ``last_used_at``. Returns
+    once the call waits on that lock, so it holds its place in the web process."""
+    import httpx
+
+    call = threading.Thread(
+        target=httpx.get,
+        args=(url,),
+        kwargs={"headers": {"Authorization": f"Bearer {secret}"}, "timeout": 60},
+    )
+    call.start()
+    pid = lock.info.backend_pid
+    wait_until(
+        lambda: lock.execute(
+            "SELECT count(*) FROM pg_locks"
+            " WHERE NOT granted AND %s = ANY(pg_blocking_pids(pid))",
+            [pid],
+        ).fetchone()[0],
+        what="the API call waiting on the row lock",
+    )
+    return call
+
+
 def live_processes_in_group(pgid: int) -> list[int]:
     """PIDs of the process group's members that are not zombies."""
     members = []

@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for_job, wait_until
+from tests.e2e.conftest import (
+    Stack,
+    hold_a_call_on_a_row_lock,
+    wait_for_job,
+)
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -210,8 +214,6 @@ def test_logs_follow_a_running_job_to_its_end_and_an_array_is_cancelled(
 def test_a_server_too_busy_is_waited_out(
     stack: Stack, shell: Shell, alice: User
 ) -> None:
-    import threading
-
     import httpx
     import psycopg
 
@@ -234,17 +236,9 @@ def test_a_server_too_busy_is_waited_out(
         [token.pk],
     )
     me = f"{stack.base_url}/api/v1/me/"
-    holder = threading.Thread(
-        target=httpx.get,
-        args=(me,),
-        kwargs={"headers": {"Authorization": f"Bearer {secret}"}, "timeout": 60},
-    )
-    holder.start()
+    holder = hold_a_call_on_a_row_lock(me, secret, lock)
     probe = {"Authorization": f"Bearer {tokens.create_token(alice, 'probe', None)[1]}"}
-    wait_until(
-        lambda: httpx.get(me, headers=probe).status_code == 503,
-        what="the API lane full",
-    )
+    assert httpx.get(me, headers=probe).status_code == 503  # the API lane is full
 
     cli = subprocess.Popen(
         [GPULAB, "queue"],

@@ -57,7 +57,7 @@ async def settle() -> None:
 def test_api_calls_beyond_the_limit_wait_their_turn_and_all_run() -> None:
     async def scenario() -> None:
         app = BlockingApp()
-        gate = ConcurrencyGate(app, api=3, pages=2, queue=100)
+        gate = ConcurrencyGate(app, api=3, pages=2, queue=100, per_client=0)
         calls = [asyncio.create_task(call(gate, "/api/v1/jobs/")) for _ in range(10)]
         await settle()
         assert app.running == 3
@@ -74,7 +74,7 @@ def test_api_calls_beyond_the_limit_wait_their_turn_and_all_run() -> None:
 def test_a_page_is_not_held_up_by_a_full_api_lane() -> None:
     async def scenario() -> None:
         app = BlockingApp()
-        gate = ConcurrencyGate(app, api=2, pages=2, queue=100)
+        gate = ConcurrencyGate(app, api=2, pages=2, queue=100, per_client=0)
         api = [asyncio.create_task(call(gate, "/api/v1/jobs/")) for _ in range(50)]
         await settle()
         page = asyncio.create_task(call(gate, "/queue/"))
@@ -112,7 +112,7 @@ def test_while_a_page_runs_the_api_starts_one_call_at_a_time() -> None:
 
     async def scenario() -> None:
         app = PerPathApp()
-        gate = ConcurrencyGate(app, api=3, pages=2, queue=100)
+        gate = ConcurrencyGate(app, api=3, pages=2, queue=100, per_client=0)
         page = asyncio.create_task(call(gate, "/queue/"))
         await settle()
         api = [asyncio.create_task(call(gate, "/api/v1/jobs/")) for _ in range(6)]
@@ -133,7 +133,7 @@ def test_while_a_page_runs_the_api_starts_one_call_at_a_time() -> None:
 def test_a_waiting_request_that_goes_away_gives_up_its_place() -> None:
     async def scenario() -> None:
         app = PerPathApp()
-        gate = ConcurrencyGate(app, api=1, pages=1, queue=100)
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=100, per_client=0)
         first = asyncio.create_task(call(gate, "/api/v1/jobs/"))
         await settle()
         gone = asyncio.create_task(call(gate, "/api/v1/jobs/"))
@@ -150,10 +150,35 @@ def test_a_waiting_request_that_goes_away_gives_up_its_place() -> None:
     asyncio.run(scenario())
 
 
+def test_a_request_cancelled_just_as_its_turn_comes_takes_no_place() -> None:
+    """The client of a waiting request goes away in the same loop step as the
+    running one ends: the dispatch meets an already-cancelled turn. It must skip
+    it (not fail the finishing request, not leak the place) and start the next."""
+
+    async def scenario() -> None:
+        app = BlockingApp()
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=100, per_client=0)
+        running = asyncio.create_task(call(gate, "/api/v1/jobs/"))
+        await settle()
+        gone = asyncio.create_task(call(gate, "/api/v1/jobs/"))
+        after = asyncio.create_task(call(gate, "/api/v1/jobs/"))
+        await settle()
+        assert gate.api.waiting == 2
+        app.release.set()  # the running call ends in the next step ...
+        gone.cancel()  # ... and the first waiting one's client is gone by then
+        assert (await running)[0]["status"] == 200
+        assert (await after)[0]["status"] == 200
+        assert gone.cancelled()
+        assert gate.api.running == gate.api.waiting == 0
+        assert app.started == ["/api/v1/jobs/"] * 2
+
+    asyncio.run(scenario())
+
+
 def test_a_full_queue_answers_503_with_retry_after_at_once() -> None:
     async def scenario() -> None:
         app = BlockingApp()
-        gate = ConcurrencyGate(app, api=1, pages=1, queue=2)
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=2, per_client=0)
         held = [asyncio.create_task(call(gate, "/api/v1/jobs/")) for _ in range(3)]
         pages = [asyncio.create_task(call(gate, "/")) for _ in range(3)]
         await settle()
@@ -206,3 +231,123 @@ def test_the_asgi_application_puts_http_through_the_gate(settings: Any) -> None:
     assert http.app.api.limit == settings.GPULAB_WEB_API_CONCURRENCY
     assert http.app.pages.limit == settings.GPULAB_WEB_PAGE_CONCURRENCY
     assert http.app.api.max_waiting == settings.GPULAB_WEB_QUEUE
+
+
+def scope(
+    path: str, headers: list[tuple[bytes, bytes]], addr: str = "10.0.0.7"
+) -> dict[str, Any]:
+    return {"type": "http", "path": path, "headers": headers, "client": (addr, 5555)}
+
+
+async def call_as(
+    gate: ConcurrencyGate, path: str, headers: list[tuple[bytes, bytes]]
+) -> list[Mapping[str, Any]]:
+    sent: list[Mapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Mapping[str, Any]) -> None:
+        sent.append(message)
+
+    await gate(scope(path, headers), receive, send)
+    return sent
+
+
+ALICE = [(b"authorization", b"Bearer alice-token")]
+BOB = [(b"authorization", b"Bearer bob-token")]
+
+
+def test_a_client_over_its_share_is_told_429_and_others_still_get_in() -> None:
+    """One token holds at most ``per_client`` places (running or waiting); its next
+    call is refused at once with 429 + Retry-After, while another token, from the
+    same address, still queues; a place given back is usable again."""
+
+    async def scenario() -> None:
+        app = BlockingApp()
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=100, per_client=3)
+        mine = [
+            asyncio.create_task(call_as(gate, "/api/v1/jobs/", ALICE)) for _ in range(3)
+        ]
+        await settle()
+        assert gate.api.running == 1 and gate.api.waiting == 2
+        start, body = await call_as(gate, "/api/v1/jobs/", ALICE)
+        assert start["status"] == 429
+        headers = dict(start["headers"])
+        assert headers[b"retry-after"] == b"1"
+        assert headers[b"content-type"] == b"application/json"
+        assert json.loads(body["body"]) == {
+            "error": "throttled",
+            "detail": "Too many requests at once from this client (at most 3); "
+            "try again in 1 s.",
+            "fields": {},
+        }
+        theirs = asyncio.create_task(call_as(gate, "/api/v1/jobs/", BOB))
+        await settle()
+        assert gate.api.waiting == 3  # Bob's call waits its turn, not refused
+        assert app.started == ["/api/v1/jobs/"]  # the refused call never ran
+        app.release.set()
+        answers = await asyncio.gather(*mine, theirs)
+        assert [a[0]["status"] for a in answers] == [200] * 4
+        assert not gate.api.clients  # every place given back
+        assert (await call_as(gate, "/api/v1/jobs/", ALICE))[0]["status"] == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_call_refused_503_gives_back_its_clients_place() -> None:
+    async def scenario() -> None:
+        app = BlockingApp()
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=0, per_client=2)
+        held = asyncio.create_task(call_as(gate, "/api/v1/jobs/", BOB))
+        await settle()
+        assert (await call_as(gate, "/api/v1/jobs/", ALICE))[0]["status"] == 503
+        assert gate.api.clients == {b"auth Bearer bob-token": 1}
+        app.release.set()
+        await held
+        assert not gate.api.clients
+
+    asyncio.run(scenario())
+
+
+def test_pages_and_an_uncapped_lane_count_no_client() -> None:
+    async def scenario() -> None:
+        app = BlockingApp()
+        gate = ConcurrencyGate(app, api=1, pages=1, queue=100, per_client=0)
+        calls = [
+            asyncio.create_task(call_as(gate, "/api/v1/jobs/", ALICE)) for _ in range(5)
+        ]
+        capped = ConcurrencyGate(app, api=1, pages=1, queue=100, per_client=1)
+        pages = [
+            asyncio.create_task(call_as(capped, "/queue/", ALICE)) for _ in range(5)
+        ]
+        await settle()
+        assert gate.api.waiting == 4 and capped.pages.waiting == 4
+        app.release.set()
+        answers = await asyncio.gather(*calls, *pages)
+        assert [a[0]["status"] for a in answers] == [200] * 10
+
+    asyncio.run(scenario())
+
+
+def test_a_client_is_its_token_else_its_session_else_its_address(settings: Any) -> None:
+    from portal.gate import client_key
+
+    settings.SESSION_COOKIE_NAME = "sessionid"
+    cookie = (b"cookie", b"csrftoken=abc; sessionid=s3ss; theme=dark")
+    assert client_key(scope("/api/", [cookie, *ALICE])) == b"auth Bearer alice-token"
+    assert client_key(scope("/api/", [cookie])) == b"session s3ss"
+    assert client_key(scope("/api/", [(b"cookie", b"sessionid=")])) == b"addr 10.0.0.7"
+    assert client_key(scope("/api/", [])) == b"addr 10.0.0.7"
+    assert client_key(scope("/api/", [], addr="10.0.0.8")) != client_key(
+        scope("/api/", [])
+    )
+    assert client_key({"type": "http", "path": "/api/", "headers": []}) == b"addr "
+
+
+def test_the_asgi_gate_caps_each_client_by_the_setting(settings: Any) -> None:
+    from portal.asgi import application
+
+    http = application.application_mapping["http"]
+    assert http.app.api.per_client == settings.GPULAB_WEB_API_PER_CLIENT
+    assert http.app.pages.per_client == 0
