@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 PROTOCOL_VERSION: Final = 1
 # Largest frame either side accepts, in bytes.
 MAX_FRAME_BYTES = 1 << 20
+# The agent's websocket offers no compression (permessage-deflate): its frames are
+# a couple of kB a second on a lab's network, and compressing them cost both ends
+# CPU for every frame (the web process's deflate and inflate, bench/README.md).
+WS_COMPRESSION: Final = None
 # Largest job command a launch can carry, in characters (the portal's
 # GPULAB_MAX_COMMAND_BYTES may not exceed it).
 MAX_COMMAND_CHARS = 256 * 1024
@@ -28,7 +32,16 @@ Text = Annotated[str, Field(max_length=4096)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # No NaN or infinity anywhere: JSON has neither, and PostgreSQL's jsonb (a
+    # GPU's latest state) refuses them, so one would fail the frame's whole batch.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, allow_inf_nan=False
+    )
+
+
+# Seconds since the epoch, up to the last second of year 9999 (what a datetime
+# holds).
+Timestamp = Annotated[float, Field(ge=0, le=253_402_300_799)]
 
 
 # ---------------------------------------------------------------- payloads (data)
@@ -115,7 +128,7 @@ class GpuSample(_Model):
 
 
 class MetricsData(_Model):
-    sampled_at: float
+    sampled_at: Timestamp
     gpus: Annotated[list[GpuSample], Field(max_length=64)]
 
 
@@ -123,7 +136,7 @@ class JobStartedData(_Model):
     attempt_id: PosInt
     job_id: PosInt
     pid: NonNegInt
-    started_at: float
+    started_at: Timestamp
 
 
 ExitReason = Literal[
@@ -143,7 +156,7 @@ class JobExitedData(_Model):
     attempt_id: PosInt
     job_id: PosInt
     exit_code: int | None
-    ended_at: float
+    ended_at: Timestamp
     reason: ExitReason = "exited"
     message: Text = ""
 
@@ -226,7 +239,7 @@ class EmptyData(_Model):
 class _Envelope(_Model):
     v: Literal[1] = PROTOCOL_VERSION
     seq: NonNegInt
-    ts: float
+    ts: Timestamp
 
 
 class Hello(_Envelope):

@@ -198,6 +198,30 @@ BAD_FRAMES = [
         id="step-past-bigint",
     ),
     pytest.param('["hello"]', "", id="not-an-object"),
+    pytest.param(
+        '{"type": "metrics", "v": 1, "seq": 1, "ts": 1.0, "data": {"sampled_at":'
+        ' 1.0, "gpus": [{"index": 0, "uuid": "GPU-x", "temperature_c": NaN}]}}',
+        "temperature_c",
+        id="nan-temperature",
+    ),
+    pytest.param(
+        '{"type": "metrics", "v": 1, "seq": 1, "ts": 1.0, "data": {"sampled_at":'
+        ' 1.0, "gpus": [{"index": 0, "uuid": "GPU-x", "power_w": Infinity}]}}',
+        "power_w",
+        id="infinite-power",
+    ),
+    pytest.param(
+        '{"type": "metrics", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        ' {"sampled_at": 1e308, "gpus": []}}',
+        "sampled_at",
+        id="sampled-past-year-9999",
+    ),
+    pytest.param(
+        '{"type": "job.exited", "v": 1, "seq": 1, "ts": 1.0, "data": {"attempt_id":'
+        ' 1, "job_id": 1, "exit_code": 0, "ended_at": -5.0}}',
+        "ended_at",
+        id="negative-time",
+    ),
 ]
 
 
