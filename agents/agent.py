@@ -637,6 +637,7 @@ class Agent:
                     open_timeout=10,
                     close_timeout=1,
                     max_size=p.MAX_FRAME_BYTES,
+                    compression=p.WS_COMPRESSION,
                 ) as ws:
                     up_since = time.monotonic()
                     log.info("connected to %s", self.config.server)

@@ -299,6 +299,7 @@ async def run_agent(
         f"{url}/ws/agent/",
         additional_headers=[("Authorization", f"Bearer {node['token']}")],
         max_size=None,
+        compression=protocol.WS_COMPRESSION,  # as the agent connects
     ) as ws:
 
         async def drain() -> None:

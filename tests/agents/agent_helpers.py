@@ -67,6 +67,7 @@ class Portal:
     def __init__(self) -> None:
         self.frames: list[dict[str, Any]] = []
         self.headers: list[str | None] = []
+        self.extensions: list[str | None] = []
         self.paths: list[str] = []
         self.connections = 0
         self.acking = True
@@ -95,6 +96,7 @@ class Portal:
         number = self.connections
         self.conn = ws
         self.headers.append(ws.request.headers.get("Authorization"))
+        self.extensions.append(ws.request.headers.get("Sec-WebSocket-Extensions"))
         self.paths.append(ws.request.path)
         with contextlib.suppress(Exception):
             async for raw in ws:

@@ -60,6 +60,7 @@ async def test_hello_launch_log_exit_and_never_started(
     async with running(agent):
         hello = (await await_until(lambda: portal.of("hello")))[0]
         assert portal.headers == ["Bearer tok-123"]
+        assert portal.extensions == [None]  # no permessage-deflate offered
         assert portal.paths == ["/ws/agent/"]
         assert hello["data"]["hostname"] == "node-t"
         assert len(hello["data"]["gpus"]) == 2
