@@ -22,6 +22,7 @@ from tests.factories import (
     start_job,
     started_data,
 )
+from tests.samples import insert_samples
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -214,7 +215,7 @@ def test_energy_is_the_counter_delta_over_the_run_split_by_share(
          300.0, None, None, None, None, 1_000_000 + 300_000 * s, False, "[]")
         for s in range(0, 401, 10)
     ]  # fmt: skip
-    metrics._insert(rows)
+    insert_samples(rows)
 
     end(node, first, T0 + 300)
     end(node, second, T0 + 400)

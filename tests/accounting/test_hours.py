@@ -30,6 +30,7 @@ from tests.factories import (
     start_job,
     started_data,
 )
+from tests.samples import insert_samples
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -78,7 +79,7 @@ def samples(gpu: Gpu, start: datetime, end: datetime, procs: Any) -> None:
             util = min(100.0, sum(p["sm_util"] or 0 for p in listed))
             rows.append((gpu.pk, at, util, *[None] * 9, False, json.dumps(listed)))
         at += STEP
-    metrics._insert(rows)
+    insert_samples(rows)
 
 
 def proc(attempt: Attempt, sm: float | None, mem: int = 20000) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from scheduler import metrics, services
 from scheduler.models import Attempt, Job, JobEvent
 from tests.conftest import make_node
 from tests.factories import JobFactory, shared_start, start_job, started_data
+from tests.samples import insert_samples
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -70,7 +71,7 @@ def sample(
 ) -> None:
     if util_gpu is None:
         util_gpu = min(100.0, sum(p.get("sm_util") or 0 for p in procs))
-    metrics._insert([(gpu.pk, at, util_gpu, *[None] * 9, lost, json.dumps(procs))])
+    insert_samples([(gpu.pk, at, util_gpu, *[None] * 9, lost, json.dumps(procs))])
 
 
 def proc(

@@ -35,6 +35,7 @@ from scheduler.models import Gpu, GpuRollup, Group, Job, Node
 from tests.conftest import make_node
 from tests.factories import JobFactory, exited_data, start_job, started_data
 from tests.portal.quotas.helpers import quota
+from tests.samples import insert_samples
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -92,7 +93,7 @@ def samples(
             (gpu.pk, start + i * timedelta(seconds=10), sm, *[None] * 9, False,
              json.dumps(procs))
         )  # fmt: skip
-    metrics._insert(rows)
+    insert_samples(rows)
 
 
 def compute_hours(now: datetime = NOW) -> None:

@@ -134,6 +134,62 @@ def test_a_batch_keeps_peaks_lost_gpus_and_foreign_processes(alice: Any) -> None
     assert not Gpu.objects.filter(node=node, present=True).exists()
 
 
+def test_every_field_of_a_sample_is_stored_as_sent(alice: Any) -> None:
+    """The batch travels as one JSON document (``jsonb_to_recordset``): every
+    column and the latest state come back exactly, floats, bigints, nulls and
+    processes included; a GPU left out of a frame keeps its latest state."""
+    node, _ = make_node("n", 2)
+    attempt = start_job(JobFactory(owner=alice, gpus=1), node)
+    gpu = Gpu.objects.get(allocations__attempt=attempt, allocations__slot=0)
+    t0 = int(time.time()) - 5 + 0.123456  # microseconds survive
+    sample = protocol.GpuSample(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        util_gpu=0.1 + 0.2,  # 0.30000000000000004
+        util_mem=99.99,
+        memory_used_mib=81_000,
+        memory_total_mib=81_920,
+        temperature_c=-3.5,
+        power_w=1e-7,
+        power_limit_w=400.0,
+        sm_clock_mhz=1410,
+        pcie_rx_kib_s=2**40,
+        pcie_tx_kib_s=0,
+        ecc_uncorrected=None,
+        energy_mj=2**62,
+        lost=False,
+        processes=[
+            protocol.ProcessSample(
+                pid=4242, used_memory_mib=7000, sm_util=12.5, attempt_id=attempt.pk
+            ),
+            protocol.ProcessSample(pid=7, used_memory_mib=None, sm_util=None),
+        ],
+    )
+    services.record_metrics_many(
+        [
+            services.MetricsFrame(
+                node.pk,
+                protocol.MetricsData(sampled_at=t0, gpus=[sample]),
+                persist=True,
+            )
+        ]
+    )
+    row = GpuSample.objects.get(gpu=gpu)
+    sent = sample.model_dump(mode="json")
+    assert row.at.timestamp() == t0
+    for column in (
+        "util_gpu", "util_mem", "memory_used_mib", "temperature_c", "power_w",
+        "sm_clock_mhz", "pcie_rx_kib_s", "pcie_tx_kib_s", "ecc_uncorrected",
+        "energy_mj", "lost", "processes",
+    ):  # fmt: skip
+        assert getattr(row, column) == sent[column], column
+    gpu.refresh_from_db()
+    assert gpu.latest == sent
+    assert gpu.latest_at.timestamp() == t0
+    other = Gpu.objects.get(node=node, index=1 - gpu.index)
+    assert other.latest_at is None  # not in the frame: untouched
+
+
 @pytest.fixture(autouse=False)
 async def _close_db_connections() -> Any:
     yield

@@ -12,6 +12,7 @@ from agents import protocol
 from scheduler import metrics, services
 from scheduler.models import Allocation, Attempt, GpuRollup, GpuSample, Job
 from tests.conftest import make_node
+from tests.samples import insert_samples
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -68,7 +69,7 @@ def test_it_drops_whole_partitions_past_retention_and_keeps_the_rest(
     gpu = node.gpus.get(index=0)
     # Written directly: store_samples itself refuses samples past retention.
     for at, util in [(old, 1), (kept, 2)]:
-        metrics._insert([(gpu.pk, at, util, *[None] * 9, False, "[]")])
+        insert_samples([(gpu.pk, at, util, *[None] * 9, False, "[]")])
 
     with connection.cursor() as cursor:
         dropped = metrics.drop_old_partitions(cursor, NOW)
