@@ -49,6 +49,28 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """``cpu_seconds`` of ``pid`` and every live descendant (uvicorn's workers
+    under ``WEB_CONCURRENCY``), None if ``pid`` is gone."""
+    own = cpu_seconds(pid)
+    if own is None:
+        return None
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        ppid = int(text[text.rfind(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    total, todo = own, list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        total += cpu_seconds(child) or 0.0
+        todo.extend(children.get(child, ()))
+    return total
+
+
 def status_kib(pid: int, key: str) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -31,6 +31,9 @@ and over ``--seconds`` (300 for the real figure):
 - sustained = nothing lost, node p99 < 1 s, frames/s within 2 % of N, every agent
   connected throughout.
 
+``WEB_CONCURRENCY=N`` (uvicorn's own variable, as for ``make up``) runs N web
+processes on the one port; "srv cpu" is then their sum, in % of one core.
+
 ``--profile`` records the web process with py-spy (if installed) at the largest N
 that did not sustain (or the largest measured), and prints its top frames.
 
@@ -60,7 +63,7 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_cost import cpu_seconds
+from agent_cost import cpu_seconds, tree_cpu_seconds
 from live_dashboard import (
     LIVE_IDS,
     AgentTrace,
@@ -317,17 +320,22 @@ def measure(
         time.sleep(max(0.0, measure_from - time.time()))
         out["load_start"] = loadavg()
         cpu0 = {p.pid: cpu_seconds(p.pid) or 0.0 for p, _ in gens}
-        srv0, busy0, wall0 = cpu_seconds(server.pid) or 0.0, machine_busy(), time.time()
+        srv0, busy0, wall0 = (
+            tree_cpu_seconds(server.pid) or 0.0,
+            machine_busy(),
+            time.time(),
+        )
         if profile_to is not None and shutil.which("py-spy", path=_venv_bin()):
             spy = subprocess.Popen(
                 [shutil.which("py-spy", path=_venv_bin()) or "py-spy", "record",
-                 "-p", str(server.pid), "-d", str(int(args.seconds)), "-r", "50",
+                 "-p", str(server.pid), "--subprocesses",
+                 "-d", str(int(args.seconds)), "-r", "50",
                  "--format", "raw", "-o", str(profile_to), "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             )  # fmt: skip
         time.sleep(max(0.0, measure_until - time.time()))
         wall = time.time() - wall0
-        srv1, busy1 = cpu_seconds(server.pid) or 0.0, machine_busy()
+        srv1, busy1 = tree_cpu_seconds(server.pid) or 0.0, machine_busy()
         cpu1 = {p.pid: cpu_seconds(p.pid) or 0.0 for p, _ in gens}
         out["load_end"] = loadavg()
         out["server_cpu_pct"] = round(100 * (srv1 - srv0) / wall, 1)
@@ -510,11 +518,13 @@ def main() -> int:
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "mem_gib": _mem_gib(),
+        "web_processes": int(os.environ.get("WEB_CONCURRENCY") or 1),
         "args": vars(args),
         "runs": [],
     }
     print(f"machine: {result['cpu']}, {result['cores']} cores, "
-          f"{result['mem_gib']} GiB; load {loadavg()}", flush=True)  # fmt: skip
+          f"{result['mem_gib']} GiB; {result['web_processes']} web process(es); "
+          f"load {loadavg()}", flush=True)  # fmt: skip
     try:
         db_url = _with_db(url, name)
         setup_django(db_url)
