@@ -169,7 +169,8 @@ def client_key(scope: Scope) -> bytes:
     """Who sends a request, for the per-client cap: its ``Authorization`` header,
     else its session cookie, else its address."""
     cookie = b""
-    for name, value in scope.get("headers", ()):
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for name, value in headers:
         if name == b"authorization" and value:
             return b"auth " + value
         if name == b"cookie":

@@ -163,21 +163,19 @@ def store_samples_many(
 
 
 # A sample's columns as ``GpuSample`` names them (besides gpu_id, at, processes).
-_SAMPLE_COLUMNS = frozenset(
-    {
-        "util_gpu",
-        "util_mem",
-        "memory_used_mib",
-        "temperature_c",
-        "power_w",
-        "sm_clock_mhz",
-        "pcie_rx_kib_s",
-        "pcie_tx_kib_s",
-        "ecc_uncorrected",
-        "energy_mj",
-        "lost",
-    }
-)
+_SAMPLE_COLUMNS: set[str] = {
+    "util_gpu",
+    "util_mem",
+    "memory_used_mib",
+    "temperature_c",
+    "power_w",
+    "sm_clock_mhz",
+    "pcie_rx_kib_s",
+    "pcie_tx_kib_s",
+    "ecc_uncorrected",
+    "energy_mj",
+    "lost",
+}
 
 # Every row of a batch in one statement, the rows as one JSON document that
 # PostgreSQL takes apart (a statement per row cost a round trip and a parse per
