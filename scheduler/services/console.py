@@ -57,7 +57,9 @@ def hold_job(job_id: int, *, by: User) -> Job:
     1. Lock the job; it must be PENDING, and ``by`` its owner or an admin with
        ``scheduler.hold_job`` (else ``PermissionDenied``).
     2. Mark it held by ``by`` (its owner may release only their own hold), clear
-       its place in the queue, one event; browsers told on commit.
+       its place in the queue, one event; browsers told on commit, and a pass
+       asked for (the jobs behind it may start now: it may have held the
+       reservation).
     """
     with transaction.atomic():
         job = _locked_job(job_id)
@@ -91,6 +93,7 @@ def hold_job(job_id: int, *, by: User) -> Job:
             to_status=Job.Status.HELD,
         )
         _after_commit_state_change(job, "held")
+        _pass_after_commit()
     return job
 
 

@@ -383,7 +383,8 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
     """Cancel a job.
 
     1. Lock the job row.
-    2. PENDING / HELD: it becomes CANCELLED at once.
+    2. PENDING / HELD: it becomes CANCELLED at once, and a pass is asked for
+       after commit (the jobs behind it may start now, and its dependents end).
     3. STARTING / RUNNING: record the request and, after commit, send ``job.kill``
        to its node; the job becomes CANCELLED when the agent reports the exit.
     ``by`` None: gpulab cancels it itself (an idle job), ``reason`` says why;
@@ -402,9 +403,13 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
     return job
 
 
-def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
+def _cancel_locked(
+    job: Job, *, by: User | None, reason: str = "", ask_pass: bool = True
+) -> bool:
     """Steps 2-3 of ``cancel_job`` on a job the caller has locked and checked
-    (active, no cancel asked yet); ``services.cancel_array`` shares it."""
+    (active, no cancel asked yet); ``services.cancel_array`` shares it, asking
+    for one pass itself (``ask_pass=False``). True if the job was waiting (it
+    ended at once)."""
     now = timezone.now()
     who = by.get_username() if by is not None else "gpulab"
     who += f" ({reason})" if reason else ""
@@ -435,7 +440,9 @@ def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
             to_status=job.status,
         )
         _after_commit_state_change(job, "cancelled")
-        return
+        if ask_pass:
+            _pass_after_commit()
+        return True
     job.cancel_requested_at = now
     job.save(update_fields=["cancel_requested_at"])
     attempt = job.attempt_set.filter(ended_at__isnull=True).first()
@@ -450,3 +457,4 @@ def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
         attempt.save(update_fields=["kill_reason"])
         _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
     _after_commit_state_change(job, "cancelling")
+    return False

@@ -292,3 +292,17 @@ def test_cancelling_an_array_cancels_each_active_task_once(
     ]
     assert [k.data.job_id for k in kills] == [running.pk]
     assert services.cancel_array(array.pk, by=alice) == []
+
+
+def test_cancelling_an_array_of_waiting_tasks_asks_for_one_pass(
+    alice: User,
+    cluster: list[Node],
+    quiet: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    from scheduler.services.common import request_pass
+
+    array = services.submit_array(alice, req(), "0-9")
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert len(services.cancel_array(array.pk, by=alice)) == 10
+    assert callbacks.count(request_pass) == 1  # not one per task

@@ -93,6 +93,39 @@ def test_release_asks_for_a_pass(
     tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
 
 
+def test_hold_asks_for_a_pass(
+    alice: User, admin: User, quiet: None, django_capture_on_commit_callbacks: Any
+) -> None:
+    """A held job leaves the queue: the jobs behind it may start now (it may have
+    held the reservation), so a pass runs now rather than at beat's next one."""
+    job = JobFactory(owner=alice)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.hold_job(job.pk, by=admin)
+
+    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("status", ["pending", "held"])
+def test_cancelling_a_waiting_job_asks_for_a_pass(
+    alice: User,
+    admin: User,
+    quiet: None,
+    django_capture_on_commit_callbacks: Any,
+    status: str,
+) -> None:
+    job = JobFactory(owner=alice)
+    if status == "held":
+        services.hold_job(job.pk, by=admin)
+        tasks.schedule_pass.delay.reset_mock()  # type: ignore[attr-defined]
+        tasks._redis_client().delete(tasks._queued_key())  # the hold's pass
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.cancel_job(job.pk, by=alice)
+
+    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+
+
 def test_the_owner_may_not_release_an_admins_hold(
     alice: User, admin: User, quiet: None
 ) -> None:
