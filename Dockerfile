@@ -26,4 +26,4 @@ RUN DJANGO_SECRET_KEY=collectstatic-only \
 
 USER gpulab
 EXPOSE 8000
-CMD ["uvicorn", "portal.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--ws-max-size", "2097152"]
+CMD ["uvicorn", "portal.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--ws-max-size", "2097152", "--timeout-keep-alive", "75"]

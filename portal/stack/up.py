@@ -125,6 +125,10 @@ def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list
             # A websocket frame is never buffered past this (agents' frames are
             # at most 1 MiB: protocol.MAX_FRAME_BYTES, refused with a reason).
             "--ws-max-size", "2097152",
+            # An idle keep-alive connection is closed by the client first: with
+            # uvicorn's 5 s, the same as httpx's (the CLI's), a request sent on a
+            # connection the server was closing failed (ReadError; 47 in a burst).
+            "--timeout-keep-alive", "75",
         ],
         "worker": [
             py, "-m", "celery", "-A", "portal", "worker",

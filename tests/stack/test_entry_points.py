@@ -131,3 +131,30 @@ def test_up_explains_a_busy_port(short_state_dir: Path) -> None:
     assert result.returncode == 2
     assert f"port {port} on 127.0.0.1 is busy" in result.stderr
     assert not (short_state_dir / "pg").exists()
+
+
+def test_the_image_and_compose_run_the_web_process_as_make_up_does() -> None:
+    """One set of uvicorn options for ``make up``, the image and compose (frame
+    size, keep-alive); the keep-alive outlasts the CLI's own (httpx), so an idle
+    connection is closed by the client, never under a request it is sending."""
+    import json
+    import re
+    from pathlib import Path
+
+    import httpx
+
+    from portal.stack.up import processes
+
+    argv = processes(Path("/nonexistent"), [], 8000)["web"]
+    options = argv[argv.index("--port") + 2 :]
+    cmd = re.search(r"^CMD (\[.*\])$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
+    assert cmd is not None
+    image = json.loads(cmd.group(1))
+    compose = re.search(
+        r'command: (\["uvicorn".*\])', (REPO_ROOT / "docker-compose.yml").read_text()
+    )
+    assert compose is not None
+    for command in (image, json.loads(compose.group(1))):
+        assert command[command.index("--port") + 2 :] == options
+    keep_alive = float(options[options.index("--timeout-keep-alive") + 1])
+    assert keep_alive > httpx.Limits(max_connections=1).keepalive_expiry
