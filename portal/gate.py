@@ -111,23 +111,32 @@ class ConcurrencyGate:
             await self.app(scope, receive, send)
             return
         lane = self.lane(scope)
-        client = client_key(scope) if lane.per_client else b""
-        if client and lane.clients[client] >= lane.per_client:
+        if not lane.per_client:
+            await self._run(lane, scope, receive, send)
+            return
+        client = client_key(scope)
+        if lane.clients[client] >= lane.per_client:
             await _refuse(send, api=lane is self.api, per_client=lane.per_client)
             return
         lane.clients[client] += 1
         try:
-            if not await self._enter(lane):
-                await _refuse(send, api=lane is self.api)
-                return
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                self._leave(lane)
+            await self._run(lane, scope, receive, send)
         finally:
             lane.clients[client] -= 1
             if not lane.clients[client]:
                 del lane.clients[client]
+
+    async def _run(
+        self, lane: Lane, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """The request in its turn, or 503 at once if ``lane``'s queue is full."""
+        if not await self._enter(lane):
+            await _refuse(send, api=lane is self.api)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._leave(lane)
 
     async def _enter(self, lane: Lane) -> bool:
         """Wait for a turn in ``lane``; False (at once) if its queue is full."""

@@ -144,7 +144,7 @@ def store_samples_many(
                 {
                     "gpu_id": gpu_id,
                     "at": stamp,
-                    **s.model_dump(include=_SAMPLE_COLUMNS),
+                    **s.model_dump(include=_SAMPLE_FIELDS),
                     "processes": [p.model_dump(mode="json") for p in s.processes],
                 }
             )
@@ -162,37 +162,26 @@ def store_samples_many(
     return StoreResult(len(rows), refused)
 
 
-# A sample's columns as ``GpuSample`` names them (besides gpu_id, at, processes).
-_SAMPLE_COLUMNS: set[str] = {
-    "util_gpu",
-    "util_mem",
-    "memory_used_mib",
-    "temperature_c",
-    "power_w",
-    "sm_clock_mhz",
-    "pcie_rx_kib_s",
-    "pcie_tx_kib_s",
-    "ecc_uncorrected",
-    "energy_mj",
-    "lost",
-}
+# A stored sample's columns and their types, in the table's order: gpu_id, at,
+# then the ``GpuSample`` fields of the same names, then its processes.
+SAMPLE_COLUMNS = (
+    ("gpu_id", "bigint"), ("at", "timestamptz"), ("util_gpu", "float8"),
+    ("util_mem", "float8"), ("memory_used_mib", "int"), ("temperature_c", "float8"),
+    ("power_w", "float8"), ("sm_clock_mhz", "int"), ("pcie_rx_kib_s", "bigint"),
+    ("pcie_tx_kib_s", "bigint"), ("ecc_uncorrected", "bigint"),
+    ("energy_mj", "bigint"), ("lost", "bool"), ("processes", "jsonb"),
+)  # fmt: skip
+_SAMPLE_FIELDS = {name for name, _ in SAMPLE_COLUMNS[2:-1]}
+_NAMES = ", ".join(name for name, _ in SAMPLE_COLUMNS)
 
 # Every row of a batch in one statement, the rows as one JSON document that
 # PostgreSQL takes apart (a statement per row cost a round trip and a parse per
 # GPU sample; one array parameter per column cost the web process about 30 us of
 # CPU per GPU to quote: psycopg dumps arrays element by element).
 _INSERT = (
-    f"INSERT INTO {TABLE} (gpu_id, at, util_gpu, util_mem, memory_used_mib, "
-    "temperature_c, power_w, sm_clock_mhz, pcie_rx_kib_s, pcie_tx_kib_s, "
-    "ecc_uncorrected, energy_mj, lost, processes) "
-    "SELECT gpu_id, at, util_gpu, util_mem, memory_used_mib, temperature_c, "
-    "power_w, sm_clock_mhz, pcie_rx_kib_s, pcie_tx_kib_s, ecc_uncorrected, "
-    "energy_mj, lost, processes FROM jsonb_to_recordset(%s::jsonb) AS r("
-    "gpu_id bigint, at timestamptz, util_gpu float8, util_mem float8, "
-    "memory_used_mib int, temperature_c float8, power_w float8, sm_clock_mhz int, "
-    "pcie_rx_kib_s bigint, pcie_tx_kib_s bigint, ecc_uncorrected bigint, "
-    "energy_mj bigint, lost bool, processes jsonb) "
-    "ON CONFLICT (gpu_id, at) DO NOTHING"
+    f"INSERT INTO {TABLE} ({_NAMES}) SELECT {_NAMES} FROM jsonb_to_recordset(%s::jsonb)"
+    f" AS r({', '.join(f'{name} {kind}' for name, kind in SAMPLE_COLUMNS)})"
+    " ON CONFLICT (gpu_id, at) DO NOTHING"
 )
 
 

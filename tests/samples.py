@@ -8,16 +8,12 @@ from typing import Any
 
 from scheduler import metrics
 
-# The column order of the tuples the tests write (``processes`` a JSON string).
-COLUMNS = (
-    "gpu_id", "at", "util_gpu", "util_mem", "memory_used_mib", "temperature_c",
-    "power_w", "sm_clock_mhz", "pcie_rx_kib_s", "pcie_tx_kib_s", "ecc_uncorrected",
-    "energy_mj", "lost", "processes",
-)  # fmt: skip
+COLUMNS = [name for name, _ in metrics.SAMPLE_COLUMNS]
 
 
 def insert_samples(rows: list[tuple[Any, ...]]) -> None:
-    """Store rows given as tuples in ``COLUMNS`` order, as the ingest does."""
+    """Store rows given as tuples in the table's column order
+    (``metrics.SAMPLE_COLUMNS``; ``processes`` a JSON string), as the ingest does."""
     metrics._insert(
         [
             {

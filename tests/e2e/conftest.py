@@ -159,6 +159,13 @@ class Stack:
             extra_env=extra_env,
         )
 
+    def restart_web(self, name: str, **extra_env: str) -> Proc:
+        """Stop the web process and start one with ``extra_env``, listening."""
+        self.procs["web"].stop()
+        web = self.start_web(name, **extra_env)
+        web.wait_for(r"Uvicorn running on")
+        return web
+
     def start_notifier(self) -> Proc:
         """The worker of the notifications queue (as ``make up``'s notifier)."""
         proc = self.start(
@@ -390,13 +397,37 @@ def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "") 
         time.sleep(0.05)
 
 
-def hold_a_call_on_a_row_lock(url: str, secret: str, lock: Any) -> threading.Thread:
-    """Start, in a thread, an API call that stays running until ``lock`` (a
-    psycopg connection holding ``FOR UPDATE`` on the token's row) ends its
-    transaction: the call's first use of its token stamps ``last_used_at``. Returns
-    once the call waits on that lock, so it holds its place in the web process."""
-    import httpx
+@dataclass
+class HeldCall:
+    """An API call kept running in the web process (``hold_a_call``)."""
 
+    secret: str  # its token's: another call with it is the same client
+    lock: Any  # the psycopg connection holding the token's row
+    call: threading.Thread
+
+    def release(self) -> None:
+        """End the lock's transaction: the call finishes and gives up its place."""
+        self.lock.commit()
+        self.call.join(timeout=60)
+        self.lock.close()
+
+
+def hold_a_call(url: str, user: Any, name: str) -> HeldCall:
+    """Start, in a thread, a GET of ``url`` with a new token of ``user`` that stays
+    running in the web process until ``release``: the token's first use stamps
+    ``last_used_at``, and this holds that row ``FOR UPDATE``. Returns once the call
+    waits on the lock, so it holds its place in the web process."""
+    import psycopg
+
+    from portal.api.models import ApiToken
+    from portal.api.tokens import create_token
+
+    token, secret = create_token(user, name, None)
+    lock = psycopg.connect(database_url())
+    lock.execute(
+        f"SELECT 1 FROM {ApiToken._meta.db_table} WHERE id = %s FOR UPDATE",
+        [token.pk],
+    )
     call = threading.Thread(
         target=httpx.get,
         args=(url,),
@@ -412,7 +443,7 @@ def hold_a_call_on_a_row_lock(url: str, secret: str, lock: Any) -> threading.Thr
         ).fetchone()[0],
         what="the API call waiting on the row lock",
     )
-    return call
+    return HeldCall(secret, lock, call)
 
 
 def live_processes_in_group(pgid: int) -> list[int]:

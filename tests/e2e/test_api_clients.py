@@ -10,12 +10,10 @@ import threading
 from typing import TYPE_CHECKING
 
 import httpx
-import psycopg
 import pytest
 
 from portal.api import tokens
-from portal.api.models import ApiToken
-from tests.e2e.conftest import database_url, hold_a_call_on_a_row_lock
+from tests.e2e.conftest import hold_a_call
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -28,22 +26,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 def test_a_client_with_its_call_in_gets_429_and_another_is_answered(
     stack: Stack, alice: User, bob: User
 ) -> None:
-    stack.procs["web"].stop()
-    web = stack.start_web(
+    stack.restart_web(
         "web-per-client", GPULAB_WEB_API_CONCURRENCY="1", GPULAB_WEB_API_PER_CLIENT="1"
     )
-    web.wait_for(r"Uvicorn running on")
     me = f"{stack.base_url}/api/v1/me/"
-    script, alices = tokens.create_token(alice, "script", None)
+    held = hold_a_call(me, alice, "script")  # Alice's call: the one running place
+    alices = held.secret
     bobs = {"Authorization": f"Bearer {tokens.create_token(bob, 'cli', None)[1]}"}
-    # Alice's call holds the one running place (its token's first use waits on
-    # a row lock this test holds).
-    lock = psycopg.connect(database_url())
-    lock.execute(
-        f"SELECT 1 FROM {ApiToken._meta.db_table} WHERE id = %s FOR UPDATE",
-        [script.pk],
-    )
-    held = hold_a_call_on_a_row_lock(me, alices, lock)
 
     again = httpx.get(me, headers={"Authorization": f"Bearer {alices}"})
     assert again.status_code == 429
@@ -60,10 +49,8 @@ def test_a_client_with_its_call_in_gets_429_and_another_is_answered(
         target=lambda: answer.append(httpx.get(me, headers=bobs, timeout=60))
     )
     bobs_call.start()
-    lock.commit()  # Alice's call ends: Bob's (waiting, or arriving) runs
-    held.join(timeout=60)
+    held.release()  # Alice's call ends: Bob's (waiting, or arriving) runs
     bobs_call.join(timeout=60)
-    lock.close()
     assert answer[0].status_code == 200
     assert answer[0].json()["username"] == bob.username
     # Alice's place was given back with her answer

@@ -29,9 +29,7 @@ LIMIT = 4096
 @pytest.fixture
 def small_limit_stack(stack: Stack) -> Stack:
     """The stack's web process again, with a small body limit."""
-    stack.procs["web"].stop()
-    web = stack.start_web("web-small", GPULAB_API_MAX_BODY_BYTES=str(LIMIT))
-    web.wait_for(r"Uvicorn running on")
+    stack.restart_web("web-small", GPULAB_API_MAX_BODY_BYTES=str(LIMIT))
     return stack
 
 

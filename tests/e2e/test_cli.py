@@ -22,7 +22,7 @@ import pytest
 
 from tests.e2e.conftest import (
     Stack,
-    hold_a_call_on_a_row_lock,
+    hold_a_call,
     wait_for_job,
 )
 
@@ -215,28 +215,15 @@ def test_a_server_too_busy_is_waited_out(
     stack: Stack, shell: Shell, alice: User
 ) -> None:
     import httpx
-    import psycopg
 
     from portal.api import tokens
-    from portal.api.models import ApiToken
-    from tests.e2e.conftest import database_url
 
     # One API call at a time and none waiting: a second is refused with 503 "busy"
-    stack.procs["web"].stop()
-    web = stack.start_web(
+    stack.restart_web(
         "web-narrow", GPULAB_WEB_API_CONCURRENCY="1", GPULAB_WEB_QUEUE="0"
     )
-    web.wait_for(r"Uvicorn running on")
-    # The one slot held: a call whose token's first use (it stamps last_used_at)
-    # waits on a row lock this test holds.
-    token, secret = tokens.create_token(alice, "holder", None)
-    lock = psycopg.connect(database_url())
-    lock.execute(
-        f"SELECT 1 FROM {ApiToken._meta.db_table} WHERE id = %s FOR UPDATE",
-        [token.pk],
-    )
     me = f"{stack.base_url}/api/v1/me/"
-    holder = hold_a_call_on_a_row_lock(me, secret, lock)
+    held = hold_a_call(me, alice, "holder")  # the one slot
     probe = {"Authorization": f"Bearer {tokens.create_token(alice, 'probe', None)[1]}"}
     assert httpx.get(me, headers=probe).status_code == 503  # the API lane is full
 
@@ -251,10 +238,8 @@ def test_a_server_too_busy_is_waited_out(
     assert cli.stderr is not None
     said = cli.stderr.readline()
     assert said == f"gpulab: {stack.base_url} is too busy; retrying in 1 s\n"
-    lock.commit()  # the held call ends and gives up the slot: the retry gets in
+    held.release()  # the held call ends and gives up the slot: the retry gets in
     out, err = cli.communicate(timeout=60)
-    holder.join(timeout=60)
-    lock.close()
 
     assert cli.returncode == 0, err
     assert out.split()[:2] == ["JOBID", "ARRAY"]

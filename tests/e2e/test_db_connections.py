@@ -50,8 +50,7 @@ async def burst(base_url: str, secret: str, n: int) -> list[int]:
 def test_a_burst_of_requests_holds_at_most_the_pools_connections(
     stack: Stack, alice: User
 ) -> None:
-    stack.procs["web"].stop()
-    web = stack.start_web(
+    stack.restart_web(
         "web-pooled",
         PGAPPNAME=APP,
         GPULAB_DB_POOL_MAX=str(POOL_MAX),
@@ -60,7 +59,6 @@ def test_a_burst_of_requests_holds_at_most_the_pools_connections(
         GPULAB_API_RATE_LIMIT="1000",
         GPULAB_WEB_API_PER_CLIENT="0",
     )
-    web.wait_for(r"Uvicorn running on")
     _token, secret = create_token(alice, "burst", None)
 
     codes = asyncio.run(burst(stack.base_url, secret, 200))

@@ -25,8 +25,7 @@ def test_jobs_run_through_two_web_processes(stack: Stack, alice: User) -> None:
     from scheduler import services
     from scheduler.models import Allocation, Gpu, Job, Node
 
-    stack.procs["web"].stop()
-    web = stack.start_web("web-two", WEB_CONCURRENCY="2")
+    web = stack.restart_web("web-two", WEB_CONCURRENCY="2")
     started = [web.wait_for(r"Started server process \[(\d+)\]")]
     started.append(
         web.wait_for(
