@@ -13,7 +13,10 @@ parts are kept as the breakdown ``sprio`` would show, and their sum is the prior
 - fairshare: ``fairshare.FairShare.of(group, user)``;
 - runtime (``gpulab`` only; Slurm has no such factor): shorter planned run times
   (``PendingJob.planned_s``: min(limit, prediction)) first, on a log scale
-  (``runtime_factor``), times ``1 - age factor``: a head start for short jobs that
+  (``runtime_factor``; 0 from ``runtime_ref_s``, 6 h by default, on: jobs planned
+  longer than that are not reordered among themselves, which bounds how long a
+  stream of shorter jobs can hold a long one back), times ``1 - age factor``: a
+  head start for short jobs that
   age takes over; a job that has waited ``max_age_s`` gets the whole
   ``weight_runtime``, as if it were the shortest job. Ordering short jobs first cuts
   the average completion time (shortest-job-first); the step at ``max_age_s`` keeps
@@ -63,9 +66,11 @@ def size_factor(gpus: int, total_gpus: int) -> float:
 
 
 def runtime_factor(planned_s: float, ref_s: float) -> float:
-    """1 for a job planned to run a minute or less, 0 at ``ref_s`` and beyond, on a
-    log scale (run times span seconds to weeks): 10 min 0.74, 1 h 0.55, 1 day 0.21
-    with the default 7-day ``ref_s``."""
+    """1 for a job planned to take no time, 0 at ``ref_s`` and beyond, on a log
+    scale (run times span seconds to weeks): with the default 6-h ``ref_s``,
+    1 min 0.88, 10 min 0.59, 1 h 0.30, 2 h 0.19, 4 h 0.07, 6 h and more 0 (the
+    shortest-first head start only reorders short jobs; among long ones the order
+    is ``slurm``'s)."""
     if ref_s <= 60.0:
         return 0.0
     return clamp(1.0 - math.log1p(planned_s / 60.0) / math.log1p(ref_s / 60.0))

@@ -46,7 +46,9 @@ class PolicyConfig:
     weight_size: float = 100.0
     # ``gpulab`` only: shorter planned run times first (``priority.runtime_factor``).
     weight_runtime: float = 500.0
-    runtime_ref_s: float = 7 * 86400.0  # the run time whose factor is 0
+    # the planned run time whose factor is 0: shortest-first among jobs planned
+    # under 6 h; longer jobs keep their age / fair-share order (docs/policy.md)
+    runtime_ref_s: float = 6 * 3600.0
     max_age_s: float = 7 * 86400.0  # the age factor saturates here
     backfill: bool = True
     # ``gpulab``: how backfill plans a job's end: "limit" (its time limit, as Slurm

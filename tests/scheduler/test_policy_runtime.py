@@ -34,6 +34,7 @@ from tests.scheduler.test_policy_support import (
 HOUR = 3600.0
 DAY = 86400.0
 WEEK = 7 * DAY
+REF = PolicyConfig().runtime_ref_s  # the default reference: 6 h
 
 
 def blocked(later, *, run_limit: float | None = None, run_started_ago=600.0):
@@ -124,6 +125,29 @@ def test_runtime_factor_values(planned, expected):
     assert runtime_factor(planned, WEEK) == pytest.approx(expected, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("planned", "expected"),
+    [(60.0, 0.8823), (600.0, 0.5928), (HOUR, 0.3019), (4 * HOUR, 0.0686), (REF, 0.0)],
+)
+def test_runtime_factor_values_with_the_default_reference(planned, expected):
+    assert REF == 6 * HOUR
+    assert runtime_factor(planned, REF) == pytest.approx(expected, abs=1e-3)
+
+
+def test_jobs_planned_past_the_reference_keep_slurms_order():
+    """Shortest-first only among short jobs: a 1-day job does not pass a 3-day
+    job that has waited an hour longer (with a week as the reference it did, by
+    56 points), while a 1-hour job still passes both."""
+    jobs = [
+        pending(1, planned=3 * DAY, limit=4 * DAY, age=HOUR),
+        pending(2, planned=DAY, limit=2 * DAY),
+    ]
+    assert order_of(jobs, GPULAB) == order_of(jobs, SLURM) == [1, 2]
+    week = PolicyConfig(name="gpulab", runtime_ref_s=WEEK)
+    assert order_of(jobs, week) == [2, 1]
+    assert order_of([*jobs, pending(3, planned=HOUR)], GPULAB) == [3, 1, 2]
+
+
 def test_runtime_factor_is_off_without_a_reference():
     assert runtime_factor(60.0, 0.0) == 0.0
 
@@ -139,7 +163,7 @@ def test_gpulab_ranks_shorter_planned_jobs_first_and_slurm_does_not():
     assert order_of(jobs, GPULAB) == [2, 1]
     assert order_of(jobs, SLURM) == [1, 2]  # older first
     breakdown = waits(decide(cluster(node_gpus(1, 1, busy=(0,)), jobs)))[2].breakdown
-    assert breakdown["runtime"] == pytest.approx(500 * runtime_factor(600.0, WEEK))
+    assert breakdown["runtime"] == pytest.approx(500 * runtime_factor(600.0, REF))
 
 
 def test_age_bounds_the_runtime_factor_so_long_jobs_are_not_starved():
@@ -186,7 +210,7 @@ def test_predict_is_the_longest_recent_run(runs, expected):
 def test_the_runtime_part_fades_as_age_takes_over(age, share):
     job = pending(2, planned=600.0, age=age)
     ws = waits(decide(cluster(node_gpus(1, 1, busy=(0,)), [job])))
-    full = 500 * runtime_factor(600.0, WEEK)
+    full = 500 * runtime_factor(600.0, REF)
     expected = 500.0 if share is None else full * share
     assert ws[2].breakdown["runtime"] == pytest.approx(expected)
     # the same numbers as the one-job breakdown
