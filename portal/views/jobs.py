@@ -142,6 +142,7 @@ def _job_context(job: Job) -> dict[str, Any]:
     if job.queue_position:
         # "Behind whom": the jobs just ahead of it in the last pass's order.
         ahead = list(Job.objects.ahead_of(job).select_related("owner")[:5])
+    policy = services.policy_config()
     return {
         "job": job,
         "attempt": attempt,
@@ -150,7 +151,9 @@ def _job_context(job: Job) -> dict[str, Any]:
         "log_tail": services.log_tail(job),
         "queue_position": job.queue_position,
         "ahead": ahead,
-        "plans_with_prediction": services.policy_config().plans_with_prediction,
+        "plans_with_prediction": policy.plans_with_prediction,
+        # the run-time factor's reach, when the policy has one
+        "runtime_ref_s": policy.runtime_ref_s if policy.ranks_by_runtime else None,
         "partners": partners,
         # idle GPUs: the open flag, if the job is idle now
         "idle_flag": IdleFlag.objects.filter(job=job, cleared_at__isnull=True).first(),

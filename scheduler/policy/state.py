@@ -91,6 +91,15 @@ class PolicyConfig:
         return self.colocation and self.name in ("gpulab", "pack-by-memory")
 
     @property
+    def ranks_by_runtime(self) -> bool:
+        """The run-time factor orders this policy's queue (``gpulab``'s policies;
+        ``slurm`` and ``fifo`` have none)."""
+        return (
+            self.name in ("gpulab", "gpulab-exclusive", "pack-by-memory")
+            and self.weight_runtime > 0
+        )
+
+    @property
     def plans_with_prediction(self) -> bool:
         """Backfill plans jobs with min(limit, prediction), not their limits."""
         return (

@@ -131,13 +131,29 @@ def test_it_shows_the_owner_her_job(alice: User, alice_job: Job) -> None:
     [
         ("prediction", 600, 1319, "plans 10m: the smaller of the limit and the"),
         ("prediction", 7200, 1319, "plans 21m 59s: the smaller of the limit and"),
-        ("limit", 7200, 1319, "(21m 59s counts); backfill plans with the limit"),
+        (
+            "limit",
+            7200,
+            1319,
+            "Among jobs planned for under 6h, shorter ones go first (21m 59s"
+            " counts); backfill plans with the limit",
+        ),
+        (
+            "slurm",
+            7200,
+            1319,
+            "21m 59s, the longest of the owner's last similar"
+            " runs. Backfill plans with the limit",
+        ),
     ],
 )
 def test_it_says_what_the_scheduler_plans_with(
     settings, alice: User, plan: str, limit: int, predicted: int, shown: str
 ) -> None:
-    settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "backfill_plan": plan}
+    if plan == "slurm":  # no run-time factor: nothing goes first by run time
+        settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "name": "slurm"}
+    else:
+        settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "backfill_plan": plan}
     job = JobFactory(owner=alice, time_limit_s=limit, predicted_runtime_s=predicted)
 
     page = " ".join(client_for(alice).get(f"/jobs/{job.pk}/").content.decode().split())
