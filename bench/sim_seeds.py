@@ -1,0 +1,286 @@
+"""Policy comparison over several seeds: how much of a difference is noise.
+
+The simulator's seed draws what the traces do not say: the made-up users inside
+each virtual cluster, the time limits and which jobs have none. One seed's
+comparison can mislead: on scenario ``b`` the p99 JCT (its 18th longest of 1,819
+jobs) moves by 10-30 % between seeds for the same policy. For each scenario of
+``bench/sim_report.py`` this replays every policy on every seed and writes, per seed,
+each policy's average and p99 JCT and its ratio to the baseline policy on the same
+seed; then, per policy, the mean of those ratios, their standard error, the worst
+seed and on how many seeds the policy did better, for the average JCT, the p99 JCT
+and each size class.
+
+``python bench/sim_seeds.py [--only a,b] [--seeds 0-4] [--policies slurm,gpulab]
+[--baseline slurm] [--parallel 2] [--reuse] [--max-jobs N] [--out-dir DIR]``
+
+Writes ``OUT/seeds_<scenario>_<policy>_<seed>.json`` (the simulator's output) and
+``OUT/sim_seeds.md``; prints the Markdown too. Bad options exit 2 naming the
+problem; a failed replay is reported and left out, and the exit is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_report import COLO_SCENARIOS, ROOT, SCENARIOS
+
+SIZE_KEYS = ("1", "2-4", "5-8", "9+")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-4`` or ``0,2,7`` (or both: ``0-2,9``) -> sorted distinct seeds."""
+    seeds: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if dash else a
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not a seed or a range") from None
+        if a < 0 or b < a:
+            raise ValueError(f"--seeds: {part!r} is not a range of seeds >= 0")
+        seeds.update(range(a, b + 1))
+    if not seeds:
+        raise ValueError("--seeds: no seed given")
+    return sorted(seeds)
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value / base - 1, or None when either is missing (or the base is 0)."""
+    if value is None or not base:
+        return None
+    return value / base - 1.0
+
+
+def summarise(values: list[float | None]) -> dict[str, Any]:
+    """Mean, standard error, worst (largest) and count below 0 of the ratios
+    that exist; ``n`` says how many seeds had one."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"n": 0, "mean": None, "se": None, "worst": None, "better": 0}
+    se = statistics.stdev(got) / math.sqrt(len(got)) if len(got) > 1 else None
+    return {
+        "n": len(got),
+        "mean": statistics.fmean(got),
+        "se": se,
+        "worst": max(got),
+        "better": sum(1 for v in got if v < 0),
+    }
+
+
+def metric(result: dict[str, Any], key: str) -> float | None:
+    """A result's ``avg_jct_s`` / ``p99_jct_s``, or ``size:<class>``."""
+    if key.startswith("size:"):
+        value = (result.get("jct_by_size") or {}).get(key[5:])
+    else:
+        value = result.get(key)
+    return None if value is None else float(value)
+
+
+def compare(
+    runs: dict[tuple[str, int], dict[str, Any]],
+    policies: list[str],
+    baseline: str,
+    seeds: list[int],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per policy other than the baseline, per metric: the summary of its ratio
+    to the baseline on each seed where both ran."""
+    keys = ["avg_jct_s", "p99_jct_s", *(f"size:{k}" for k in SIZE_KEYS)]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for policy in policies:
+        if policy == baseline:
+            continue
+        out[policy] = {}
+        for key in keys:
+            values = []
+            for seed in seeds:
+                mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
+                if mine is None or base is None:
+                    continue
+                values.append(ratio(metric(mine, key), metric(base, key)))
+            out[policy][key] = summarise(values)
+    return out
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f} %"
+
+
+def hours(value: float | None) -> str:
+    return "-" if value is None else f"{value / 3600:.2f}"
+
+
+def markdown(
+    scenario: str,
+    runs: dict[tuple[str, int], dict[str, Any]],
+    policies: list[str],
+    baseline: str,
+    seeds: list[int],
+) -> str:
+    lines = [f"## ({scenario}) {SCENARIOS[scenario][0]}", ""]
+    head = ["seed"]
+    for p in policies:
+        head += [f"{p} avg (h)", f"{p} p99 (h)"]
+        if p != baseline:
+            head += [f"{p} avg vs {baseline}", f"{p} p99 vs {baseline}"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for seed in seeds:
+        row = [str(seed)]
+        base = runs.get((baseline, seed))
+        for p in policies:
+            r = runs.get((p, seed))
+            row += [
+                hours(None if r is None else metric(r, "avg_jct_s")),
+                hours(None if r is None else metric(r, "p99_jct_s")),
+            ]
+            if p != baseline:
+                for key in ("avg_jct_s", "p99_jct_s"):
+                    row.append(
+                        pct(
+                            None
+                            if r is None or base is None
+                            else ratio(metric(r, key), metric(base, key))
+                        )
+                    )
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    summary = compare(runs, policies, baseline, seeds)
+    names = {"avg_jct_s": "avg JCT", "p99_jct_s": "p99 JCT"}
+    for policy, by_key in summary.items():
+        lines += [
+            f"`{policy}` / `{baseline}` - 1 over the seeds where both ran:",
+            "",
+            "| metric | seeds | mean | standard error | worst seed | better on |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for key, s in by_key.items():
+            if not s["n"]:
+                continue
+            size = key[5:]
+            name = names.get(key) or f"avg JCT, {size} GPU{'' if size == '1' else 's'}"
+            se = "-" if s["se"] is None else f"{100 * s['se']:.1f}"
+            lines.append(
+                f"| {name} | {s['n']} | {pct(s['mean'])} | {se} | {pct(s['worst'])}"
+                f" | {s['better']} of {s['n']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_one(
+    scenario: str, policy: str, seed: int, out_dir: Path, args: argparse.Namespace
+) -> dict[str, Any] | None:
+    out = out_dir / f"seeds_{scenario}_{policy}_{seed}.json"
+    if args.reuse and out.is_file():
+        try:
+            kept: dict[str, Any] = json.loads(out.read_text())
+        except ValueError:
+            pass
+        else:
+            if kept.get("seed") == seed and kept.get("policy") == policy:
+                return kept
+    cmd = [
+        sys.executable, "-m", "scheduler.sim", *SCENARIOS[scenario][1],
+        "--policy", policy, "--seed", str(seed), "--out", str(out), "--quiet",
+        "--no-check",
+    ]  # fmt: skip
+    if args.max_jobs:
+        cmd += ["--max-jobs", str(args.max_jobs)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+        check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        sys.stdout.write(
+            f"-- {scenario}/{policy}/seed {seed} failed ({proc.returncode}):"
+            f" {proc.stderr.strip()}\n"
+        )
+        return None
+    result: dict[str, Any] = json.loads(out.read_text())
+    sys.stdout.write(
+        f"-- {scenario}/{policy}/seed {seed}: avg JCT"
+        f" {hours(metric(result, 'avg_jct_s'))} h, p99"
+        f" {hours(metric(result, 'p99_jct_s'))} h"
+        f" ({time.perf_counter() - t0:.0f} s)\n"
+    )
+    sys.stdout.flush()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--only", default="a,b", help="scenarios of sim_report, e.g. a,b")
+    p.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,3,7")
+    p.add_argument("--policies", default="slurm,gpulab")
+    p.add_argument("--baseline", default="slurm")
+    p.add_argument("--parallel", type=int, default=2, help="replays at once")
+    p.add_argument("--max-jobs", type=int)
+    p.add_argument("--timeout", type=float, default=3600.0, help="per replay, s")
+    p.add_argument(
+        "--reuse", action="store_true", help="keep replays already in --out-dir"
+    )
+    args = p.parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        p.error(str(exc))
+    scenarios = [s for s in args.only.split(",") if s]
+    policies = [s for s in args.policies.split(",") if s]
+    for s in scenarios:
+        if s not in SCENARIOS or s in COLO_SCENARIOS:
+            p.error(
+                f"--only: unknown scenario {s!r}; choose from"
+                f" {', '.join(k for k in SCENARIOS if k not in COLO_SCENARIOS)}"
+            )
+    if args.baseline not in policies:
+        p.error(f"--baseline {args.baseline!r} is not one of --policies")
+    if args.parallel < 1:
+        p.error("--parallel must be at least 1")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(sc, pol, seed) for sc in scenarios for pol in policies for seed in seeds]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        done = list(pool.map(lambda j: run_one(*j, out_dir, args), jobs))
+    failed = False
+    parts = [
+        "# Policies over seeds",
+        "",
+        f"Seeds {', '.join(map(str, seeds))}; ratios are per seed against"
+        f" `{args.baseline}` on the same seed (negative: shorter);"
+        " `python -m scheduler.sim` with the scenario options of"
+        " `bench/sim_report.py` and `--no-check`"
+        + (f", `--max-jobs {args.max_jobs}`" if args.max_jobs else "")
+        + ".",
+        "",
+    ]
+    for sc in scenarios:
+        runs = {
+            (pol, seed): r
+            for (s, pol, seed), r in zip(jobs, done, strict=True)
+            if s == sc and r is not None
+        }
+        failed = failed or len(runs) < len(policies) * len(seeds)
+        parts.append(markdown(sc, runs, policies, args.baseline, seeds))
+    text = "\n".join(parts)
+    (out_dir / "sim_seeds.md").write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

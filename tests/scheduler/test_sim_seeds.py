@@ -1,0 +1,126 @@
+"""``bench/sim_seeds.py``: the policies over several seeds, and their ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "sim_seeds", BENCH / "sim_seeds.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+seeds_bench = load()
+
+
+@pytest.mark.parametrize(
+    ("text", "seeds"),
+    [("0-4", [0, 1, 2, 3, 4]), ("0,2,7", [0, 2, 7]), ("0-2,9,1", [0, 1, 2, 9])],
+)
+def test_seeds_are_ranges_or_lists(text, seeds):
+    assert seeds_bench.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("x", "'x' is not a seed or a range"),
+        ("3-1", "'3-1' is not a range of seeds >= 0"),
+        ("-1", "'-1' is not a seed or a range"),
+        (",", "no seed given"),
+    ],
+)
+def test_bad_seeds_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        seeds_bench.parse_seeds(text)
+
+
+def result(avg, p99, sizes=None):
+    return {"avg_jct_s": avg, "p99_jct_s": p99, "jct_by_size": sizes or {}}
+
+
+def test_ratios_are_summarised_per_seed_against_the_baseline():
+    runs = {
+        ("slurm", 0): result(100.0, 1000.0, {"1": 10.0, "2-4": None}),
+        ("gpulab", 0): result(90.0, 1100.0, {"1": 8.0, "2-4": 5.0}),
+        ("slurm", 1): result(200.0, 1000.0, {"1": 10.0}),
+        ("gpulab", 1): result(190.0, 800.0, {"1": 12.0}),
+        ("slurm", 2): result(50.0, 500.0),  # gpulab's run failed: left out
+    }
+    got = seeds_bench.compare(runs, ["slurm", "gpulab"], "slurm", [0, 1, 2])
+    assert set(got) == {"gpulab"}
+    avg = got["gpulab"]["avg_jct_s"]
+    assert avg["n"] == 2
+    assert avg["mean"] == pytest.approx((-0.10 - 0.05) / 2)
+    assert avg["worst"] == pytest.approx(-0.05)
+    assert avg["better"] == 2
+    assert avg["se"] == pytest.approx(abs(-0.10 + 0.05) / 2)  # stdev / sqrt(2)
+    p99 = got["gpulab"]["p99_jct_s"]
+    assert (p99["mean"], p99["worst"], p99["better"]) == (
+        pytest.approx(-0.05),
+        pytest.approx(0.10),
+        1,
+    )
+    # a size class the baseline lacks on a seed counts on the other seeds only
+    assert got["gpulab"]["size:1"]["n"] == 2
+    assert got["gpulab"]["size:2-4"] == {
+        "n": 0, "mean": None, "se": None, "worst": None, "better": 0
+    }  # fmt: skip
+
+
+def test_it_replays_each_policy_on_each_seed_and_writes_the_table(tmp_path, capsys):
+    code = seeds_bench.main(
+        ["--only", "b", "--seeds", "0-1", "--max-jobs", "400",
+         "--out-dir", str(tmp_path), "--parallel", "2"]
+    )  # fmt: skip
+    assert code == 0
+    runs = {}
+    for policy in ("slurm", "gpulab"):
+        for seed in (0, 1):
+            data = json.loads((tmp_path / f"seeds_b_{policy}_{seed}.json").read_text())
+            assert (data["policy"], data["seed"]) == (policy, seed)
+            runs[policy, seed] = data
+    # the seed changes the replay (users, limits) and the policies differ on it
+    assert runs["slurm", 0]["avg_jct_s"] != runs["slurm", 1]["avg_jct_s"]
+    assert runs["gpulab", 0]["avg_jct_s"] != runs["slurm", 0]["avg_jct_s"]
+    table = (tmp_path / "sim_seeds.md").read_text()
+    assert table.strip() in capsys.readouterr().out
+    for seed in (0, 1):
+        r = runs["gpulab", seed]["p99_jct_s"] / runs["slurm", seed]["p99_jct_s"] - 1
+        assert f" {100 * r:+.1f} % |" in table.split(f"\n| {seed} | ")[1].split("\n")[0]
+    mean = (
+        sum(
+            runs["gpulab", s]["avg_jct_s"] / runs["slurm", s]["avg_jct_s"] - 1
+            for s in (0, 1)
+        )
+        / 2
+    )
+    assert math.isfinite(mean)
+    assert f"| avg JCT | 2 | {100 * mean:+.1f} % |" in table
+
+
+def test_a_colocation_scenario_or_a_missing_baseline_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        seeds_bench.main(["--only", "colo-b"])
+    assert exc.value.code == 2
+    assert "unknown scenario 'colo-b'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        seeds_bench.main(["--policies", "gpulab", "--baseline", "slurm"])
+    assert "--baseline 'slurm' is not one of --policies" in capsys.readouterr().err
