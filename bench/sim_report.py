@@ -145,6 +145,55 @@ def fmt(value: Any, how: str) -> str:
     return how.format(value)
 
 
+def replay(
+    scenario: str,
+    policy: str,
+    seed: int,
+    out: Path,
+    *,
+    reuse: bool,
+    max_jobs: int | None,
+    timeout: float,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any] | None:
+    """One ``python -m scheduler.sim`` of a scenario into ``out``, or (``reuse``)
+    the result already there for the same seed and policy; None when it failed or
+    timed out (said on stdout). A fresh result carries ``process_wall_s``."""
+    if reuse and out.is_file():
+        try:
+            kept: dict[str, Any] = json.loads(out.read_text())
+        except ValueError:
+            pass
+        else:
+            if kept.get("seed") == seed and kept.get("policy") == policy:
+                sys.stdout.write(f"-- {scenario}/{policy}: reusing {out}\n")
+                return kept
+    cmd = [
+        sys.executable, "-m", "scheduler.sim", *SCENARIOS[scenario][1],
+        "--policy", policy, "--seed", str(seed), "--out", str(out), "--quiet",
+        *extra,
+    ]  # fmt: skip
+    if max_jobs:
+        cmd += ["--max-jobs", str(max_jobs)]
+    sys.stdout.write(f"-- {scenario}/{policy}: {' '.join(cmd[3:])}\n")
+    sys.stdout.flush()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        sys.stdout.write(f"   timed out after {timeout:.0f} s\n")
+        return None
+    if proc.returncode != 0:
+        sys.stdout.write(f"   failed ({proc.returncode}): {proc.stderr.strip()}\n")
+        return None
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
+
+
 def run_one(
     scenario: str, policy: str, out_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any] | None:
@@ -152,38 +201,18 @@ def run_one(
     if args.report_only and not out.is_file():
         sys.stdout.write(f"-- {scenario}/{policy}: no result in {out_dir}\n")
         return None
-    if (args.reuse or args.report_only) and out.is_file():
-        try:
-            kept: dict[str, Any] = json.loads(out.read_text())
-        except ValueError:
-            pass
-        else:
-            if kept.get("seed") == args.seed and kept.get("policy") == policy:
-                sys.stdout.write(f"-- {scenario}/{policy}: reusing {out}\n")
-                return kept
-    cmd = [
-        sys.executable, "-m", "scheduler.sim", *SCENARIOS[scenario][1],
-        "--policy", policy, "--seed", str(args.seed), "--out", str(out), "--quiet",
-    ]  # fmt: skip
-    if args.max_jobs:
-        cmd += ["--max-jobs", str(args.max_jobs)]
-    sys.stdout.write(f"-- {scenario}/{policy}: {' '.join(cmd[3:])}\n")
-    sys.stdout.flush()
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-            check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        sys.stdout.write(f"   timed out after {args.timeout:.0f} s\n")
-        return None
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.stdout.write(f"   failed ({proc.returncode}): {proc.stderr.strip()}\n")
-        return None
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["process_wall_s"] = wall
+    result = replay(
+        scenario,
+        policy,
+        args.seed,
+        out,
+        reuse=args.reuse or args.report_only,
+        max_jobs=args.max_jobs,
+        timeout=args.timeout,
+    )
+    if result is None or "process_wall_s" not in result:
+        return result  # failed, or reused
+    wall = result["process_wall_s"]
     sys.stdout.write(
         f"   {result['jobs']} jobs, avg JCT {result['avg_jct_s'] or 0:.0f} s, "
         f"util {result['gpu_utilization']:.3f}, load {result['offered_load']:.3f}, "

@@ -21,18 +21,15 @@ problem; a failed replay is reported and left out, and the exit is 1.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_report import COLO_SCENARIOS, ROOT, SCENARIOS
+from sim_report import COLO_SCENARIOS, ROOT, SCENARIOS, replay
 
 SIZE_KEYS = ("1", "2-4", "5-8", "9+")
 
@@ -183,41 +180,22 @@ def markdown(
 def run_one(
     scenario: str, policy: str, seed: int, out_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any] | None:
-    out = out_dir / f"seeds_{scenario}_{policy}_{seed}.json"
-    if args.reuse and out.is_file():
-        try:
-            kept: dict[str, Any] = json.loads(out.read_text())
-        except ValueError:
-            pass
-        else:
-            if kept.get("seed") == seed and kept.get("policy") == policy:
-                return kept
-    cmd = [
-        sys.executable, "-m", "scheduler.sim", *SCENARIOS[scenario][1],
-        "--policy", policy, "--seed", str(seed), "--out", str(out), "--quiet",
-        "--no-check",
-    ]  # fmt: skip
-    if args.max_jobs:
-        cmd += ["--max-jobs", str(args.max_jobs)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-        check=False,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        sys.stdout.write(
-            f"-- {scenario}/{policy}/seed {seed} failed ({proc.returncode}):"
-            f" {proc.stderr.strip()}\n"
-        )
-        return None
-    result: dict[str, Any] = json.loads(out.read_text())
-    sys.stdout.write(
-        f"-- {scenario}/{policy}/seed {seed}: avg JCT"
-        f" {hours(metric(result, 'avg_jct_s'))} h, p99"
-        f" {hours(metric(result, 'p99_jct_s'))} h"
-        f" ({time.perf_counter() - t0:.0f} s)\n"
+    result = replay(
+        scenario,
+        policy,
+        seed,
+        out_dir / f"seeds_{scenario}_{policy}_{seed}.json",
+        reuse=args.reuse,
+        max_jobs=args.max_jobs,
+        timeout=args.timeout,
+        extra=("--no-check",),
     )
-    sys.stdout.flush()
+    if result is not None:
+        sys.stdout.write(
+            f"   {scenario}/{policy}/seed {seed}: avg JCT {hours(metric(result, 'avg_jct_s'))} h,"
+            f" p99 {hours(metric(result, 'p99_jct_s'))} h\n"
+        )
+        sys.stdout.flush()
     return result
 
 

@@ -32,6 +32,7 @@ from scheduler.policy.fifo import decide_fifo, order_key
 from scheduler.policy.interference import Knowledge, Observations
 from scheduler.policy.multifactor import decide_multifactor
 from scheduler.policy.state import (
+    GPULAB_FAMILY,
     ClassSpec,
     ClusterState,
     Decision,
@@ -56,7 +57,7 @@ from scheduler.policy.state import (
 # ``gpulab-exclusive``: gpulab that never shares a GPU; ``pack-by-memory``: gpulab
 # that shares whenever memory and the job count allow (fraction-based sharing as
 # elsewhere): both are co-location baselines. The simulator adds ``oracle``.
-POLICIES = ("fifo", "slurm", "gpulab", "gpulab-exclusive", "pack-by-memory")
+POLICIES = ("fifo", "slurm", *GPULAB_FAMILY)
 BACKFILL_PLANS = ("limit", "prediction")
 
 
@@ -90,7 +91,7 @@ def _decide(state: ClusterState) -> list[Decision]:
             runtime=False,
             colocation=None,
         )
-    if name in ("gpulab", "gpulab-exclusive", "pack-by-memory"):
+    if name in GPULAB_FAMILY:
         plan = state.config.backfill_plan
         if plan not in BACKFILL_PLANS:
             raise ValueError(

@@ -34,6 +34,11 @@ class ClassSpec:
     slowdown_cap: float | None = 1.5  # co-location (issue #5)
 
 
+# ``gpulab`` and its two co-location baselines: the same multifactor policy with
+# the run-time factor, preemption and topology (``policy.decide``).
+GPULAB_FAMILY = ("gpulab", "gpulab-exclusive", "pack-by-memory")
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Which policy and its knobs (settings ``GPULAB_POLICY*``)."""
@@ -94,10 +99,7 @@ class PolicyConfig:
     def ranks_by_runtime(self) -> bool:
         """The run-time factor orders this policy's queue (``gpulab``'s policies;
         ``slurm`` and ``fifo`` have none)."""
-        return (
-            self.name in ("gpulab", "gpulab-exclusive", "pack-by-memory")
-            and self.weight_runtime > 0
-        )
+        return self.name in GPULAB_FAMILY and self.weight_runtime > 0
 
     @property
     def plans_with_prediction(self) -> bool:

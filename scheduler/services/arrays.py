@@ -203,9 +203,7 @@ def cancel_array(array_id: int, *, by: User | None, reason: str = "") -> list[in
             )
             .order_by("pk")
         )
-        waited = [
-            _cancel_locked(t, by=by, reason=reason, ask_pass=False) for t in tasks
-        ]
+        waited = [_cancel_locked(t, by=by, reason=reason) for t in tasks]
         if any(waited):
             _pass_after_commit()  # once for the array, not once per task
     return [t.pk for t in tasks]

@@ -399,17 +399,15 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
             raise JobStateError(f"Job #{job.pk} has already ended ({job.status}).")
         if job.cancel_requested_at is not None:
             raise JobStateError(f"Job #{job.pk} is already being cancelled.")
-        _cancel_locked(job, by=by, reason=reason)
+        if _cancel_locked(job, by=by, reason=reason):
+            _pass_after_commit()
     return job
 
 
-def _cancel_locked(
-    job: Job, *, by: User | None, reason: str = "", ask_pass: bool = True
-) -> bool:
+def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> bool:
     """Steps 2-3 of ``cancel_job`` on a job the caller has locked and checked
-    (active, no cancel asked yet); ``services.cancel_array`` shares it, asking
-    for one pass itself (``ask_pass=False``). True if the job was waiting (it
-    ended at once)."""
+    (active, no cancel asked yet); ``services.cancel_array`` shares it. True if
+    the job was waiting (it ended at once): the caller asks for a pass."""
     now = timezone.now()
     who = by.get_username() if by is not None else "gpulab"
     who += f" ({reason})" if reason else ""
@@ -440,8 +438,6 @@ def _cancel_locked(
             to_status=job.status,
         )
         _after_commit_state_change(job, "cancelled")
-        if ask_pass:
-            _pass_after_commit()
         return True
     job.cancel_requested_at = now
     job.save(update_fields=["cancel_requested_at"])

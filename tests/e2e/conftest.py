@@ -397,6 +397,18 @@ def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "") 
         time.sleep(0.05)
 
 
+def bearer(secret: str) -> dict[str, str]:
+    """The headers of an API call with token ``secret``."""
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def new_bearer(user: Any, name: str) -> dict[str, str]:
+    """``bearer`` of a new token of ``user`` (one client to the web gate)."""
+    from portal.api.tokens import create_token
+
+    return bearer(create_token(user, name, None)[1])
+
+
 @dataclass
 class HeldCall:
     """An API call kept running in the web process (``hold_a_call``)."""
@@ -404,6 +416,11 @@ class HeldCall:
     secret: str  # its token's: another call with it is the same client
     lock: Any  # the psycopg connection holding the token's row
     call: threading.Thread
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Another call as the same client."""
+        return bearer(self.secret)
 
     def release(self) -> None:
         """End the lock's transaction: the call finishes and gives up its place."""
@@ -431,7 +448,7 @@ def hold_a_call(url: str, user: Any, name: str) -> HeldCall:
     call = threading.Thread(
         target=httpx.get,
         args=(url,),
-        kwargs={"headers": {"Authorization": f"Bearer {secret}"}, "timeout": 60},
+        kwargs={"headers": bearer(secret), "timeout": 60},
     )
     call.start()
     pid = lock.info.backend_pid

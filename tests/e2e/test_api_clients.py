@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from portal.api import tokens
-from tests.e2e.conftest import hold_a_call
+from tests.e2e.conftest import hold_a_call, new_bearer
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -31,10 +30,9 @@ def test_a_client_with_its_call_in_gets_429_and_another_is_answered(
     )
     me = f"{stack.base_url}/api/v1/me/"
     held = hold_a_call(me, alice, "script")  # Alice's call: the one running place
-    alices = held.secret
-    bobs = {"Authorization": f"Bearer {tokens.create_token(bob, 'cli', None)[1]}"}
+    bobs = new_bearer(bob, "cli")
 
-    again = httpx.get(me, headers={"Authorization": f"Bearer {alices}"})
+    again = httpx.get(me, headers=held.headers)
     assert again.status_code == 429
     assert again.headers["Retry-After"] == "1"
     assert again.json() == {
@@ -54,6 +52,4 @@ def test_a_client_with_its_call_in_gets_429_and_another_is_answered(
     assert answer[0].status_code == 200
     assert answer[0].json()["username"] == bob.username
     # Alice's place was given back with her answer
-    assert (
-        httpx.get(me, headers={"Authorization": f"Bearer {alices}"}).status_code == 200
-    )
+    assert httpx.get(me, headers=held.headers).status_code == 200

@@ -23,6 +23,7 @@ import pytest
 from tests.e2e.conftest import (
     Stack,
     hold_a_call,
+    new_bearer,
     wait_for_job,
 )
 
@@ -216,15 +217,13 @@ def test_a_server_too_busy_is_waited_out(
 ) -> None:
     import httpx
 
-    from portal.api import tokens
-
     # One API call at a time and none waiting: a second is refused with 503 "busy"
     stack.restart_web(
         "web-narrow", GPULAB_WEB_API_CONCURRENCY="1", GPULAB_WEB_QUEUE="0"
     )
     me = f"{stack.base_url}/api/v1/me/"
     held = hold_a_call(me, alice, "holder")  # the one slot
-    probe = {"Authorization": f"Bearer {tokens.create_token(alice, 'probe', None)[1]}"}
+    probe = new_bearer(alice, "probe")
     assert httpx.get(me, headers=probe).status_code == 503  # the API lane is full
 
     cli = subprocess.Popen(
