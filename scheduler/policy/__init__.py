@@ -40,6 +40,7 @@ from scheduler.policy.state import (
     Evict,
     GpuView,
     NodeView,
+    PassResult,
     PassStats,
     PendingJob,
     Placement,
@@ -62,7 +63,13 @@ BACKFILL_PLANS = ("limit", "prediction")
 
 
 def decide(state: ClusterState) -> list[Decision]:
-    """The decisions of one scheduling pass over ``state``.
+    """The decisions of one scheduling pass over ``state`` (``run_pass`` without
+    its statistics)."""
+    return run_pass(state).decisions
+
+
+def run_pass(state: ClusterState) -> PassResult:
+    """One scheduling pass over ``state``: its decisions and its ``PassStats``.
 
     The cyclic garbage collector is paused for the call: a pass over 10,000 jobs
     allocates tens of thousands of small objects (breakdowns, waits) and no cycles,
@@ -72,7 +79,7 @@ def decide(state: ClusterState) -> list[Decision]:
     if paused:
         gc.disable()
     try:
-        return _decide(state)
+        return PassResult(_decide(state), PassStats())
     finally:
         if paused:
             gc.enable()
@@ -127,6 +134,7 @@ __all__ = [
     "Knowledge",
     "NodeView",
     "Observations",
+    "PassResult",
     "PassStats",
     "PendingJob",
     "Placement",
@@ -141,4 +149,5 @@ __all__ = [
     "Wait",
     "decide",
     "order_key",
+    "run_pass",
 ]

@@ -380,9 +380,26 @@ class Wait:
 
 @dataclass(frozen=True)
 class PassStats:
-    tested: int = 0
-    exit_reason: str = "done"
-    backfilled: int = 0
+    """What one pass did and what each of its stages cost (Slurm's ``sdiag``, per
+    pass). ``stop_reason`` says why the pass stopped looking at waiting jobs:
+    ``"queue exhausted"`` when it reached the end of the queue, otherwise the limit
+    that ended it (for example the backfill test budget)."""
+
+    considered: int = 0  # waiting jobs the ordering stage ranked
+    started: int = 0
+    preempted: int = 0
+    reserved: int = 0  # jobs given a reservation (a planned start)
+    backfilled: int = 0  # starts that went ahead of a reservation
+    stop_reason: str = "queue exhausted"
+    stage_s: Mapping[str, float] = field(default_factory=dict)  # stage -> seconds
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """``run_pass``'s answer: the decisions and what the pass did to reach them."""
+
+    decisions: list[Decision]
+    stats: PassStats
 
 
 Decision = Start | Preempt | Evict | QuotaStop | Wait
