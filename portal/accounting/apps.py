@@ -8,3 +8,9 @@ class AccountingConfig(AppConfig):
     label = "accounting"
     verbose_name = "Accounting"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from portal.accounting.services import Handlers
+        from scheduler import hooks
+
+        hooks.register_accounting(Handlers())

@@ -124,6 +124,30 @@ def recharge_after_start(attempt: Attempt) -> None:
         recharge(gpus, attempt.started_at, max(timezone.now(), attempt.started_at))
 
 
+def runs_changed(gpu_ids: list[int], since: datetime, until: datetime) -> None:
+    """A late report moved a run's start or end within [since, until): charge again
+    what overlaps it on ``gpu_ids`` (none when the run never started) and have the
+    GPU hours recomputed from ``since``."""
+    if gpu_ids and until > since:
+        recharge(gpu_ids, since, until)
+    hours.note_change(since)
+
+
+class Handlers:
+    """``scheduler.hooks.Accounting``: what the scheduler's services report."""
+
+    def attempt_started(self, attempt: Attempt) -> None:
+        recharge_after_start(attempt)
+
+    def attempt_ended(self, attempt: Attempt) -> None:
+        charge(attempt)
+
+    def runs_changed(
+        self, gpu_ids: list[int], since: datetime, until: datetime
+    ) -> None:
+        runs_changed(gpu_ids, since, until)
+
+
 def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
     """Recompute the records of every ended attempt on ``gpu_ids`` whose run
     overlaps [since, until) (the run that changed).

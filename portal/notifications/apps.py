@@ -7,3 +7,9 @@ class NotificationsConfig(AppConfig):
     name = "portal.notifications"
     label = "notifications"
     verbose_name = "Notifications"
+
+    def ready(self) -> None:
+        from portal.notifications.services import Handlers
+        from scheduler import hooks
+
+        hooks.register_notifier(Handlers())

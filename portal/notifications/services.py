@@ -322,3 +322,13 @@ def job_changed(job: Job, message: str) -> None:
 def job_started(job: Job, message: str) -> None:
     """Called by ``scheduler.services.mark_started`` when a job starts running."""
     _job_notice(job, Kind.JOB_STARTED, "started", message)
+
+
+class Handlers:
+    """``scheduler.hooks.Notifier``: job events told to their owners."""
+
+    def job_started(self, job: Job, message: str) -> None:
+        job_started(job, message)
+
+    def job_changed(self, job: Job, message: str) -> None:
+        job_changed(job, message)

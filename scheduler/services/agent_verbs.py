@@ -17,8 +17,7 @@ from django.db.models import F, Func, IntegerField, Q, Sum
 from django.utils import timezone
 
 from agents import protocol
-from portal.accounting import services as accounting
-from portal.notifications import services as notifications
+from scheduler import hooks
 from scheduler import metrics as metrics_store
 from scheduler.models import (
     Allocation,
@@ -596,7 +595,7 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
             attempt.pid = data.pid
         attempt.save(update_fields=["rank_starts", "started_at", "pid"])
         if first:
-            accounting.recharge_after_start(attempt)
+            hooks.accounting().attempt_started(attempt)
             if job.status == Job.Status.STARTING:
                 job.status = Job.Status.RUNNING
             if job.started_at is None:
@@ -616,7 +615,7 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
         if first:
             _after_commit_state_change(job, "running")
             if job.status == Job.Status.RUNNING:
-                notifications.job_started(job, f"running on {name}")
+                hooks.notifier().job_started(job, f"running on {name}")
     return True
 
 
@@ -624,7 +623,7 @@ def _end_attempt(
     attempt: Attempt, ended: datetime, outcome: str, exit_code: int | None
 ) -> None:
     """End a live attempt: release its slots and charge its GPU time
-    (``portal.accounting.services.charge``: agent-reported start to ``ended``)."""
+    (``hooks.accounting().attempt_ended``: agent-reported start to ``ended``)."""
     attempt.ended_at = ended
     attempt.outcome = outcome
     attempt.exit_code = exit_code
@@ -634,7 +633,7 @@ def _end_attempt(
         released_at=ended
     )
     interference.record_episode_ends(attempt, ended)
-    accounting.charge(attempt)
+    hooks.accounting().attempt_ended(attempt)
 
 
 def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:

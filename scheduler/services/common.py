@@ -15,8 +15,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
 from agents import protocol
-from portal.notifications import services as notifications
-from scheduler import events, live
+from scheduler import events, hooks, live
 from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
@@ -55,7 +54,7 @@ def _event(
 
 
 def _after_commit_state_change(job: Job, message: str) -> None:
-    notifications.job_changed(job, message)  # an end or failure: the owner's outbox
+    hooks.notifier().job_changed(job, message)  # an end or failure: the owner's outbox
     transaction.on_commit(
         partial(events.broadcast_job_status, job.pk, job.status, message)
     )

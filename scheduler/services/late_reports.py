@@ -5,7 +5,7 @@ once (requeued or failed) and stays where it is; what changes is the record of
 what ran: the agent's start and exit are the authoritative times (issue 6:
 "including jobs that finished while the agent was disconnected"), so the
 attempt's times, its slots' release and its charges (``UsageRecord`` and
-``DailyUsage`` through ``accounting.recharge``, so its GPU neighbours' shares
+``DailyUsage`` through ``hooks.accounting().runs_changed``, so its GPU neighbours' shares
 follow) are corrected, with a job event saying so.
 
 Called by ``agent_verbs.mark_started`` / ``finish_attempt`` with the attempt (and
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from portal.accounting import hours
-from portal.accounting import services as accounting
+from scheduler import hooks
 from scheduler.models import Allocation, Attempt, Job, JobEvent, Node, UsageRecord
 from scheduler.services.common import _event, _ts
 
@@ -84,9 +83,9 @@ def late_start(attempt: Attempt, node_id: int, data: protocol.JobStartedData) ->
         source=JobEvent.Source.AGENT,
     )
     assert attempt.started_at is not None and attempt.ended_at is not None
-    if attempt.ended_at > attempt.started_at:
-        accounting.recharge(_gpus(attempt), attempt.started_at, attempt.ended_at)
-    hours.note_change(attempt.started_at)
+    hooks.accounting().runs_changed(
+        _gpus(attempt), attempt.started_at, attempt.ended_at
+    )
     return True
 
 
@@ -138,11 +137,11 @@ def late_exit(attempt: Attempt, node_id: int, data: protocol.JobExitedData) -> b
     # Released when it really stopped: the invariant the charging's neighbour
     # lookups rely on (an ended attempt's slots are released at its end).
     Allocation.objects.filter(attempt=attempt).update(released_at=new_end)
-    if attempt.started_at is not None:
-        accounting.recharge(
-            _gpus(attempt), min(old_end, new_end), max(old_end, new_end)
-        )
-    hours.note_change(min(old_end, new_end))
+    hooks.accounting().runs_changed(
+        _gpus(attempt) if attempt.started_at is not None else [],
+        min(old_end, new_end),
+        max(old_end, new_end),
+    )
     after = _charged_hours(attempt)
     _event(
         job,
