@@ -21,6 +21,8 @@ from django.db.models import BooleanField, Q
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
+from scheduler.policy.predict import planned_runtime
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -527,9 +529,7 @@ class Job(models.Model):
     def planned_runtime_s(self) -> int:
         """min(limit, prediction): what the run-time factor reads, and what backfill
         plans with when ``GPULAB_BACKFILL_PLAN`` is "prediction"."""
-        if self.predicted_runtime_s is None:
-            return self.time_limit_s
-        return min(self.time_limit_s, self.predicted_runtime_s)
+        return int(planned_runtime(self.time_limit_s, self.predicted_runtime_s))
 
     @property
     def is_cancelling(self) -> bool:

@@ -26,3 +26,11 @@ def predict(recent_runs_s: Iterable[float]) -> float | None:
     """The prediction from the last ``HISTORY`` runs of the pool (the caller cuts
     it); None without history (the job then plans with its limit)."""
     return max(recent_runs_s, default=None)
+
+
+def planned_runtime(limit_s: float, predicted_s: float | None) -> float:
+    """How long a job is planned to run: min(limit, prediction), the limit when
+    there is no prediction. What the run-time factor reads and what backfill plans
+    with under ``backfill_plan = "prediction"``; one rule for the pass, the job
+    page and the simulator."""
+    return limit_s if predicted_s is None else min(limit_s, predicted_s)

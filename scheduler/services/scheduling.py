@@ -31,6 +31,7 @@ from scheduler.models import (
     Membership,
     Node,
 )
+from scheduler.policy.predict import planned_runtime
 from scheduler.services import interference
 from scheduler.services.common import _event, _send_kill_on_commit, _ts
 from scheduler.services.starts import start_jobs
@@ -278,7 +279,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 group=groups.get(group_id, ""),
                 priority_class=pclass,
                 time_limit_s=float(limit),
-                planned_s=float(min(limit, predicted) if predicted else limit),
+                planned_s=float(planned_runtime(limit, predicted)),
                 shareable=shareable and n_gpus == 1,
                 gpu_model=model,
                 workload=workload,
@@ -333,7 +334,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 id=job_id,
                 gpu_ids=tuple(sorted(set(held), key=index_of.__getitem__)),
                 started_at=started if started is not None else created,
-                planned_s=float(min(limit, predicted) if predicted else limit),
+                planned_s=float(planned_runtime(limit, predicted)),
                 time_limit_s=float(limit),
                 user=user,
                 group=group,

@@ -48,7 +48,7 @@ from scheduler.policy import (
     decide,
 )
 from scheduler.policy.interference import Knowledge
-from scheduler.policy.predict import HISTORY, predict
+from scheduler.policy.predict import HISTORY, planned_runtime, predict
 from scheduler.sim.colocation import Meter, Segment
 from scheduler.sim.trace import throughput
 
@@ -376,9 +376,7 @@ class Simulator:
 
     def _pending_view(self, job: SimJob) -> PendingJob:
         predicted, source = self._predict(job)
-        job.planned_s = (
-            job.time_limit if predicted is None else min(job.time_limit, predicted)
-        )
+        job.planned_s = planned_runtime(job.time_limit, predicted)
         job.pred_source = source
         job.pred_version = self.user_version.get(job.user, 0)
         cls = CLASSES[job.priority_class]
