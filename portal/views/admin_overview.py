@@ -1,6 +1,6 @@
 """The admin overview (staff only): usage per group this month, cluster
 utilisation and idle GPU-hours per day over the last 30 days, the jobs flagged
-idle now, nodes needing attention. Figures from ``scheduler.overview``."""
+idle now, nodes needing attention. Figures from ``portal.overview``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from django.contrib import admin
 from django.shortcuts import render
 from django.utils import timezone
 
+from portal import overview
 from portal.accounting import hours, live
 from portal.admin_site import staff_required
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
-from scheduler import overview
 
 if TYPE_CHECKING:
     from datetime import datetime

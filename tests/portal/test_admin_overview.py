@@ -28,9 +28,10 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
+from portal import overview
 from portal.accounting import hours
 from portal.accounting.models import GpuHourStale
-from scheduler import metrics, overview, services
+from scheduler import metrics, services
 from scheduler.models import Gpu, GpuRollup, Group, Job, Node
 from tests.conftest import make_node
 from tests.factories import JobFactory, exited_data, start_job, started_data
