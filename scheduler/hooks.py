@@ -1,7 +1,7 @@
 """What the scheduler tells the portal apps above it, and what it reads from them,
 through an explicit registry.
 
-``scheduler`` never depends on ``portal`` (an import-linter contract, ``make lint``).
+``scheduler`` never depends on ``portal`` (a layer contract checked by ``make lint``).
 Each portal app registers its objects in its ``AppConfig.ready()``:
 
 - handlers (the scheduler tells): ``portal.accounting`` charges GPU time when an

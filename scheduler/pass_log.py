@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, cast
 
 import redis
@@ -104,9 +104,16 @@ class PassRecord:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> PassRecord:
+    def from_json(cls, text: str | bytes) -> PassRecord | None:
+        """The record ``to_json`` wrote; None for one this version cannot read
+        (written by a version with other fields: Redis keeps records across an
+        upgrade)."""
         data: dict[str, Any] = json.loads(text)
-        return cls(**data)
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError:
+            return None
 
 
 def _recent_key() -> str:
@@ -146,10 +153,11 @@ def keep(record: PassRecord) -> None:
 
 
 def recent(limit: int | None = None) -> list[PassRecord]:
-    """The last passes' records, newest first (``limit`` at most)."""
+    """The last passes' records, newest first (``limit`` at most; one that cannot
+    be read is left out)."""
     end = -1 if limit is None else limit - 1
     raws = cast("list[bytes]", _redis_client().lrange(_recent_key(), 0, end))
-    return [PassRecord.from_json(raw) for raw in raws]
+    return [r for r in map(PassRecord.from_json, raws) if r is not None]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ keeps its statistics (``scheduler.pass_log``) on the real Redis."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -185,3 +186,13 @@ def test_a_pass_is_logged_at_info_only_when_slow_or_stopped_early(
     assert line.levelno == level
     assert f"stopped: {stop}" in line.getMessage()
     assert f"{total_s * 1000:.1f} ms" in line.getMessage()
+
+
+@pytest.mark.usefixtures("no_passes_kept")
+def test_a_record_of_another_version_is_read_or_left_out() -> None:
+    newer = json.loads(_record(1001.0, 0.2).to_json()) | {"new_field": 1}
+    older = {"at": 1000.0, "started": 1}  # fields missing
+    client = pass_requests._redis_client()
+    client.rpush(pass_log._recent_key(), json.dumps(newer), json.dumps(older))
+
+    assert [(r.at, r.total_s) for r in pass_log.recent()] == [(1001.0, 0.2)]
