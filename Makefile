@@ -5,7 +5,7 @@
 #   make test        the whole pytest suite (PYTEST_ARGS="-k foo -x" to narrow it);
 #                    installs Debian's Chromium for the browser tests when root
 #   make bench       every bench/*.py, results under bench/results/
-#   make lint        ruff check + ruff format --check
+#   make lint        ruff check + ruff format --check + the layer contracts
 #   make typecheck   mypy --strict
 #   make migrate     apply migrations (embedded servers started if URLs are unset)
 #   make clean       remove the venv stamp and caches; state in var/ is KEPT
@@ -83,6 +83,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VPY) -m portal.stack.run -- $(VENV)/bin/mypy portal scheduler agents
@@ -91,5 +92,5 @@ migrate: $(STAMP)
 	$(VPY) -m portal.stack.run -- $(VPY) manage.py migrate --noinput
 
 clean:
-	rm -rf $(STAMP) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(STAMP) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
 	@echo "gpulab: var/ (embedded databases, secret key, agent tokens) kept; 'rm -rf var' to reset the demo"

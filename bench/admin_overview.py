@@ -296,7 +296,7 @@ def measure(repeat: int) -> dict[str, Any]:
     from django.test.utils import CaptureQueriesContext
     from django.utils import timezone
 
-    from scheduler import overview
+    from portal import overview
 
     now = timezone.now()
     figures = {

@@ -165,6 +165,11 @@ GPULAB_SCHEDULE_INTERVAL = envfloat("GPULAB_SCHEDULE_INTERVAL", 5.0, minimum=0.5
 GPULAB_PASS_MIN_SPACING = envfloat(
     "GPULAB_PASS_MIN_SPACING", 1.0, minimum=0.0, maximum=60.0
 )
+# A pass slower than this (seconds), or one that stopped before the end of the
+# queue, is logged at INFO with its statistics; the others at DEBUG. The last
+# GPULAB_PASS_LOG_SIZE passes' statistics are kept for the admin overview.
+GPULAB_PASS_SLOW_S = envfloat("GPULAB_PASS_SLOW_S", 1.0, minimum=0.0)
+GPULAB_PASS_LOG_SIZE = envint("GPULAB_PASS_LOG_SIZE", 100, minimum=1, maximum=10000)
 CELERY_BEAT_SCHEDULE = {
     "schedule-pass": {
         "task": "scheduler.tasks.schedule_pass",
@@ -172,6 +177,11 @@ CELERY_BEAT_SCHEDULE = {
     },
     "maintain-metrics": {
         "task": "scheduler.tasks.maintain_metrics",
+        "schedule": 60.0,
+    },
+    # The GPU hours of the admin overview (portal.accounting.hours).
+    "maintain-gpu-hours": {
+        "task": "portal.accounting.tasks.maintain_hours",
         "schedule": 60.0,
     },
     "check-nodes": {

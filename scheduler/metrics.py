@@ -25,6 +25,8 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from scheduler import hooks
+
 if TYPE_CHECKING:
     from agents import protocol
 
@@ -155,10 +157,8 @@ def store_samples_many(
     _insert(rows)
     # A sample replayed late (after a disconnect) changes idle time the GPU-hour
     # rollup may have computed already: have it look again from there.
-    from portal.accounting import hours
-
     assert earliest is not None
-    hours.note_change(earliest, now)
+    hooks.accounting().samples_changed(earliest, now)
     return StoreResult(len(rows), refused)
 
 

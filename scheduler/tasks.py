@@ -1,202 +1,35 @@
-"""Celery tasks: thin adapters around ``scheduler.services``."""
+"""Celery tasks: thin adapters around ``scheduler.services`` and the pass runner
+(``scheduler.pass_runner``)."""
 
 from __future__ import annotations
 
-import gc
 import logging
-import time
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import redis
 from celery import shared_task
-from django.conf import settings
-from django.db import connection
 
-from portal.accounting import hours
-from portal.quotas.alerts import record_alerts
-from scheduler import live, metrics, policy, services
+from scheduler import metrics, services
+from scheduler.pass_runner import run_one_pass, schedule_pass_body
 
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+# ``run_one_pass`` and ``schedule_pass_body`` are the runner's entry points that
+# tests and bench/pass_scaling.py drive without Celery; named here too.
+__all__ = [
+    "check_nodes",
+    "maintain_metrics",
+    "reconcile",
+    "run_one_pass",
+    "schedule_pass",
+    "schedule_pass_body",
+]
 
 log = logging.getLogger(__name__)
-
-# Key of the PostgreSQL advisory lock that makes the scheduling pass single-flight.
-SCHEDULE_LOCK_KEY = 0x6770_7531  # "gpu1"
-# How many times one task may loop on "rerun requested" before leaving the rest to
-# the next trigger (bounded work per task).
-MAX_LOOPS = 20
-
-_redis: redis.Redis | None = None
-
-
-# How long a pass request marks a pass as queued (claim_pass_request): if its task
-# is lost (a worker killed before it began), requests enqueue again after this.
-QUEUED_TTL_S = 10
-
-
-def _rerun_key() -> str:
-    return f"{settings.REDIS_PREFIX}:schedule:rerun"
-
-
-def _queued_key() -> str:
-    return f"{settings.REDIS_PREFIX}:schedule:queued"
-
-
-def claim_pass_request() -> bool:
-    """True if the caller should enqueue a pass: none is queued and not yet begun.
-
-    A burst of submissions asked for a pass each: thousands of tasks that each
-    took the advisory lock's query, found a pass running and set the rerun flag,
-    about half of the worker's time (bench/submit_burst.py). A queued pass that
-    has not begun will load every change committed before it begins, so one is
-    enough: the first request marks it queued (SET NX) and enqueues it, the rest
-    return. The mark is cleared just before a pass loads the state
-    (``schedule_pass_body``); a request after that enqueues a new pass.
-    """
-    return bool(_redis_client().set(_queued_key(), "1", nx=True, ex=QUEUED_TTL_S))
-
-
-def _redis_client() -> redis.Redis:
-    global _redis
-    if _redis is None:
-        _redis = redis.Redis.from_url(settings.REDIS_URL)
-    return _redis
-
-
-def _try_lock() -> bool:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [SCHEDULE_LOCK_KEY])
-        return bool(cursor.fetchone()[0])
-
-
-def _unlock() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", [SCHEDULE_LOCK_KEY])
-
-
-@contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cycle collector for one pass, then restore it as it was.
-
-    A pass at 10,000 pending jobs builds some 100,000 objects that all live until
-    it ends: the collector's thresholds kept tripping and it walked them (and the
-    rest of the heap) over and over, ~130 ms of CPU a pass (bench/pass_scaling.py).
-    Reference counting frees everything as usual; a cycle made meanwhile waits for
-    the first collection after the pass. Concurrent passes (threads) leave it as
-    they found it: only the one that paused it resumes it.
-    """
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
-
-
-def run_one_pass() -> dict[str, Any]:
-    """Load the state, decide, apply. Returns figures for the log."""
-    with _cyclic_gc_paused():
-        t0 = time.perf_counter()
-        snapshot = services.snapshot()
-        t1 = time.perf_counter()
-        decisions = policy.decide(snapshot.cluster)
-        t2 = time.perf_counter()
-        # The waits' stored reasons came with the snapshot: not read a second time.
-        result = services.apply_decisions(decisions, snapshot.stored_waits)
-        # Quota alerts (80 %, 100 %): one insert, only when one is due.
-        alerts = record_alerts(snapshot.quotas)
-        t3 = time.perf_counter()
-    if result.started or result.updated_reasons:
-        # Positions or reasons changed: the queue's pages fetch it again.
-        live.mark_queue_changed()
-    return {
-        "pending": len(snapshot.cluster.pending),
-        "started": result.started,
-        "skipped": result.skipped,
-        "reasons_updated": result.updated_reasons,
-        "quota_stopped": result.quota_stopped,
-        "quota_alerts": len(alerts),
-        "ms": round((t3 - t0) * 1000, 1),
-        # Where the pass's time went (bench/pass_scaling.py prints these).
-        "ms_state": round((t1 - t0) * 1000, 1),
-        "ms_decide": round((t2 - t1) * 1000, 1),
-        "ms_apply": round((t3 - t2) * 1000, 1),
-        "ms_starts": round(result.starts_ms, 1),
-        "ms_preempts": round(result.preempts_ms, 1),
-        "ms_waits": round(result.waits_ms, 1),
-    }
-
-
-def schedule_pass_body() -> dict[str, Any]:
-    """One single-flight scheduling run.
-
-    1. Take the advisory lock without waiting. If another pass holds it, set the
-       "rerun requested" flag, so the running pass loops once more, and return.
-    2. Clear the flag and the "pass queued" mark (``claim_pass_request``; a task
-       that found the lock taken leaves the mark: the holder's next pass covers
-       the requests it stands for, and they enqueue no more tasks), run a pass;
-       loop while the flag was set again meanwhile, each further pass starting
-       ``GPULAB_PASS_MIN_SPACING`` s at the earliest after the previous one
-       started, and no sooner after it ended than it took (``_space_after``):
-       under a burst of submissions the passes
-       (each loading the whole queue and storing the waits' reasons) would
-       otherwise run back to back and hold the database's cores from the pages.
-       A first pass never waits, so an idle cluster starts a job at once.
-    3. Release the lock, then look at the flag once more: a request that arrived
-       between the last check and the release would otherwise be lost.
-    The lock is session-level: if the worker dies, PostgreSQL drops it with the
-    connection, and each pass's writes are one transaction, so nothing is half-applied.
-    """
-    flags = _redis_client()
-    key = _rerun_key()
-    passes: list[dict[str, Any]] = []
-    started: float | None = None  # when the last pass started
-    ended = 0.0  # and when it ended
-    for _ in range(MAX_LOOPS):
-        if not _try_lock():
-            flags.set(key, "1")
-            return {"skipped": "another pass is running", "passes": passes}
-        try:
-            while len(passes) < MAX_LOOPS:
-                if started is not None:
-                    _space_after(started, ended)
-                started = time.monotonic()
-                # About to load the state: a change committed from now on asks
-                # for a pass of its own (claim_pass_request).
-                flags.delete(key, _queued_key())
-                passes.append(run_one_pass())
-                ended = time.monotonic()
-                if not flags.exists(key):
-                    break
-        finally:
-            _unlock()
-        if not flags.exists(key) or len(passes) >= MAX_LOOPS:
-            break
-    return {"passes": passes}
-
-
-def _space_after(started: float, ended: float) -> None:
-    """Wait until ``GPULAB_PASS_MIN_SPACING`` s after the last pass started, and at
-    least as long after it ended as it took: passes hold at most half of the time.
-    A pass over thousands of waiting jobs took 1-2 s and ran back to back under a
-    job's churn; the pages waited on the database meanwhile."""
-    resume = max(started + settings.GPULAB_PASS_MIN_SPACING, ended + (ended - started))
-    wait = resume - time.monotonic()
-    if wait > 0:
-        time.sleep(wait)
 
 
 @shared_task(ignore_result=True)
 def schedule_pass() -> dict[str, Any]:
-    """Run the scheduler (triggered on submit, job exit, node change and by beat)."""
-    result = schedule_pass_body()
-    started = sum(p["started"] for p in result.get("passes", []))
-    if started:
-        log.info("schedule pass: %s", result)
-    return result
+    """Run the scheduler (triggered on submit, job exit, node change and by beat);
+    each pass logs its own statistics (``scheduler.pass_log``)."""
+    return schedule_pass_body()
 
 
 @shared_task(ignore_result=True)
@@ -223,6 +56,6 @@ def reconcile() -> dict[str, list[int]]:
 
 @shared_task(ignore_result=True)
 def maintain_metrics() -> dict[str, Any]:
-    """Roll samples up, keep partitions ahead, drop what is past retention; bring
-    the GPU hours (held / idle, the admin overview's) up to date (beat)."""
-    return {**metrics.maintain(), **hours.maintain()}
+    """Roll samples up, keep partitions ahead, drop what is past retention (beat;
+    the GPU hours are ``portal.accounting.tasks.maintain_hours``)."""
+    return metrics.maintain()

@@ -77,9 +77,9 @@ def _fast_passwords(request: pytest.FixtureRequest) -> None:
 @pytest.fixture(autouse=True)
 def _no_pass_queued() -> None:
     """Each test starts with no scheduling pass marked queued: an earlier test
-    that mocked the task out (``quiet``) left the mark (scheduler.tasks.
+    that mocked the task out (``quiet``) left the mark (scheduler.pass_requests.
     claim_pass_request), and its next pass request would enqueue nothing."""
-    from scheduler.tasks import _queued_key, _redis_client
+    from scheduler.pass_requests import _queued_key, _redis_client
 
     _redis_client().delete(_queued_key())
 

@@ -10,7 +10,9 @@ class AccountingConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from portal.accounting.live import Provider
         from portal.accounting.services import Handlers
         from scheduler import hooks
 
         hooks.register_accounting(Handlers())
+        hooks.register_usage(Provider())

@@ -1,5 +1,5 @@
 """GPU time held and idle, per GPU and UTC hour (``GpuHour``): kept by beat's
-``maintain_metrics`` so the admin overview sums a few thousand rows instead of
+``maintain_hours`` so the admin overview sums a few thousand rows instead of
 joining every allocation of 30 days to the metric history (13.5 s at 100k jobs;
 docs/architecture.md, "Admin console").
 
@@ -284,7 +284,7 @@ def _floor(moment: datetime, width: timedelta) -> datetime:
 
 def maintain(now: datetime | None = None) -> dict[str, Any]:
     """Recompute the stale hours up to the last whole minute (beat, every
-    minute, in ``maintain_metrics``), drop rows past ``GPULAB_ROLLUP_1H_DAYS``."""
+    minute, in ``tasks.maintain_hours``), drop rows past ``GPULAB_ROLLUP_1H_DAYS``."""
     now = now or timezone.now()
     until = _floor(now, timedelta(minutes=1))
     with connection.cursor() as cursor:

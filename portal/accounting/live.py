@@ -153,3 +153,10 @@ def load(
     return LiveCharges(
         now.timestamp(), settings.GPULAB_SHARED_CHARGE, dict(by_gpu), running
     )
+
+
+class Provider:
+    """``scheduler.hooks.Usage``: the running usage the scheduling pass reads."""
+
+    def running(self, now: datetime) -> LiveCharges:
+        return load(now)

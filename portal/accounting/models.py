@@ -61,7 +61,7 @@ class GpuHour(models.Model):
     first computed after its raw samples were dropped (no evidence kept).
 
     Written only by ``portal.accounting.hours.maintain`` (beat's
-    ``maintain_metrics``), which recomputes whole hours from the runs and the
+    ``maintain_hours``), which recomputes whole hours from the runs and the
     samples and replaces them: a rerun never adds twice.
     """
 

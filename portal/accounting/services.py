@@ -147,6 +147,9 @@ class Handlers:
     ) -> None:
         runs_changed(gpu_ids, since, until)
 
+    def samples_changed(self, since: datetime, now: datetime) -> None:
+        hours.note_change(since, now)
+
 
 def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
     """Recompute the records of every ended attempt on ``gpu_ids`` whose run

@@ -21,12 +21,15 @@ from django.db import connection
 from django.utils import timezone
 
 from portal.accounting import live
+from portal.quotas.alerts import record_alerts
 from portal.quotas.models import Quota
 from scheduler import policy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
     from datetime import datetime
+
+    from scheduler import hooks
 
 # q: the quotas with the start of their current period. A record or attempt
 # counts for a quota when it is the quota's group's (charged to it) or its user's.
@@ -195,3 +198,17 @@ def _running_seconds(
                 total += seconds
         out[q.pk] = total
     return out
+
+
+class Provider:
+    """``scheduler.hooks.Quotas``: the quota states a scheduling pass reads, and
+    the alerts recorded once it applied its decisions."""
+
+    def states(self, now: datetime, usage: hooks.RunningUsage) -> Sequence[QuotaState]:
+        # The usage is the one ``portal.accounting`` provided to the same pass.
+        if not isinstance(usage, live.LiveCharges):
+            raise TypeError(f"expected portal.accounting's LiveCharges, got {usage!r}")
+        return quota_states(now, live_charges=usage)
+
+    def pass_applied(self, states: Sequence[hooks.QuotaState]) -> int:
+        return len(record_alerts(s for s in states if isinstance(s, QuotaState)))

@@ -1,25 +1,27 @@
 """The admin overview (staff only): usage per group this month, cluster
 utilisation and idle GPU-hours per day over the last 30 days, the jobs flagged
-idle now, nodes needing attention. Figures from ``scheduler.overview``."""
+idle now, nodes needing attention (figures from ``portal.overview``), and the
+scheduling passes' statistics (``scheduler.pass_log``, like Slurm's ``sdiag``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
+import redis
 from django.conf import settings
 from django.contrib import admin
 from django.shortcuts import render
 from django.utils import timezone
 
+from portal import overview
 from portal.accounting import hours, live
 from portal.admin_site import staff_required
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
-from scheduler import overview
+from scheduler import pass_log
 
 if TYPE_CHECKING:
-    from datetime import datetime
-
     from django.http import HttpRequest, HttpResponse
 
 
@@ -52,6 +54,41 @@ def quotas_by_group(
     return out
 
 
+# How many of the kept passes the page lists (newest first).
+PASSES_SHOWN = 20
+
+
+def pass_statistics() -> dict[str, Any]:
+    """The last passes (``PASSES_SHOWN``; start as a datetime, times in ms) and
+    the totals since they began; with Redis unreachable, ``unavailable`` says so and
+    the rest of the page still shows."""
+    try:
+        records, totals = pass_log.recent(PASSES_SHOWN), pass_log.totals()
+    except redis.RedisError as exc:
+        return {"unavailable": repr(exc)}
+    return {
+        "recent": [
+            {
+                "at": datetime.fromtimestamp(r.at, tz=UTC),
+                "record": r,
+                "ms": {
+                    "total": r.total_s * 1000,
+                    "load": r.load_s * 1000,
+                    "decide": r.decide_s * 1000,
+                    "apply": r.apply_s * 1000,
+                },
+                "stages_ms": [(name, s * 1000) for name, s in r.stage_s.items()],
+            }
+            for r in records
+        ],
+        "totals": totals,
+        "since": None
+        if totals.since is None
+        else datetime.fromtimestamp(totals.since, tz=UTC),
+        "slow_s": settings.GPULAB_PASS_SLOW_S,
+    }
+
+
 @staff_required
 def admin_overview(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
@@ -82,5 +119,6 @@ def admin_overview(request: HttpRequest) -> HttpResponse:
         "through": hours.through(),
         "series": series,
         "nodes": list(overview.nodes_needing_attention()),
+        "passes": pass_statistics(),
     }
     return render(request, "admin/overview.html", context)

@@ -98,7 +98,7 @@ def request_pass() -> None:
     (``tasks.claim_pass_request``: it will see this change); with the broker
     (Redis) down, log it and go on: the change is committed, and beat's next
     trigger runs the pass."""
-    from scheduler.tasks import claim_pass_request, schedule_pass
+    from scheduler.pass_requests import claim_pass_request, schedule_pass
 
     try:
         if claim_pass_request():

@@ -18,9 +18,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.accounting import live
-from portal.quotas.usage import QuotaState, quota_states
-from scheduler import classes, policy, queue_order
+from scheduler import classes, hooks, policy, queue_order
 from scheduler.models import (
     Allocation,
     Attempt,
@@ -154,8 +152,8 @@ class Snapshot(NamedTuple):
     cluster: policy.ClusterState
     stored_waits: dict[int, StoredWait]
     # Every quota in its current period (``cluster.quotas`` are their views); the
-    # pass records their alerts (``portal.quotas.alerts.record_alerts``).
-    quotas: tuple[QuotaState, ...] = ()
+    # pass hands them back for their alerts (``hooks.quotas().pass_applied``).
+    quotas: tuple[hooks.QuotaState, ...] = ()
 
 
 def _cap(class_cap: float | None, own: float | None) -> float | None:
@@ -175,8 +173,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
     """Load what ``policy.decide`` needs in a fixed number of queries (never one
     per job): nodes, GPUs, live allocations, pending jobs (with their stored wait
     fields), running attempts, users' and groups' names, usage (the running
-    attempts' by the charging rule: ``portal.accounting.live``, one query),
-    quotas (two queries: ``portal.quotas.usage.quota_states``)."""
+    attempts' by the charging rule: ``hooks.usage()``, one query), quotas (two
+    queries: ``hooks.quotas()``)."""
     now = now or timezone.now()
     at = now.timestamp()
     specs = class_specs()
@@ -292,8 +290,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         stored_waits[pk] = (reason, message, order_key, breakdown, est_start)
     # The running attempts' GPU time so far by the charging rule (one query),
     # for fair share here and the quotas' live usage below.
-    live_charges = live.load(now)
-    charged = live_charges.seconds()
+    live_usage = hooks.usage().running(now)
+    charged = live_usage.seconds()
     running = []
     running_usage: dict[tuple[str, str], float] = {}
     for (
@@ -364,7 +362,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         | {r.workload for r in running if r.shareable},
     )
     running = _with_measured_slowdowns(running, gpus_of_attempt, now)
-    quotas = tuple(quota_states(now, live_charges=live_charges))
+    quotas = tuple(hooks.quotas().states(now, live_usage))
     cluster = policy.ClusterState(
         now=at,
         nodes=tuple(

@@ -128,7 +128,7 @@ def test_a_lost_launch_of_one_rank_is_sent_again(
     from django.db import connection
     from django.utils import timezone
 
-    from scheduler import events, services, tasks
+    from scheduler import events, pass_runner, services, tasks
     from scheduler.models import Attempt, Job, JobEvent
     from tests.factories import JobFactory
 
@@ -149,14 +149,16 @@ def test_a_lost_launch_of_one_rank_is_sent_again(
     # the scheduling lock (re-entrant for this connection), so the worker's passes
     # stand aside until then.
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+        cursor.execute("SELECT pg_advisory_lock(%s)", [pass_runner.SCHEDULE_LOCK_KEY])
     try:
         job = JobFactory(owner=alice, gpus=4, command=COMMAND, workdir="/tmp")
         with mock.patch("scheduler.events.send_to_agent", lossy):
             result = tasks.schedule_pass_body()
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_unlock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+            cursor.execute(
+                "SELECT pg_advisory_unlock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
+            )
     assert sum(p["started"] for p in result["passes"]) == 1
     assert len(dropped) == 1
     # Rank 0 runs (and may end); the job cannot end without rank 1.

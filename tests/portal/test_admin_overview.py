@@ -28,10 +28,12 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
+from portal import overview
 from portal.accounting import hours
 from portal.accounting.models import GpuHourStale
-from scheduler import metrics, overview, services
+from scheduler import metrics, pass_log, pass_requests, services
 from scheduler.models import Gpu, GpuRollup, Group, Job, Node
+from scheduler.policy import PassStats
 from tests.conftest import make_node
 from tests.factories import JobFactory, exited_data, start_job, started_data
 from tests.portal.quotas.helpers import quota
@@ -288,3 +290,71 @@ def test_a_groups_quota_is_shown_against_its_usage(
     # nlp used half of B's 2 h this month (its November part)
     assert "1.0 of 10.0 GPU-h (month, 10 %); 0 of 4 GPUs at once [hard]" in body
     assert body.count("no quota set") == 1  # vision has none
+
+
+@pytest.fixture
+def kept_passes() -> list[pass_log.PassRecord]:
+    """Two passes kept (on the real Redis), the later one stopped early."""
+    pass_requests._redis_client().delete(pass_log._recent_key(), pass_log._totals_key())
+    records = [
+        pass_log.PassRecord.of(
+            PassStats(considered=12, started=3, preempted=1, reserved=2,
+                      backfilled=1, stage_s={"ordering": 0.0042}),
+            at=datetime(2026, 11, 3, 9, 15, 0, tzinfo=UTC).timestamp(),
+            load_s=0.010, decide_s=0.020, apply_s=0.0123, total_s=0.0423,
+        ),
+        pass_log.PassRecord.of(
+            PassStats(considered=40, stop_reason="backfill test budget"),
+            at=datetime(2026, 11, 3, 9, 15, 5, tzinfo=UTC).timestamp(),
+            load_s=0.5, decide_s=1.0, apply_s=0.25, total_s=1.75,
+        ),
+    ]  # fmt: skip
+    for record in records:
+        pass_log.keep(record)
+    return records
+
+
+@pytest.mark.usefixtures("kept_passes")
+def test_staff_see_the_scheduling_passes(admin_user: User) -> None:
+    client = Client()
+    client.force_login(admin_user)
+
+    body = client.get(reverse("admin-overview")).content.decode()
+
+    section = body[body.index('id="passes"') : body.index('id="overview-series"')]
+    assert "2 passes since 2026-11-03 09:15 UTC" in section
+    assert "mean 0.896 s, slowest 1.750 s" in section
+    assert "52 jobs considered, 3 started" in section
+    assert '<td>backfill test budget</td><td class="num">1</td>' in section
+    rows = section[section.index('id="pass-recent"') :]
+    # newest first, times in ms
+    assert rows.index("2026-11-03 09:15:05") < rows.index("2026-11-03 09:15:00")
+    assert "1750.0" in rows and "42.3" in rows and "ordering 4.2" in rows
+
+
+@pytest.mark.usefixtures("kept_passes")
+@pytest.mark.parametrize("persona", ["alice", "charlie", "anonymous"])
+def test_others_never_see_the_scheduling_passes(
+    request: pytest.FixtureRequest, persona: str
+) -> None:
+    client = Client()
+    if persona != "anonymous":
+        client.force_login(request.getfixturevalue(persona))
+
+    response = client.get(reverse("admin-overview"), follow=True)
+
+    body = response.content.decode()
+    assert response.status_code in {200, 403}  # the login page, or forbidden
+    assert "backfill test budget" not in body
+    assert "Scheduling passes" not in body
+
+
+def test_the_overview_shows_when_no_pass_was_kept(admin_user: User) -> None:
+    pass_requests._redis_client().delete(pass_log._recent_key(), pass_log._totals_key())
+    client = Client()
+    client.force_login(admin_user)
+
+    body = client.get(reverse("admin-overview")).content.decode()
+
+    assert "0 passes." in body
+    assert "No pass recorded yet." in body

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection
 
-from scheduler import tasks
+from scheduler import pass_requests, pass_runner, tasks
 from scheduler.models import Allocation, Attempt, Gpu, Job
 from scheduler.services import starts
 from tests.conftest import make_node
@@ -97,7 +97,7 @@ def test_it_never_double_allocates_in_parallel_passes(
     make_node("node-c", 2)
     jobs = [JobFactory(owner=alice, gpus=shape[i % len(shape)]) for i in range(24)]
 
-    results, errors = _race(tasks.run_one_pass, THREADS)
+    results, errors = _race(pass_runner.run_one_pass, THREADS)
 
     assert errors == []
     _assert_no_double_allocation()
@@ -133,7 +133,7 @@ def test_it_fills_every_free_gpu_when_passes_race(
     for _ in range(10):
         JobFactory(owner=alice, gpus=1)
 
-    _results, errors = _race(tasks.run_one_pass, THREADS)
+    _results, errors = _race(pass_runner.run_one_pass, THREADS)
 
     assert errors == []
     assert Job.objects.filter(status=Job.Status.STARTING).count() == 6
@@ -144,10 +144,10 @@ def test_it_fills_every_free_gpu_when_passes_race(
 
 @pytest.fixture
 def redis_flags() -> Any:
-    flags = tasks._redis_client()
-    flags.delete(tasks._rerun_key())
+    flags = pass_requests._redis_client()
+    flags.delete(pass_requests._rerun_key())
     yield flags
-    flags.delete(tasks._rerun_key())
+    flags.delete(pass_requests._rerun_key())
 
 
 @pytest.fixture
@@ -166,12 +166,14 @@ def other_session() -> Any:
 def test_it_skips_and_flags_a_rerun_while_another_pass_holds_the_lock(
     redis_flags: Any, other_session: Any
 ) -> None:
-    other_session.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+    other_session.execute(
+        "SELECT pg_advisory_lock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
+    )
 
-    result = tasks.schedule_pass_body()
+    result = pass_runner.schedule_pass_body()
 
     assert result == {"skipped": "another pass is running", "passes": []}
-    assert redis_flags.exists(tasks._rerun_key())
+    assert redis_flags.exists(pass_requests._rerun_key())
 
 
 @pytest.mark.django_db(transaction=True)
@@ -180,34 +182,38 @@ def test_it_runs_once_the_lock_is_free_and_clears_the_flag(
 ) -> None:
     make_node("node-a", 2)
     job = JobFactory(owner=alice)
-    other_session.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
-    tasks.schedule_pass_body()
-    other_session.execute("SELECT pg_advisory_unlock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+    other_session.execute(
+        "SELECT pg_advisory_lock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
+    )
+    pass_runner.schedule_pass_body()
+    other_session.execute(
+        "SELECT pg_advisory_unlock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
+    )
 
-    result = tasks.schedule_pass_body()
+    result = pass_runner.schedule_pass_body()
 
     job.refresh_from_db()
     assert len(result["passes"]) == 1
     assert result["passes"][0]["started"] == 1
     assert job.status == Job.Status.STARTING
-    assert not redis_flags.exists(tasks._rerun_key())
+    assert not redis_flags.exists(pass_requests._rerun_key())
 
 
 @pytest.mark.django_db(transaction=True)
 def test_it_releases_the_lock_after_a_pass(
     redis_flags: Any, other_session: Any
 ) -> None:
-    tasks.schedule_pass_body()
+    pass_runner.schedule_pass_body()
 
     row = other_session.execute(
-        "SELECT pg_try_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY]
+        "SELECT pg_try_advisory_lock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
     ).fetchone()
 
     assert row == (True,)
 
 
 class FakePasses:
-    """A fake clock and sleep for ``scheduler.tasks``, and passes that each take
+    """A fake clock and sleep for ``scheduler.pass_runner``, and passes that each take
     ``took`` s on it, with a submission arriving during the first ``busy`` ones."""
 
     def __init__(
@@ -217,9 +223,9 @@ class FakePasses:
         self.slept: list[float] = []
         self.calls: list[float] = []
         self.flags, self.took, self.busy = flags, took, busy
-        monkeypatch.setattr(tasks.time, "monotonic", lambda: self.clock)
-        monkeypatch.setattr(tasks.time, "sleep", self.sleep)
-        monkeypatch.setattr(tasks, "run_one_pass", self.one_pass)
+        monkeypatch.setattr(pass_runner.time, "monotonic", lambda: self.clock)
+        monkeypatch.setattr(pass_runner.time, "sleep", self.sleep)
+        monkeypatch.setattr(pass_runner, "run_one_pass", self.one_pass)
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
@@ -229,7 +235,7 @@ class FakePasses:
         self.calls.append(self.clock)
         self.clock += self.took
         if len(self.calls) <= self.busy:
-            self.flags.set(tasks._rerun_key(), "1")
+            self.flags.set(pass_requests._rerun_key(), "1")
         return {"started": 0}
 
 
@@ -242,7 +248,7 @@ def test_a_rerun_waits_for_the_spacing_and_a_first_pass_never_does(
     settings.GPULAB_PASS_MIN_SPACING = 30.0
     fake = FakePasses(monkeypatch, redis_flags, took=2.0, busy=1)
 
-    result = tasks.schedule_pass_body()
+    result = pass_runner.schedule_pass_body()
 
     assert len(result["passes"]) == 2
     assert fake.slept == [28.0]  # nothing before the first pass
@@ -260,19 +266,23 @@ def test_pass_requests_while_one_is_queued_enqueue_it_once(
     queued_when_a_pass_ran: list[bool] = []
 
     def one_pass() -> dict[str, Any]:
-        queued_when_a_pass_ran.append(bool(redis_flags.exists(tasks._queued_key())))
+        queued_when_a_pass_ran.append(
+            bool(redis_flags.exists(pass_requests._queued_key()))
+        )
         return {"started": 0}
 
-    monkeypatch.setattr(tasks, "run_one_pass", one_pass)
+    monkeypatch.setattr(pass_runner, "run_one_pass", one_pass)
     delay = tasks.schedule_pass.delay  # mocked (_no_io)
     delay.reset_mock()  # type: ignore[attr-defined]
     for _ in range(5):
         request_pass()
     assert delay.call_count == 1
     # if its task were lost, requests would enqueue again within the TTL
-    assert 0 < redis_flags.ttl(tasks._queued_key()) <= tasks.QUEUED_TTL_S
+    assert (
+        0 < redis_flags.ttl(pass_requests._queued_key()) <= pass_requests.QUEUED_TTL_S
+    )
 
-    tasks.schedule_pass_body()  # the queued pass runs
+    pass_runner.schedule_pass_body()  # the queued pass runs
     request_pass()
     request_pass()
 
@@ -291,7 +301,7 @@ def test_a_long_pass_is_followed_by_a_rest_as_long_as_itself(
     settings.GPULAB_PASS_MIN_SPACING = 1.0
     fake = FakePasses(monkeypatch, redis_flags, took=5.0, busy=2)
 
-    tasks.schedule_pass_body()
+    pass_runner.schedule_pass_body()
 
     assert fake.calls == [1000.0, 1010.0, 1020.0]
     assert fake.slept == [5.0, 5.0]
@@ -308,15 +318,19 @@ def test_a_task_that_finds_a_pass_running_leaves_it_marked_queued(
 
     delay = tasks.schedule_pass.delay  # mocked (_no_io)
     delay.reset_mock()  # type: ignore[attr-defined]
-    other_session.execute("SELECT pg_advisory_lock(%s)", [tasks.SCHEDULE_LOCK_KEY])
+    other_session.execute(
+        "SELECT pg_advisory_lock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
+    )
     request_pass()
 
-    assert tasks.schedule_pass_body()["skipped"] == "another pass is running"
+    assert pass_runner.schedule_pass_body()["skipped"] == "another pass is running"
     request_pass()
 
     assert delay.call_count == 1
-    assert redis_flags.exists(tasks._rerun_key())
-    other_session.execute("SELECT pg_advisory_unlock(%s)", [tasks.SCHEDULE_LOCK_KEY])
-    tasks.schedule_pass_body()  # the holder's next round
+    assert redis_flags.exists(pass_requests._rerun_key())
+    other_session.execute(
+        "SELECT pg_advisory_unlock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
+    )
+    pass_runner.schedule_pass_body()  # the holder's next round
     request_pass()
     assert delay.call_count == 2

@@ -10,7 +10,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.core.exceptions import PermissionDenied
 
-from scheduler import policy, services, tasks
+from scheduler import pass_requests, policy, services, tasks
 from scheduler.models import Attempt, Job, JobEvent, Node
 from tests.factories import JobFactory, exited_data, start_job, started_data
 
@@ -118,7 +118,9 @@ def test_cancelling_a_waiting_job_asks_for_a_pass(
     if status == "held":
         services.hold_job(job.pk, by=admin)
         tasks.schedule_pass.delay.reset_mock()  # type: ignore[attr-defined]
-        tasks._redis_client().delete(tasks._queued_key())  # the hold's pass
+        pass_requests._redis_client().delete(
+            pass_requests._queued_key()
+        )  # the hold's pass
 
     with django_capture_on_commit_callbacks(execute=True):
         services.cancel_job(job.pk, by=alice)
