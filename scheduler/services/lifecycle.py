@@ -65,6 +65,8 @@ def transition(
        frees GPUs or changes the queue.
     Must run inside a transaction (the row lock needs one).
     """
+    if "status" in changes:
+        raise TypeError("transition() sets the status itself: pass it as `to`")
     at = at or timezone.now()
     stored = Job.objects.select_for_update().values_list("status", flat=True)
     source_state = stored.get(pk=job.pk)
@@ -115,7 +117,7 @@ def start_many(
     each, the jobs already locked by the caller (in id order, before their GPUs)
     and read PENDING under that lock.
 
-    One table check (every job comes from PENDING), one UPDATE (state, one more
+    One table check per state the jobs come from (PENDING), one UPDATE (state, one more
     attempt, the waiting reason cleared; it re-checks PENDING and raises
     ``ForbiddenTransition`` if a row was not, so the caller's savepoint rolls the
     batch back), one insert of the events; browsers told after commit.
