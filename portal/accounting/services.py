@@ -1,7 +1,7 @@
 """Charging GPU time: the only writer of ``UsageRecord`` and ``DailyUsage``.
 
 ``charge(attempt)`` runs in the transaction that ends an attempt
-(``scheduler.services.agent_verbs._end_attempt``, from the agent's exit, a lost
+(``scheduler.services.lifecycle.end_attempt``, from the agent's exit, a lost
 node or a given-up launch); ``recharge_after_start(attempt)`` in the one that
 records a start reported after a neighbour on its GPU already ended (a late
 report). Both recompute, on the attempt's GPUs, every ended attempt whose run

@@ -132,11 +132,39 @@ def _claim(delivery_id: int, now: datetime) -> Delivery | None:
         )
         if row is None:
             return None
-        row.status = Delivery.Status.SENDING
-        row.claimed_until = now + hold
-        row.attempts += 1
-        row.save(update_fields=["status", "claimed_until", "attempts"])
+        set_status(
+            row,
+            Delivery.Status.SENDING,
+            claimed_until=now + hold,
+            attempts=row.attempts + 1,
+        )
     return row
+
+
+# A delivery's states: PENDING -> SENDING when a worker claims it (again, once
+# the claim of a worker that died expired); SENDING -> SENT, back to PENDING
+# (retried later) or FAILED (given up).
+TRANSITIONS = frozenset(
+    {
+        (Delivery.Status.PENDING, Delivery.Status.SENDING),
+        (Delivery.Status.SENDING, Delivery.Status.SENDING),
+        (Delivery.Status.SENDING, Delivery.Status.SENT),
+        (Delivery.Status.SENDING, Delivery.Status.PENDING),
+        (Delivery.Status.SENDING, Delivery.Status.FAILED),
+    }
+)
+
+
+def set_status(row: Delivery, status: Delivery.Status, **fields: Any) -> None:
+    """The only writer of a delivery's status: ``row`` (as last read) moves to
+    ``status`` with ``fields``, in one UPDATE; ``ValueError`` for a change
+    ``TRANSITIONS`` does not allow, nothing written."""
+    if (row.status, status) not in TRANSITIONS:
+        raise ValueError(f"delivery {row.pk}: {row.status} -> {status} is not allowed")
+    Delivery.objects.filter(pk=row.pk).update(status=status, **fields)
+    row.status = status
+    for name, value in fields.items():
+        setattr(row, name, value)
 
 
 def send(delivery_id: int, now: datetime | None = None) -> SendResult | None:
@@ -158,24 +186,24 @@ def send(delivery_id: int, now: datetime | None = None) -> SendResult | None:
     except Exception as exc:
         error = _describe(exc)
         if row.attempts >= settings.GPULAB_NOTIFY_MAX_ATTEMPTS:
-            Delivery.objects.filter(pk=row.pk).update(
-                status=Delivery.Status.FAILED,
+            set_status(
+                row,
+                Delivery.Status.FAILED,
                 claimed_until=None,
                 last_error=f"gave up after {row.attempts} attempts: {error}"[:500],
             )
             log.warning("notification %s failed for good: %s", row.pk, error)
             return SendResult(row.pk, Delivery.Status.FAILED)
         wait = backoff(row.attempts)
-        Delivery.objects.filter(pk=row.pk).update(
-            status=Delivery.Status.PENDING,
+        set_status(
+            row,
+            Delivery.Status.PENDING,
             claimed_until=None,
             next_attempt_at=now + timedelta(seconds=wait),
             last_error=f"attempt {row.attempts}: {error}"[:500],
         )
         return SendResult(row.pk, Delivery.Status.PENDING, retry_in=wait)
-    Delivery.objects.filter(pk=row.pk).update(
-        status=Delivery.Status.SENT, claimed_until=None, sent_at=timezone.now()
-    )
+    set_status(row, Delivery.Status.SENT, claimed_until=None, sent_at=timezone.now())
     return SendResult(row.pk, Delivery.Status.SENT)
 
 

@@ -11,44 +11,34 @@ and management commands are adapters around these functions: they call
   checked) and job arrays (submit, cancel every task);
 - ``scheduling``: the pass's state (``cluster_state``) and its application
   (``apply_decisions``: starts, preemptions, waits);
+- ``lifecycle``: the only writer of a job's state (``transition``, checked
+  against ``scheduler.lifecycle``'s table; ``start_many`` for a pass's starts)
+  and of an attempt's end;
 - ``starts``: the starts of a pass (batched) and the ``job.launch`` frames;
-- ``agent_verbs``: what agents report (hello, heartbeats, metrics, starts, exits,
-  logs, progress) and the stored output read back;
+- what agents report, by concept: ``presence`` (authentication, hello,
+  heartbeats, disconnection; ``set_node_status``, the only writer of a node's
+  state), ``attempts`` (starts and exits), ``telemetry`` (GPU metrics, job
+  progress), ``logs`` (output chunks, and the stored output read back);
 - ``liveness``: lost nodes, time limits and lost launches (beat);
 - ``reconcile``: what agents say they hold against the database, drift repaired
   (beat);
-- ``nodes``: admin verbs on nodes and headline counts;
+- ``nodes``: admin verbs on nodes (register, rotate the token);
 - ``console``: the admin console's verbs: hold / release, requeue, priority
   class, node drain / maintenance / resume;
-- ``common``: events, after-commit helpers and kill frames the others share.
+- ``common``: events, after-commit passes, kill frames and errors the others
+  share.
 """
 
 from __future__ import annotations
 
-from scheduler.services.agent_verbs import (
-    FrameRefused,
-    HelloResult,
-    MetricsFrame,
-    append_log,
-    authenticate_node,
-    finish_attempt,
-    log_tail,
-    mark_started,
-    record_disconnect,
-    record_heartbeat,
-    record_hello,
-    record_metrics,
-    record_metrics_many,
-    record_progress,
-    record_report,
-)
 from scheduler.services.arrays import (
     MAX_ARRAY_INDEX,
     cancel_array,
     parse_array_spec,
     submit_array,
 )
-from scheduler.services.common import JobStateError, kill_frame
+from scheduler.services.attempts import finish_attempt, mark_started
+from scheduler.services.common import FrameRefused, JobStateError, kill_frame
 from scheduler.services.console import (
     NodeMode,
     hold_job,
@@ -80,17 +70,23 @@ from scheduler.services.jobs import (
     validate_job_request,
     validated_submission,
 )
+from scheduler.services.lifecycle import transition
 from scheduler.services.liveness import (
     TIME_LIMIT_MARGIN,
     enforce_time_limits,
     mark_lost_nodes,
     resend_launches,
 )
-from scheduler.services.nodes import (
-    create_node,
-    gpu_summary,
-    rotate_node_token,
-    set_draining,
+from scheduler.services.logs import append_log, log_tail
+from scheduler.services.nodes import create_node, rotate_node_token
+from scheduler.services.presence import (
+    HelloResult,
+    authenticate_node,
+    record_disconnect,
+    record_heartbeat,
+    record_hello,
+    record_report,
+    set_node_status,
 )
 from scheduler.services.reconcile import reconcile
 from scheduler.services.scheduling import (
@@ -114,6 +110,12 @@ from scheduler.services.starts import (
     rank_env,
     start_jobs,
     unix_account_of,
+)
+from scheduler.services.telemetry import (
+    MetricsFrame,
+    record_metrics,
+    record_metrics_many,
+    record_progress,
 )
 
 __all__ = [
@@ -151,7 +153,6 @@ __all__ = [
     "finish_attempt",
     "format_dependencies",
     "gpu_models",
-    "gpu_summary",
     "groups_of",
     "hold_job",
     "kill_frame",
@@ -180,13 +181,14 @@ __all__ = [
     "reset_interference_pairs",
     "resolve_dependencies",
     "rotate_node_token",
-    "set_draining",
     "set_node_mode",
+    "set_node_status",
     "set_priority_class",
     "snapshot",
     "start_jobs",
     "submit_array",
     "submit_job",
+    "transition",
     "unix_account_of",
     "validate_job_request",
     "validated_submission",

@@ -183,7 +183,7 @@ def cancel_array(array_id: int, *, by: User | None, reason: str = "") -> list[in
        once cancel each task once.
     2. Each one as ``cancel_job`` does (``_cancel_locked``): a waiting task ends
        CANCELLED at once, a running one gets ``job.kill``; one event each; one
-       pass asked for if any was waiting.
+       pass asked for (once) if any was waiting.
 
     ``by`` (None: gpulab itself) must be the array's owner or an admin with
     ``cancel_any_job`` (``Job.may_cancel``), else ``PermissionDenied``."""
@@ -203,7 +203,6 @@ def cancel_array(array_id: int, *, by: User | None, reason: str = "") -> list[in
             )
             .order_by("pk")
         )
-        waited = [_cancel_locked(t, by=by, reason=reason) for t in tasks]
-        if any(waited):
-            _pass_after_commit()  # once for the array, not once per task
+        for task in tasks:
+            _cancel_locked(task, by=by, reason=reason)
     return [t.pk for t in tasks]

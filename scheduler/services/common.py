@@ -1,5 +1,5 @@
-"""Helpers every verb shares: job events, timestamps, after-commit sends and passes,
-kill frames.
+"""Helpers every verb shares: job events, timestamps, after-commit passes, kill
+frames, and the errors the verbs raise.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
 from agents import protocol
-from scheduler import events, hooks, live
+from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 class JobStateError(Exception):
     """The job is not in a state that allows this action; ``str()`` says why."""
+
+
+class FrameRefused(Exception):
+    """A valid frame this node may not send (e.g. about another node's job); the
+    consumer answers with an ``error`` frame saying ``str()``, and acks it."""
 
 
 def _ts(value: float) -> datetime:
@@ -53,44 +58,17 @@ def _event(
     )
 
 
-def _after_commit_state_change(job: Job, message: str) -> None:
-    hooks.notifier().job_changed(job, message)  # an end or failure: the owner's outbox
-    transaction.on_commit(
-        partial(events.broadcast_job_status, job.pk, job.status, message)
-    )
-    # The queue page (and waiting jobs' pages) learn of it at the next live round.
-    transaction.on_commit(live.mark_queue_changed)
-
-
-def _record_transition(
-    job: Job,
-    old: str,
-    message: str,
-    *,
-    source: str,
-    at: datetime,
-    exit_code: int | None = None,
-    with_exit_code: bool = False,
-) -> None:
-    """Save a job whose new status the caller just set (it was ``old``): a status
-    other than PENDING ends the job (end time ``at``, ``message`` as its reason and,
-    ``with_exit_code``, its exit code); one JobEvent; browsers told on commit."""
-    fields = ["status", "finished_at", "end_reason"]
-    if with_exit_code:
-        fields.append("exit_code")
-    if job.status != Job.Status.PENDING:
-        job.finished_at = at
-        job.end_reason = message
-        if with_exit_code:
-            job.exit_code = exit_code
-    job.save(update_fields=fields)
-    _event(job, message, source=source, from_status=old, to_status=job.status, at=at)
-    _after_commit_state_change(job, message)
-
-
 def _pass_after_commit() -> None:
-    """Ask for a scheduling pass once the current transaction commits."""
-    transaction.on_commit(request_pass)
+    """Ask for a scheduling pass once the current transaction commits: once,
+    however many changes of the atomic blocks now open ask (a request registered
+    in all of them is already there)."""
+    connection = transaction.get_connection()
+    open_blocks = set(connection.savepoint_ids)
+    if not any(
+        func is request_pass and open_blocks <= sids
+        for sids, func, _ in connection.run_on_commit
+    ):
+        transaction.on_commit(request_pass)
 
 
 def request_pass() -> None:

@@ -17,14 +17,15 @@ from django.core.exceptions import PermissionDenied
 from django.db import transaction
 
 from scheduler import classes
+from scheduler.lifecycle import Cause
 from scheduler.models import Attempt, Job, JobEvent, Node
 from scheduler.services.common import (
     JobStateError,
-    _after_commit_state_change,
     _event,
     _pass_after_commit,
     _send_kill_on_commit,
 )
+from scheduler.services.lifecycle import announce, transition
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -68,32 +69,20 @@ def hold_job(job_id: int, *, by: User) -> Job:
         if not job.can_be_held_by(by):
             raise PermissionDenied(f"You may not hold job #{job.pk}.")
         who = by.get_username()
-        job.status = Job.Status.HELD
-        job.held_by = by
-        job.pending_reason = "held"
-        job.pending_message = f"held by {who}; it waits until released"
-        job.queue_order = None
-        job.est_start = None
-        job.save(
-            update_fields=[
-                "status",
-                "held_by",
-                "pending_reason",
-                "pending_message",
-                "queue_order",
-                "est_start",
-            ]
-        )
-        _event(
+        transition(
             job,
+            Job.Status.HELD,
+            Cause.HOLD,
             f"held by {who}",
             source=JobEvent.Source.USER,
             actor=by,
-            from_status=Job.Status.PENDING,
-            to_status=Job.Status.HELD,
+            notice="held",
+            held_by=by,
+            pending_reason="held",
+            pending_message=f"held by {who}; it waits until released",
+            queue_order=None,
+            est_start=None,
         )
-        _after_commit_state_change(job, "held")
-        _pass_after_commit()
     return job
 
 
@@ -112,24 +101,18 @@ def release_job(job_id: int, *, by: User) -> Job:
             raise PermissionDenied(
                 f"Job #{job.pk} was held by an admin; only an admin can release it."
             )
-        who = by.get_username()
-        job.status = Job.Status.PENDING
-        job.held_by = None
-        job.pending_reason = ""
-        job.pending_message = "waiting for the scheduler"
-        job.save(
-            update_fields=["status", "held_by", "pending_reason", "pending_message"]
-        )
-        _event(
+        transition(
             job,
-            f"released by {who} (its age is kept)",
+            Job.Status.PENDING,
+            Cause.RELEASE,
+            f"released by {by.get_username()} (its age is kept)",
             source=JobEvent.Source.USER,
             actor=by,
-            from_status=Job.Status.HELD,
-            to_status=Job.Status.PENDING,
+            notice="released",
+            held_by=None,
+            pending_reason="",
+            pending_message="waiting for the scheduler",
         )
-        _after_commit_state_change(job, "released")
-        _pass_after_commit()
     return job
 
 
@@ -177,7 +160,7 @@ def requeue_job(job_id: int, *, by: User) -> Job:
             actor=by,
         )
         _send_kill_on_commit(attempt, "requeued", job.kill_grace_s)
-        _after_commit_state_change(job, "requeueing")
+        announce(job, "requeueing")
     return job
 
 
@@ -217,7 +200,7 @@ def set_priority_class(job_id: int, priority_class: str, *, by: User) -> Job:
             source=JobEvent.Source.USER,
             actor=by,
         )
-        _after_commit_state_change(job, f"class {spec.name}")
+        announce(job, f"class {spec.name}")
         _pass_after_commit()
     return job
 

@@ -17,6 +17,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from scheduler import classes
+from scheduler.lifecycle import Cause
 from scheduler.models import (
     Attempt,
     Gpu,
@@ -30,7 +31,6 @@ from scheduler.models import (
 from scheduler.policy.predict import HISTORY, predict
 from scheduler.services.common import (
     JobStateError,
-    _after_commit_state_change,
     _event,
     _pass_after_commit,
     _send_kill_on_commit,
@@ -41,6 +41,7 @@ from scheduler.services.dependencies import (
     parse_dependencies,
     resolve_dependencies,
 )
+from scheduler.services.lifecycle import announce, transition
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -374,7 +375,7 @@ def submit_job(owner: User, req: JobRequest) -> Job:
             actor=owner,
             to_status=job.status,
         )
-        _after_commit_state_change(job, "submitted")
+        announce(job, "submitted")
         _pass_after_commit()
     return job
 
@@ -399,46 +400,32 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
             raise JobStateError(f"Job #{job.pk} has already ended ({job.status}).")
         if job.cancel_requested_at is not None:
             raise JobStateError(f"Job #{job.pk} is already being cancelled.")
-        if _cancel_locked(job, by=by, reason=reason):
-            _pass_after_commit()
+        _cancel_locked(job, by=by, reason=reason)
     return job
 
 
-def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> bool:
+def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
     """Steps 2-3 of ``cancel_job`` on a job the caller has locked and checked
-    (active, no cancel asked yet); ``services.cancel_array`` shares it. True if
-    the job was waiting (it ended at once): the caller asks for a pass."""
+    (active, no cancel asked yet); ``services.cancel_array`` shares it."""
     now = timezone.now()
     who = by.get_username() if by is not None else "gpulab"
     who += f" ({reason})" if reason else ""
     source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
     if job.status in (Job.Status.PENDING, Job.Status.HELD):
-        old = job.status
-        job.status = Job.Status.CANCELLED
-        job.finished_at = now
-        job.cancel_requested_at = now
-        job.pending_reason = job.pending_message = ""
-        job.end_reason = f"cancelled by {who}"[:200]
-        job.save(
-            update_fields=[
-                "status",
-                "finished_at",
-                "cancel_requested_at",
-                "pending_reason",
-                "pending_message",
-                "end_reason",
-            ]
-        )
-        _event(
+        transition(
             job,
+            Job.Status.CANCELLED,
+            Cause.CANCEL,
             f"cancelled by {who}",
             source=source,
             actor=by,
-            from_status=old,
-            to_status=job.status,
+            at=now,
+            notice="cancelled",
+            cancel_requested_at=now,
+            pending_reason="",
+            pending_message="",
         )
-        _after_commit_state_change(job, "cancelled")
-        return True
+        return
     job.cancel_requested_at = now
     job.save(update_fields=["cancel_requested_at"])
     attempt = job.attempt_set.filter(ended_at__isnull=True).first()
@@ -452,5 +439,4 @@ def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> bool:
         attempt.kill_reason = "cancelled"
         attempt.save(update_fields=["kill_reason"])
         _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
-    _after_commit_state_change(job, "cancelling")
-    return False
+    announce(job, "cancelling")

@@ -8,7 +8,7 @@ attempt's times, its slots' release and its charges (``UsageRecord`` and
 ``DailyUsage`` through ``hooks.accounting().runs_changed``, so its GPU neighbours' shares
 follow) are corrected, with a job event saying so.
 
-Called by ``agent_verbs.mark_started`` / ``finish_attempt`` with the attempt (and
+Called by ``attempts.mark_started`` / ``finish_attempt`` with the attempt (and
 job) row locked. Replays change nothing: a rank's start or exit already recorded
 (``rank_starts`` / ``rank_exits``, for single-node attempts too) is ignored.
 """
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from scheduler import hooks
 from scheduler.models import Allocation, Attempt, Job, JobEvent, Node, UsageRecord
 from scheduler.services.common import _event, _ts
+from scheduler.services.lifecycle import correct_attempt_end
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -118,10 +119,7 @@ def late_exit(attempt: Attempt, node_id: int, data: protocol.JobExitedData) -> b
         new_end = max([old_end, *ends])
     if attempt.started_at is not None and new_end < attempt.started_at:
         new_end = attempt.started_at
-    if attempt.exit_code is None:
-        attempt.exit_code = data.exit_code
-    attempt.ended_at = new_end
-    attempt.save(update_fields=["rank_exits", "ended_at", "exit_code"])
+    correct_attempt_end(attempt, new_end, data.exit_code)
     job = Job.objects.get(pk=attempt.job_id)
     name = Node.objects.values_list("name", flat=True).get(pk=node_id)
     what = f"exit on {name} ({data.reason}, exit code {data.exit_code})"

@@ -15,19 +15,13 @@ from django.db.models import Q
 from django.utils import timezone
 
 from scheduler import events
+from scheduler.lifecycle import node_lost, relaunch
 from scheduler.models import Attempt, Job, JobEvent, Node
-from scheduler.services.agent_verbs import (
-    _end_attempt,
-    launch_resent_message,
-    rank_launch,
-    relaunch_or_fail,
-)
-from scheduler.services.common import (
-    _event,
-    _pass_after_commit,
-    _record_transition,
-    _send_kill_on_commit,
-)
+from scheduler.services.attempts import launch_resent_message
+from scheduler.services.common import _event, _pass_after_commit, _send_kill_on_commit
+from scheduler.services.lifecycle import end_attempt, transition, unlaunched_attempts
+from scheduler.services.presence import set_node_status
+from scheduler.services.starts import rank_launch
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +44,7 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
             )
             if node is None:
                 continue
-            node.status = Node.Status.LOST
-            node.connected = False
-            node.save(update_fields=["status", "connected"])
+            set_node_status(node, Node.Status.LOST, connected=False)
             ended = node.last_seen_at or now
             for attempt in (
                 Attempt.objects.select_for_update()
@@ -64,22 +56,24 @@ def mark_lost_nodes(now: datetime | None = None) -> list[int]:
                 _send_kill_on_commit(
                     attempt, "node_lost", job.kill_grace_s, skip=node.pk
                 )
-                _end_attempt(
+                end_attempt(
                     attempt,
                     max(ended, attempt.started_at or ended),
                     Attempt.Outcome.NODE_LOST,
                     None,
                 )
-                old = job.status
-                if job.cancel_requested_at is not None:
-                    job.status = Job.Status.CANCELLED
-                elif job.requeue_on_node_loss:
-                    job.status = Job.Status.PENDING
-                else:
-                    job.status = Job.Status.FAILED
-                message = f"node {node.name} lost; job {job.status}"
-                _record_transition(
-                    job, old, message, source=JobEvent.Source.SYSTEM, at=now
+                verdict = node_lost(
+                    node.name,
+                    cancel_requested=job.cancel_requested_at is not None,
+                    requeue_on_node_loss=job.requeue_on_node_loss,
+                )
+                transition(
+                    job,
+                    verdict.to,
+                    verdict.cause,
+                    verdict.message,
+                    source=JobEvent.Source.SYSTEM,
+                    at=now,
                 )
             _pass_after_commit()
             lost.append(node.pk)
@@ -261,21 +255,27 @@ def _give_up(attempt: Attempt, job: Job, rank: int, node: Node, now: datetime) -
     and relaunch the job, or fail it past ``GPULAB_RELAUNCH_MAX`` (attempt and job
     locked)."""
     _send_kill_on_commit(attempt, "stale", job.kill_grace_s)
-    _end_attempt(
+    end_attempt(
         attempt,
         max(now, attempt.started_at or now),
         Attempt.Outcome.LAUNCH_LOST,
         None,
     )
-    old = job.status
-    if old not in Job.ON_NODE:  # the job moved on already: nothing to relaunch
+    if job.status not in Job.ON_NODE:  # the job moved on already: nothing to relaunch
         return
     who = f"rank {rank} of attempt" if len(attempt.node_ids) > 1 else "attempt"
-    message = relaunch_or_fail(
-        job,
+    verdict = relaunch(
         f"{who} {attempt.number} on {node.name} reported no start after "
         f"{attempt.launch_resends} re-sent launches",
+        unlaunched_attempts(job),
+        settings.GPULAB_RELAUNCH_MAX,
     )
-    _record_transition(job, old, message, source=JobEvent.Source.SYSTEM, at=now)
-    _pass_after_commit()
-    log.warning("job %d: %s", job.pk, message)
+    transition(
+        job,
+        verdict.to,
+        verdict.cause,
+        verdict.message,
+        source=JobEvent.Source.SYSTEM,
+        at=now,
+    )
+    log.warning("job %d: %s", job.pk, verdict.message)

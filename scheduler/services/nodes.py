@@ -1,4 +1,4 @@
-"""Admin verbs on nodes: register, rotate the agent token, drain; headline counts."""
+"""Admin verbs on nodes: register one, rotate its agent token."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from scheduler import events
-from scheduler.models import Allocation, Gpu, Job, Node
-from scheduler.services.common import _pass_after_commit
+from scheduler.models import Node
 
 
 def create_node(name: str) -> tuple[Node, str]:
@@ -43,31 +42,3 @@ def rotate_node_token(node_id: int) -> str:
             partial(events.revoke_agent_token, node.pk, node.token_hash)
         )
     return token
-
-
-def set_draining(node_id: int, *, draining: bool) -> None:
-    Node.objects.filter(pk=node_id).update(draining=draining)
-    if not draining:
-        _pass_after_commit()
-
-
-def gpu_summary() -> dict[str, int]:
-    """Headline counts for the overview page."""
-    gpus = Gpu.objects.filter(present=True)
-    busy = (
-        Allocation.objects.filter(released_at__isnull=True)
-        .values("gpu_id")
-        .distinct()
-        .count()
-    )
-    total = gpus.count()
-    return {
-        "gpus": total,
-        "busy": busy,
-        "free": max(0, total - busy),
-        "running": Job.objects.filter(status=Job.Status.RUNNING).count(),
-        "pending": Job.objects.filter(status=Job.Status.PENDING).count(),
-        "nodes_up": Node.objects.filter(status=Node.Status.UP).count(),
-        "nodes": Node.objects.count(),
-        "lost": Node.objects.filter(status=Node.Status.LOST).count(),
-    }

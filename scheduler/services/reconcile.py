@@ -2,7 +2,7 @@
 runs, and the repair of any drift (beat, ``scheduler.tasks.reconcile``).
 
 Evidence. Every heartbeat and hello lists the attempts the agent holds (running, or
-ended with the exit not yet acknowledged); ``record_report`` (``agent_verbs``) keeps,
+ended with the exit not yet acknowledged); ``record_report`` (``presence``) keeps,
 per node, when it last reported (``AgentReport``) and, per attempt, when it was last
 listed (``AgentSighting``). An attempt is *held now* when it was in the node's
 latest report.
@@ -43,7 +43,7 @@ from django.utils import timezone
 from agents import protocol
 from scheduler import events
 from scheduler.models import AgentReport, AgentSighting, Attempt, JobEvent, Node
-from scheduler.services.agent_verbs import finish_attempt
+from scheduler.services.attempts import finish_attempt
 from scheduler.services.common import _event, kill_frame
 
 log = logging.getLogger(__name__)

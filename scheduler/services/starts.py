@@ -9,13 +9,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from agents import protocol
 from scheduler import events
+from scheduler.lifecycle import Cause
 from scheduler.models import Allocation, Attempt, Gpu, Job, JobEvent, Node, Profile
-from scheduler.services.common import _after_commit_state_change, _event
+from scheduler.services.lifecycle import END_REASON_MAX, start_many, transition
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence, Set
@@ -68,7 +68,7 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
        to an earlier start of this batch, a node down, draining or in maintenance): skip it.
     3. Create the attempts (``node`` = rank 0; ``ranks`` = every node, for a job
        spanning nodes) and one allocation per GPU slot in two bulk inserts; the jobs
-       go STARTING in one UPDATE; one event each, in one insert.
+       go STARTING (``lifecycle.start_many``: one UPDATE, one insert of events).
     4. After commit, send each node its ``job.launch`` (with its rank variables).
     Raises ``IntegrityError`` or ``_Unlaunchable`` with the savepoint rolled back.
     """
@@ -168,21 +168,12 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
             Attempt.objects.filter(
                 pk__in=[a.pk for a in attempts if a.job_id in admissions]
             ).update(shared_at=now)
-        Job.objects.filter(pk__in=[job.pk for job, _, _ in planned]).update(
-            status=Job.Status.STARTING,
-            attempts=F("attempts") + 1,
-            pending_reason="",
-            pending_message="",
-        )
-        started: list[JobEvent] = []
-        sends: list[tuple[Job, list[tuple[int, dict[str, Any]]], str]] = []
+        started: list[tuple[Job, str, str]] = []
+        sends: list[tuple[int, dict[str, Any]]] = []
         for attempt, (job, node_ids, held) in zip(attempts, planned, strict=True):
-            job.attempts = attempt.number
-            job.status = Job.Status.STARTING
-            job.pending_reason = job.pending_message = ""
             by_node = {n: [g for g in held if g.node_id == n] for n in node_ids}
             try:
-                launches = [
+                sends += [
                     (
                         n,
                         launch_frame(
@@ -203,24 +194,18 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
                 where += (
                     f", shared with job(s) {partners}: {attempt.admission['message']}"
                 )
+            names = ", ".join(nodes[n].name for n in node_ids)
             started.append(
-                JobEvent(
-                    job=job,
-                    message=f"attempt {attempt.number} allocated {where}"[:500],
-                    source=JobEvent.Source.SCHEDULER,
-                    from_status=Job.Status.PENDING,
-                    to_status=job.status,
-                    at=now,
+                (
+                    job,
+                    f"attempt {attempt.number} allocated {where}",
+                    f"starting on {names}",
                 )
             )
-            names = ", ".join(nodes[n].name for n in node_ids)
-            sends.append((job, launches, f"starting on {names}"))
-        JobEvent.objects.bulk_create(started)
+        start_many(started, at=now)
         # Registered last: a savepoint rolled back above drops nothing half-sent.
-        for job, launches, message in sends:
-            for node_id, launch in launches:
-                transaction.on_commit(partial(events.send_to_agent, node_id, launch))
-            _after_commit_state_change(job, message)
+        for node_id, launch in sends:
+            transaction.on_commit(partial(events.send_to_agent, node_id, launch))
     return len(planned)
 
 
@@ -299,18 +284,14 @@ def _fail_unlaunchable(job_id: int, problem: str) -> None:
         job = Job.objects.select_for_update().get(pk=job_id)
         if job.status != Job.Status.PENDING:
             return
-        job.status = Job.Status.FAILED
-        job.finished_at = timezone.now()
-        job.end_reason = f"cannot be launched: {problem}"[:200]
-        job.save(update_fields=["status", "finished_at", "end_reason"])
-        _event(
+        message = f"cannot be launched: {problem}"[:END_REASON_MAX]
+        transition(
             job,
-            job.end_reason,
+            Job.Status.FAILED,
+            Cause.UNLAUNCHABLE,
+            message,
             source=JobEvent.Source.SCHEDULER,
-            from_status=Job.Status.PENDING,
-            to_status=job.status,
         )
-        _after_commit_state_change(job, job.end_reason)
 
 
 def unix_account_of(user_id: int) -> str | None:
@@ -390,3 +371,14 @@ def launch_frame(
             ),
         ),
     )
+
+
+def rank_launch(attempt: Attempt, node_id: int) -> dict[str, Any]:
+    """The ``job.launch`` of the attempt's rank on ``node_id``: its GPUs there (and,
+    for a job spanning nodes, that rank's variables)."""
+    gpus = [
+        a.gpu
+        for a in attempt.allocations.select_related("gpu").filter(gpu__node_id=node_id)
+    ]
+    unique = list({g.pk: g for g in gpus}.values())
+    return launch_frame(attempt.job, attempt, unique)

@@ -128,6 +128,23 @@ def test_a_webhook_that_recovers_is_sent(alice: User, receiver: Receiver) -> Non
     ] * 2
 
 
+def test_a_sent_delivery_is_never_claimed_again(
+    alice: User, receiver: Receiver
+) -> None:
+    webhook_only(alice, receiver.url)
+    [row] = services.notify(alice, Kind.JOB_ENDED, "Job #1 completed", "text")
+    services.send(row.pk)
+    row.refresh_from_db()
+
+    with pytest.raises(ValueError, match="sent -> sending is not allowed"):
+        services.set_status(row, Delivery.Status.SENDING)
+
+    row.refresh_from_db()
+    assert (row.status, row.attempts) == (Delivery.Status.SENT, 1)
+    assert services.send(row.pk) is None  # not due: nothing sent twice
+    assert len(receiver.requests) == 1
+
+
 def test_backoff_is_capped(settings: Any) -> None:
     settings.GPULAB_NOTIFY_BACKOFF = 30.0
     settings.GPULAB_NOTIFY_BACKOFF_CAP = 100.0
