@@ -73,7 +73,7 @@ def _pass_after_commit() -> None:
 
 def request_pass() -> None:
     """Enqueue a scheduling pass, unless one is already queued and not yet begun
-    (``tasks.claim_pass_request``: it will see this change); with the broker
+    (``pass_requests.claim_pass_request``: it will see this change); with the broker
     (Redis) down, log it and go on: the change is committed, and beat's next
     trigger runs the pass."""
     from scheduler.pass_requests import claim_pass_request, schedule_pass
