@@ -1,0 +1,21 @@
+"""The console's view of the charging ledger."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from scheduler.models import UsageRecord
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
+    list_display = (
+        "attempt",
+        "gpu",
+        "user",
+        "group",
+        "started_at",
+        "ended_at",
+        "gpu_seconds",
+    )
+    list_filter = ("group",)
