@@ -19,7 +19,6 @@ from agents.core import AGENT_VERSION, AgentCore
 log = logging.getLogger(__name__)
 
 LINK_STABLE_S = 30.0  # a link up this long resets the backoff
-REJECTED_CODES = {4401, 4403}
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:
@@ -140,7 +139,7 @@ class Link(AgentCore):
                             await ws.close()
                         raise
                 code = ws.close_code
-                if code in REJECTED_CODES:
+                if code in p.TOKEN_REJECTED:
                     log.error(
                         "server rejected the token (close code %s); retrying", code
                     )
@@ -160,7 +159,7 @@ class Link(AgentCore):
                 if (
                     isinstance(exc, ConnectionClosed)
                     and exc.rcvd
-                    and exc.rcvd.code in REJECTED_CODES
+                    and exc.rcvd.code in p.TOKEN_REJECTED
                 ):
                     log.error(
                         "server rejected the token (close code %s); retrying",
