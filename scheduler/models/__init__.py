@@ -29,17 +29,22 @@ from scheduler.models.jobs import (
     may_cancel,
 )
 from scheduler.models.nodes import (
+    NODE_MODE_VERBS,
     AgentReport,
     AgentSighting,
     Gpu,
     Node,
+    NodeModeVerb,
     NodeQuerySet,
     hash_token,
+    mode_flags,
+    node_mode,
 )
 from scheduler.models.telemetry import GpuRollup, GpuSample
 from scheduler.models.usage import UsageRecord
 
 __all__ = [
+    "NODE_MODE_VERBS",
     "QUEUE_ORDER",
     "AgentReport",
     "AgentSighting",
@@ -58,6 +63,7 @@ __all__ = [
     "JobQuerySet",
     "Membership",
     "Node",
+    "NodeModeVerb",
     "NodeQuerySet",
     "Profile",
     "ProgressSample",
@@ -65,4 +71,6 @@ __all__ = [
     "attach_queue_positions",
     "hash_token",
     "may_cancel",
+    "mode_flags",
+    "node_mode",
 ]

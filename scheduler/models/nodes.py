@@ -7,12 +7,38 @@ import hashlib
 import hmac
 import secrets
 from datetime import datetime, timedelta
-from typing import ClassVar
+from typing import ClassVar, Final, Literal
 
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+# What an admin may do to a node (the console, the node page, the API): drain and
+# maintenance each keep it from taking new jobs while running ones finish
+# (maintenance also says why: an admin works on it); resume clears both.
+NodeModeVerb = Literal["drain", "maintenance", "resume"]
+NODE_MODE_VERBS: Final[tuple[NodeModeVerb, ...]] = ("drain", "maintenance", "resume")
+
+
+def node_mode(*, draining: bool, maintenance: bool) -> str:
+    """The mode a node's flags show: "maintenance" (it says why, so it wins),
+    "draining", or "" (it takes jobs if it is up)."""
+    if maintenance:
+        return "maintenance"
+    return "draining" if draining else ""
+
+
+def mode_flags(verb: str, *, draining: bool, maintenance: bool) -> tuple[bool, bool]:
+    """The (draining, maintenance) flags ``verb`` leaves on a node that has these;
+    ValueError for a verb not in ``NODE_MODE_VERBS``."""
+    if verb == "drain":
+        return True, maintenance
+    if verb == "maintenance":
+        return draining, True
+    if verb == "resume":
+        return False, False
+    raise ValueError(f"Unknown node mode {verb!r}.")
 
 
 def hash_token(token: str) -> str:
@@ -101,10 +127,16 @@ class Node(models.Model):
 
     @property
     def mode(self) -> str:
-        """What the admin set: "maintenance", "draining" or "" (takes jobs)."""
-        if self.maintenance:
-            return "maintenance"
-        return "draining" if self.draining else ""
+        """What the admin set: "maintenance", "draining" or "" (``node_mode``)."""
+        return node_mode(draining=self.draining, maintenance=self.maintenance)
+
+    def apply_mode(self, verb: str) -> bool:
+        """Set the flags ``verb`` leaves (``mode_flags``), unsaved; whether they
+        changed."""
+        before = (self.draining, self.maintenance)
+        after = mode_flags(verb, draining=self.draining, maintenance=self.maintenance)
+        self.draining, self.maintenance = after
+        return after != before
 
     def is_stale(self, now: datetime) -> bool:
         if self.last_seen_at is None:
