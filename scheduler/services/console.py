@@ -10,14 +10,14 @@ and only after commit broadcasts and asks for a scheduling pass.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
 
 from scheduler import classes
-from scheduler.models import Attempt, Job, JobEvent, Node
+from scheduler.models import Attempt, Job, JobEvent, Node, NodeModeVerb
 from scheduler.services.common import (
     JobStateError,
     _after_commit_state_change,
@@ -29,7 +29,8 @@ from scheduler.services.common import (
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-NodeMode = Literal["drain", "maintenance", "resume"]
+# The verbs of ``set_node_mode`` and the flags each leaves: ``scheduler.models.nodes``.
+NodeMode = NodeModeVerb
 
 
 def _locked_job(job_id: int) -> Job:
@@ -241,16 +242,7 @@ def set_node_mode(node_id: int, mode: NodeMode, *, by: User | None) -> bool:
         )
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
-        before = (node.draining, node.maintenance)
-        if mode == "drain":
-            node.draining = True
-        elif mode == "maintenance":
-            node.maintenance = True
-        elif mode == "resume":
-            node.draining = node.maintenance = False
-        else:
-            raise ValueError(f"Unknown node mode {mode!r}.")
-        if (node.draining, node.maintenance) == before:
+        if not node.apply_mode(mode):  # the flags each verb leaves: models.nodes
             return False
         node.save(update_fields=["draining", "maintenance"])
         if by is not None:
