@@ -1,18 +1,21 @@
-"""What the console's actions share: the acting admin, the per-object report of
-an action, and a count subquery for list columns."""
+"""What the console's admins share: the acting admin, the per-object report of
+an action, a count subquery for list columns, and the admin of a record that
+nobody edits by hand."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.contrib import admin, messages
 from django.contrib.auth.models import User
-from django.db.models import Count, Subquery, Value
+from django.db.models import Count, Model, Subquery, Value
 from django.db.models.functions import Coalesce
 
 if TYPE_CHECKING:
     from django.db.models import QuerySet
     from django.http import HttpRequest
+
+_M = TypeVar("_M", bound=Model)
 
 
 def acting_user(request: HttpRequest) -> User:
@@ -43,3 +46,23 @@ def count_subquery(queryset: QuerySet[Any], key: str, field: str) -> Coalesce:
     """COUNT(DISTINCT field) of a queryset filtered on OuterRef, as a subquery."""
     rows = queryset.order_by().values(key).annotate(n=Count(field, distinct=True))
     return Coalesce(Subquery(rows.values("n")[:1]), Value(0))
+
+
+class ReadOnlyAdmin(admin.ModelAdmin[_M]):
+    """A record gpulab writes (a job's history, the charging ledger, what the
+    agents reported): listed and shown, never added, changed or deleted by hand,
+    whoever asks (superusers too): a POST to its change or delete page is
+    refused (403) and changes nothing."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: _M | None = None
+    ) -> bool:
+        return False
+
+    def has_delete_permission(
+        self, request: HttpRequest, obj: _M | None = None
+    ) -> bool:
+        return False

@@ -1,20 +1,21 @@
 """The console's jobs and their records: jobs with the admin's verbs as actions
 (cancel, requeue, priority class, hold, release), each behind its permission,
-reporting per job and changing state only through ``scheduler.services``; their
-attempts, allocations, events, output and progress samples."""
+reporting per job and changing state only through ``scheduler.services``; a
+waiting job's request changed through ``services.change_job_request``; their
+attempts, allocations, events, output and progress samples, read only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin
 from django.contrib.admin import helpers
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import OuterRef, Subquery
 from django.template.response import TemplateResponse
 
-from portal.admin.common import acting_user, report_action
+from portal.admin.common import ReadOnlyAdmin, acting_user, report_action
 from portal.idle.admin import IdleJobFilter
 from scheduler import classes, services
 from scheduler.models import (
@@ -34,10 +35,55 @@ if TYPE_CHECKING:
 
 
 class JobEventInline(admin.TabularInline[JobEvent, Job]):
+    """The job's history, read only (written by the services)."""
+
     model = JobEvent
     extra = 0
     can_delete = False
     readonly_fields = ("at", "source", "actor", "from_status", "to_status", "message")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class JobRequestForm(forms.ModelForm[Job]):
+    """The change form of a waiting job: the request as it would become is
+    checked by the submit form's and the API's rules
+    (``services.validate_request_change``), every problem at once."""
+
+    class Meta:
+        model = Job
+        fields = services.REQUEST_FIELDS
+
+    def changes(self) -> dict[str, Any]:
+        """The request fields the admin changed, cleaned by the form."""
+        return {
+            f: self.cleaned_data[f]
+            for f in self.changed_data
+            if f in services.REQUEST_FIELDS and f in self.cleaned_data
+        }
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        changes = self.changes()
+        env = changes.get("env")
+        if env is not None and not (
+            isinstance(env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        ):
+            self.add_error("env", 'A JSON object of names and text values: {"A": "1"}.')
+            return cleaned
+        if not changes:
+            return cleaned
+        try:
+            services.validate_request_change(self.instance, changes)
+        except ValidationError as exc:
+            for field, messages in exc.message_dict.items():
+                self.add_error(field if field in self.fields else None, messages)
+        return cleaned
 
 
 class PriorityClassForm(forms.Form):
@@ -53,7 +99,15 @@ class JobAdmin(admin.ModelAdmin[Job]):
     """Every job, with the admin's verbs as actions (cancel, requeue, priority
     class, hold, release), each behind its permission and reporting per job. State
     is changed only through ``scheduler.services``; jobs are not added or deleted
-    here (submit from the portal; deleting would lose their usage)."""
+    here (submit from the portal; deleting would lose their usage).
+
+    A job's request (``services.REQUEST_FIELDS``) may be changed in its change
+    form while it waits, validated as at submission and written by
+    ``services.change_job_request`` (one event, and the admin's history); once it
+    has left PENDING the form is read only and a POST to it is refused (403).
+    Every other field is read only always."""
+
+    form = JobRequestForm
 
     list_display = (
         "id",
@@ -121,6 +175,39 @@ class JobAdmin(admin.ModelAdmin[Job]):
         self, request: HttpRequest, obj: Job | None = None
     ) -> bool:
         return False
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: Job | None = None
+    ) -> bool:
+        """A job's change form takes changes only while it waits."""
+        if obj is not None and obj.status != Job.Status.PENDING:
+            return False
+        return super().has_change_permission(request, obj)
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: Job | None = None
+    ) -> tuple[str, ...]:
+        editable = services.REQUEST_FIELDS if obj is not None else ()
+        rest = [
+            f.name
+            for f in Job._meta.fields
+            if f.name not in editable and f.name not in self.readonly_fields
+        ]
+        return (*self.readonly_fields, *rest)
+
+    def save_model(
+        self,
+        request: HttpRequest,
+        obj: Job,
+        form: JobRequestForm,
+        change: bool,  # noqa: FBT001 - Django's signature
+    ) -> None:
+        """Through the service: it locks the job, checks that it still waits and
+        validates again (a job that started meanwhile: 403, nothing changed)."""
+        try:
+            services.change_job_request(obj.pk, form.changes(), by=acting_user(request))
+        except services.JobStateError as exc:
+            raise PermissionDenied(str(exc)) from exc
 
     def has_cancel_any_job_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("scheduler.cancel_any_job")
@@ -229,7 +316,7 @@ class JobAdmin(admin.ModelAdmin[Job]):
 
 
 @admin.register(Attempt)
-class AttemptAdmin(admin.ModelAdmin[Attempt]):
+class AttemptAdmin(ReadOnlyAdmin[Attempt]):
     list_display = (
         "job",
         "number",
@@ -244,24 +331,26 @@ class AttemptAdmin(admin.ModelAdmin[Attempt]):
 
 
 @admin.register(Allocation)
-class AllocationAdmin(admin.ModelAdmin[Allocation]):
+class AllocationAdmin(ReadOnlyAdmin[Allocation]):
     list_display = ("attempt", "gpu", "slot", "allocated_at", "released_at")
     readonly_fields = tuple(f.name for f in Allocation._meta.fields)
 
 
 @admin.register(JobEvent)
-class JobEventAdmin(admin.ModelAdmin[JobEvent]):
+class JobEventAdmin(ReadOnlyAdmin[JobEvent]):
+    """Every job's history, written by the services only."""
+
     list_display = ("job", "at", "source", "from_status", "to_status", "message")
     list_filter = ("source",)
 
 
 @admin.register(JobLogChunk)
-class JobLogChunkAdmin(admin.ModelAdmin[JobLogChunk]):
+class JobLogChunkAdmin(ReadOnlyAdmin[JobLogChunk]):
     list_display = ("attempt", "offset")
 
 
 @admin.register(ProgressSample)
-class ProgressSampleAdmin(admin.ModelAdmin[ProgressSample]):
+class ProgressSampleAdmin(ReadOnlyAdmin[ProgressSample]):
     list_display = ("attempt", "at", "step")
     list_select_related = ("attempt",)
     readonly_fields = tuple(f.name for f in ProgressSample._meta.fields)

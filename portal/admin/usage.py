@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from django.contrib import admin
 
+from portal.admin.common import ReadOnlyAdmin
 from scheduler.models import UsageRecord
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
+class UsageRecordAdmin(ReadOnlyAdmin[UsageRecord]):
+    """The charging ledger, written by the accounting only."""
+
     list_display = (
         "attempt",
         "gpu",
