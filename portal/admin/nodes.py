@@ -196,6 +196,10 @@ class NodeAdmin(admin.ModelAdmin[Node]):
 
 @admin.register(Gpu)
 class GpuAdmin(admin.ModelAdmin[Gpu]):
+    """GPUs as their agents report them (read only; a GPU is added by its node's
+    hello and never deleted here); ``slots``, how many jobs may share it, is the
+    admin's setting."""
+
     list_display = (
         "node",
         "index",
@@ -206,4 +210,12 @@ class GpuAdmin(admin.ModelAdmin[Gpu]):
         "latest_at",
     )
     list_filter = ("node", "name", "present")
-    readonly_fields = ("latest", "latest_at")
+    readonly_fields = tuple(f.name for f in Gpu._meta.fields if f.name != "slots")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(
+        self, request: HttpRequest, obj: Gpu | None = None
+    ) -> bool:
+        return False

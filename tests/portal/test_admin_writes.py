@@ -244,3 +244,28 @@ def test_the_service_refuses_a_job_that_left_the_queue_and_a_user_without_change
         services.validate_request_change(job, {"status": "pending"})
     job.refresh_from_db()
     assert (job.gpus, job.status) == (1, Job.Status.STARTING)
+
+
+def test_a_gpu_keeps_what_its_agent_reported_and_takes_the_admins_slots(
+    admin_user: User, cluster: list[Node]
+) -> None:
+    gpu = cluster[0].gpus.order_by("index").first()
+    assert gpu is not None
+    client = superuser_client(admin_user)
+    url = reverse("admin:scheduler_gpu_change", args=[gpu.pk])
+    data = form_data(client, url)
+    assert set(data) == {"slots"}
+
+    response = client.post(
+        url, {"slots": "2", "present": "", "memory_total_mib": "1", "mig_enabled": "on"}
+    )
+
+    assert response.status_code == 302
+    gpu.refresh_from_db()
+    assert (gpu.slots, gpu.present, gpu.memory_total_mib, gpu.mig_enabled) == (
+        2,
+        True,
+        81920,
+        False,
+    )
+    assert client.post(reverse("admin:scheduler_gpu_add"), {}).status_code == 403
