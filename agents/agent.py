@@ -19,139 +19,49 @@
 
 SIGTERM/SIGINT set ``shutdown``; the agent closes the websocket and returns, never
 killing jobs (their shims run in their own sessions).
+
+``Agent`` is assembled from parts that share ``agents.core.AgentCore`` (the
+configuration, the state and how frames are made): ``agents.reaper`` (the job
+directories: ``reaper``), ``agents.link`` (the connection: ``link``); this module
+holds the recovery at start, the server's commands, the samples (``sampler``,
+``heartbeat``) and the supervisor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import json
 import logging
 import os
-import random
 import shutil
-import socket
 import time
-import uuid
-from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from typing import TYPE_CHECKING
 
 from agents import protocol as p
-from agents.launcher import STOP_CUT_OFF, STOP_TIME_LIMIT, Job, Launcher, Outcome
-from agents.spool import SeqCounter, Spool
-from agents.statedir import StateDir, atomic_write, read_int
+from agents.core import AGENT_VERSION, DONE_MEMORY, AgentCore, Config, SimHooks
+from agents.link import Link, backoff_delay
+from agents.reaper import Reaper
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
-    from pathlib import Path
 
     from agents.nvml import GpuReader
 
 log = logging.getLogger(__name__)
 
-AGENT_VERSION = "0.1.0"
-LOG_CHUNK_BYTES = 64 * 1024
-LINK_STABLE_S = 30.0  # a link up this long resets the backoff
-REJECTED_CODES = {4401, 4403}
-DONE_MEMORY = 4096  # finished attempts remembered to answer repeated launches
+__all__ = ["AGENT_VERSION", "Agent", "AgentCore", "Config", "SimHooks", "backoff_delay"]
 
 
-class SimHooks(Protocol):
-    def attach(
-        self, attempt_id: int, gpu_uuids: list[str], pid: int, env: dict[str, str]
-    ) -> None: ...
+class Agent(Reaper, Link):
+    """The node agent: recovers its jobs from the state directory, obeys the
+    server's commands, samples the GPUs, and supervises its four loops."""
 
-    def detach(self, attempt_id: int) -> None: ...
-
-
-@dataclass
-class Config:
-    server: str
-    token: str
-    state_dir: Path
-    heartbeat_s: float = 5.0
-    sample_interval_s: float = 1.0
-    backoff_base_s: float = 1.0
-    backoff_cap_s: float = 20.0
-    reap_interval_s: float = 0.25
-    allow_root_jobs: bool = False
-    hostname: str = ""
-    # Jobs without run_as run as this account when the agent is root.
-    default_account: str | None = None
-    # While disconnected: one metrics frame per this many seconds goes to the spool.
-    spool_metrics_interval_s: float = 10.0
-    spool_max_bytes: int = 64 * 1024 * 1024
-    # Stop every job once the link has been down this long (None: never).
-    kill_after_disconnect_s: float | None = None
-
-
-def backoff_delay(attempt: int, base: float, cap: float) -> float:
-    """Exponential backoff with full jitter: uniform(0, min(cap, base * 2**attempt))."""
-    return random.uniform(0, min(cap, base * 2 ** min(attempt, 32)))
-
-
-class Agent:
     def __init__(
         self, config: Config, reader: GpuReader, sim: SimHooks | None = None
     ) -> None:
-        self.config = config
-        self.reader = reader
-        self.sim = sim
-        self.hostname = config.hostname or socket.gethostname()
-        self.incarnation = uuid.uuid4().hex
-        self.shutdown = asyncio.Event()
-        self.state = StateDir(config.state_dir)
-        self.state.ensure()
-        self.launcher = Launcher(
-            self.state,
-            allow_root_jobs=config.allow_root_jobs,
-            default_account=config.default_account,
-        )
-        self.spool = Spool(self.state.spool, max_bytes=config.spool_max_bytes)
-        self.seq = SeqCounter(self.state.agent_json, floor=self.spool.max_seq)
-        self.jobs: dict[int, Job] = {}
-        self.done: dict[int, p.JobExitedData] = {}
-        self.connected = False
-        self.down_since = time.monotonic()  # when the link last went down
-        # The first sample is spooled one interval after the link went down (a blip
-        # shorter than that spools nothing), then one per interval.
-        self._last_spooled_sample = self.down_since
-        self._wake = asyncio.Event()
-        self._live: list[tuple[int, str]] = []  # (seq, frame), sent in seq order
-        # Per connection, only while durable frames are in flight (pruned on every
-        # ack): seq -> position in send order, and (position, seq, durable) of every
-        # frame sent since the oldest unacked durable one, in send order.
-        self._sent_pos: dict[int, int] = {}
-        self._sent: deque[tuple[int, int, bool]] = deque()
-        self._in_flight = 0  # durable frames sent on this connection, not acked
-        self._send_count = 0
+        super().__init__(config, reader, sim)
         self._recover()
-
-    # ------------------------------------------------------------ frames
-
-    def _frame(self, cls: Callable[..., p._Envelope], data: Any) -> tuple[int, str]:
-        seq = self.seq.take()
-        return seq, cls(seq=seq, ts=time.time(), data=data).model_dump_json()
-
-    def _durable(self, cls: Callable[..., p._Envelope], data: Any) -> int:
-        """Spool a frame (fsynced) and wake the sender; returns its seq."""
-        seq, frame = self._frame(cls, data)
-        self.spool.append(seq, frame)
-        self._wake.set()
-        return seq
-
-    def _send_live(self, cls: Callable[..., p._Envelope], data: Any) -> None:
-        """Queue a frame that is only worth sending now (metrics, heartbeat)."""
-        if self.connected and len(self._live) < 100:
-            # The seq is taken now, so that frames go out in seq order (the sender
-            # merges these with the spool) except for the replay after hello.
-            self._live.append(self._frame(cls, data))
-            self._wake.set()
 
     # ------------------------------------------------------------ recovery
 
@@ -273,219 +183,7 @@ class Agent:
                 del self.done[next(iter(self.done))]
         log.info("attempt %d: exit acked, job directory removed", attempt_id)
 
-    # ------------------------------------------------------------ reaper
-
-    def _report_started(self, job: Job, *, resend: bool = False) -> None:
-        pgid = job.pgid
-        assert pgid is not None
-        started_at = (job.dir / "pgid").stat().st_mtime
-        self._durable(
-            p.JobStarted,
-            p.JobStartedData(
-                attempt_id=job.attempt_id,
-                job_id=job.job_id,
-                pid=pgid,
-                started_at=started_at,
-            ),
-        )
-        if not resend:
-            atomic_write(job.dir / "started", f"{started_at}\n")
-            if self.sim:
-                self.sim.attach(job.attempt_id, job.gpu_uuids, pgid, job.env)
-            log.info("attempt %d: started, pid %d", job.attempt_id, pgid)
-
-    @staticmethod
-    def _exited_data(job: Job, outcome: Outcome) -> p.JobExitedData:
-        return p.JobExitedData(
-            attempt_id=job.attempt_id,
-            job_id=job.job_id,
-            exit_code=outcome.exit_code,
-            ended_at=outcome.ended_at,
-            reason=outcome.reason,
-            message=outcome.message,
-        )
-
-    def _report_exit(self, job: Job, outcome: Outcome, *, resend: bool = False) -> None:
-        seq = self._durable(p.JobExited, self._exited_data(job, outcome))
-        job.exit_seq = seq
-        if not resend:
-            if self.sim:
-                self.sim.detach(job.attempt_id)
-            log.info(
-                "attempt %d: %s, exit code %s %s",
-                job.attempt_id,
-                outcome.reason,
-                outcome.exit_code,
-                outcome.message,
-            )
-
-    def _ship_log(self, job: Job, *, final: bool) -> None:
-        """Spool new bytes of output.log as job.log chunks (<= 64 KiB each).
-
-        Text is cut at a UTF-8 character boundary (an incremental decoder keeps a
-        partial character for the next read), so ``offset`` is always the byte offset
-        of a chunk's first character. One chunk per tick while running, the rest at
-        the end.
-        """
-        path = job.dir / "output.log"
-        offset = job.log_offset
-        if offset is None:
-            offset = job.log_offset = read_int(job.dir / "log_offset") or 0
-        try:
-            if path.stat().st_size <= offset:
-                return  # nothing new: spare the open and read
-            fh = path.open("rb")
-        except FileNotFoundError:
-            return
-        with fh:
-            while True:
-                fh.seek(offset)
-                raw = fh.read(LOG_CHUNK_BYTES)
-                if not raw:
-                    return
-                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-                last = final and len(raw) < LOG_CHUNK_BYTES
-                text = decoder.decode(raw, final=last)
-                used = len(raw) - len(decoder.getstate()[0])
-                if used == 0:
-                    if len(raw) < 4 and not final:
-                        return  # wait for the rest of the character
-                    text, used = decoder.decode(b"", final=True), len(raw)
-                self._durable(
-                    p.JobLog,
-                    p.JobLogData(
-                        attempt_id=job.attempt_id,
-                        job_id=job.job_id,
-                        offset=offset,
-                        data=text,
-                    ),
-                )
-                self._warn_bad_progress(job, job.progress.feed(text, time.time()))
-                offset += used
-                atomic_write(job.dir / "log_offset", f"{offset}\n")
-                job.log_offset = offset
-                if not final:
-                    return
-
-    @staticmethod
-    def _warn_bad_progress(job: Job, bad_line: str | None) -> None:
-        if bad_line is not None:
-            log.warning(
-                "attempt %d: ignoring %r: a progress line is 'GPULAB_PROGRESS <step>'"
-                " or 'GPULAB_PROGRESS <step>/<total>' (further bad ones are ignored"
-                " silently)",
-                job.attempt_id,
-                bad_line,
-            )
-
-    def _send_progress(
-        self, job: Job, *, final: bool = False, now: float | None = None
-    ) -> None:
-        """Spool the job's latest progress if it is due (``ProgressTracker.take``).
-
-        Always through the spool, droppable like metric samples: a report is worth
-        keeping across a dropped connection, but never at the cost of an exit.
-        """
-        if final:
-            self._warn_bad_progress(job, job.progress.finish(time.time()))
-        reading = job.progress.take(
-            time.monotonic() if now is None else now, final=final
-        )
-        if reading is None:
-            return
-        seq, frame = self._frame(
-            p.JobProgress,
-            p.JobProgressData(
-                attempt_id=job.attempt_id,
-                job_id=job.job_id,
-                at=reading.at,
-                step=reading.step,
-                total=reading.total,
-            ),
-        )
-        self.spool.append(seq, frame, droppable=True)
-        self._wake.set()
-
-    def _reap(self, job: Job) -> None:
-        if job.exit_seq is not None:
-            return
-        # Poll before looking for ``pgid``: the shim writes ``pgid`` before
-        # ``exit_code``, so an exit seen here always finds the start reported first.
-        outcome = self.launcher.poll(job)
-        if not job.started and job.pgid is not None:
-            self._report_started(job)
-        if outcome is None:
-            # The command writes output.log before the shim has written ``pgid``:
-            # no job.log goes out ahead of job.started.
-            if job.started:
-                self._enforce_time_limit(job)
-                self._ship_log(job, final=False)
-                self._send_progress(job)
-            return
-        job.outcome = outcome
-        self._ship_log(job, final=True)
-        self._send_progress(job, final=True)  # ahead of the exit, so it is not lost
-        self._report_exit(job, outcome)
-
-    def _enforce_time_limit(self, job: Job) -> None:
-        deadline = job.deadline
-        if deadline is None or time.time() < deadline or job.stopping:
-            return
-        log.info(
-            "attempt %d: time limit of %s s reached, stopping it (grace %d s)",
-            job.attempt_id,
-            job.time_limit_s,
-            job.grace_s,
-        )
-        self.launcher.kill(job, job.grace_s, STOP_TIME_LIMIT)
-
-    def _enforce_cut_off(self) -> None:
-        limit = self.config.kill_after_disconnect_s
-        if limit is None or self.connected:
-            return
-        if time.monotonic() - self.down_since < limit:
-            return
-        for job in self.running():
-            if job.stopping:
-                continue
-            log.warning(
-                "attempt %d: cut off from the portal for %g s, stopping it",
-                job.attempt_id,
-                limit,
-            )
-            self.launcher.kill(
-                job,
-                job.grace_s,
-                STOP_CUT_OFF,
-                f"agent cut off from the portal for {limit:g} s",
-            )
-
-    async def reaper(self) -> None:
-        while True:
-            for job in list(self.jobs.values()):
-                try:
-                    self._reap(job)
-                except OSError as exc:
-                    log.warning("attempt %d: reaper: %s", job.attempt_id, exc)
-            try:
-                self._enforce_cut_off()
-            except OSError as exc:
-                log.warning("stopping jobs after a cut-off: %s", exc)
-            self.launcher.reap_children()
-            await asyncio.sleep(self.config.reap_interval_s)
-
-    # ------------------------------------------------------------ live frames
-
-    def running(self) -> list[Job]:
-        return [
-            j for j in self.jobs.values() if j.outcome is None and j.exit_seq is None
-        ]
-
-    def held(self) -> list[Job]:
-        """Every attempt this agent holds: running, or ended with its exit not yet
-        acknowledged. What hello and heartbeats list, so that the portal's
-        reconciler never takes an exit on its way for a vanished job."""
-        return list(self.jobs.values())
+    # ------------------------------------------------------------ samples
 
     def _owner_lookup(self) -> Callable[[int], int | None]:
         by_pgid: dict[int, int] = {}
@@ -537,155 +235,6 @@ class Agent:
             await asyncio.sleep(self.config.heartbeat_s)
             ids = [j.attempt_id for j in self.held()]
             self._send_live(p.Heartbeat, p.HeartbeatData(running=ids))
-
-    # ------------------------------------------------------------ link
-
-    def _hello(self) -> p.HelloData:
-        return p.HelloData(
-            agent_version=AGENT_VERSION,
-            hostname=self.hostname,
-            incarnation=self.incarnation,
-            driver_version=self.reader.driver_version,
-            cuda_version=self.reader.cuda_version,
-            gpus=self.reader.gpus(),
-            running=[
-                p.RunningJob(attempt_id=j.attempt_id, job_id=j.job_id, pid=j.pgid)
-                for j in self.held()
-            ],
-        )
-
-    async def _send(
-        self, ws: ClientConnection, seq: int, frame: str, *, durable: bool = False
-    ) -> None:
-        pos = self._send_count
-        self._send_count += 1
-        if durable:
-            self._in_flight += 1
-        if self._in_flight:  # an ack for this frame may cover durable ones
-            self._sent_pos[seq] = pos
-            self._sent.append((pos, seq, durable))
-        await ws.send(frame)
-
-    async def _sender(self, ws: ClientConnection) -> None:
-        seq, frame = self._frame(p.Hello, self._hello())
-        await self._send(ws, seq, frame)
-        last = 0
-        while True:
-            self._wake.clear()
-            durable = self.spool.pending(after=last)
-            live, self._live = self._live, []
-            batch = sorted(
-                [(s, f, True) for s, f in durable] + [(s, f, False) for s, f in live]
-            )
-            for seq, frame, is_durable in batch:
-                await self._send(ws, seq, frame, durable=is_durable)
-                if is_durable:
-                    last = seq
-            await self._wake.wait()
-
-    async def _receiver(self, ws: ClientConnection) -> None:
-        async for raw in ws:
-            try:
-                msg = p.parse_server_message(raw)
-            except p.ProtocolError as exc:
-                log.warning("bad frame from the server: %s", exc)
-                continue
-            if isinstance(msg, p.JobLaunch):
-                self.on_launch(msg.data)
-            elif isinstance(msg, p.JobKill):
-                self.on_kill(msg.data)
-            elif isinstance(msg, p.Ack):
-                self.on_ack(msg.data.seq)
-            elif isinstance(msg, p.NodeDrain):
-                log.info("server asked to drain this node")
-            elif isinstance(msg, p.Error):
-                log.warning("server error %s: %s", msg.data.code, msg.data.detail)
-
-    async def _session(self, ws: ClientConnection) -> None:
-        """Send and receive until either side fails or the server closes."""
-        self._sent_pos, self._live = {}, []
-        self._sent.clear()
-        self._in_flight = 0
-        self._send_count = 0
-        self.connected = True
-        tasks = [
-            asyncio.create_task(self._sender(ws)),
-            asyncio.create_task(self._receiver(ws)),
-        ]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # re-raise what ended the session
-        finally:
-            self.connected = False
-            self.down_since = self._last_spooled_sample = time.monotonic()
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-
-    async def link(self) -> None:
-        headers = {"Authorization": f"Bearer {self.config.token}"}
-        attempt = 0
-        while True:
-            up_since: float | None = None
-            try:
-                async with connect(
-                    self.config.server,
-                    additional_headers=headers,
-                    open_timeout=10,
-                    close_timeout=1,
-                    max_size=p.MAX_FRAME_BYTES,
-                    compression=p.WS_COMPRESSION,
-                ) as ws:
-                    up_since = time.monotonic()
-                    log.info("connected to %s", self.config.server)
-                    try:
-                        await self._session(ws)
-                    except asyncio.CancelledError:
-                        # Shutdown: say goodbye with 1000, not 1011 (the default
-                        # when the context manager exits on an exception).
-                        with contextlib.suppress(Exception):
-                            await ws.close()
-                        raise
-                code = ws.close_code
-                if code in REJECTED_CODES:
-                    log.error(
-                        "server rejected the token (close code %s); retrying", code
-                    )
-                else:
-                    log.warning("server closed the connection (code %s)", code)
-            except InvalidStatus as exc:
-                status = exc.response.status_code
-                if status in (401, 403):
-                    log.error(
-                        "server rejected the token (HTTP %s); check --token-file;"
-                        " retrying",
-                        status,
-                    )
-                else:
-                    log.warning("server refused the websocket: HTTP %s", status)
-            except (OSError, TimeoutError, WebSocketException) as exc:
-                if (
-                    isinstance(exc, ConnectionClosed)
-                    and exc.rcvd
-                    and exc.rcvd.code in REJECTED_CODES
-                ):
-                    log.error(
-                        "server rejected the token (close code %s); retrying",
-                        exc.rcvd.code,
-                    )
-                else:
-                    log.warning("link to %s down: %r", self.config.server, exc)
-            if up_since is not None and time.monotonic() - up_since >= LINK_STABLE_S:
-                attempt = 0
-            delay = backoff_delay(
-                attempt, self.config.backoff_base_s, self.config.backoff_cap_s
-            )
-            attempt += 1
-            log.info("reconnecting in %.1f s", delay)
-            await asyncio.sleep(delay)
 
     # ------------------------------------------------------------ supervisor
 

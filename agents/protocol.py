@@ -11,6 +11,7 @@ This module must not import Django: the agent is a standalone package.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -25,6 +26,30 @@ WS_COMPRESSION: Final = None
 # Largest job command a launch can carry, in characters (the portal's
 # GPULAB_MAX_COMMAND_BYTES may not exceed it).
 MAX_COMMAND_CHARS = 256 * 1024
+
+
+class CloseCode(IntEnum):
+    """Why the server closed an agent's websocket: 4000-4999 are the
+    application's, the others RFC 6455's. The agent logs the code and reconnects
+    with backoff whatever it is; ``TOKEN_REJECTED`` ones are logged as errors."""
+
+    # A frame over MAX_FRAME_BYTES.
+    TOO_BIG = 1009
+    # The database is unreachable: the agent reconnects and replays what was not
+    # acked.
+    TRY_AGAIN = 1013
+    # The hello's protocol version is not PROTOCOL_VERSION.
+    BAD_VERSION = 4400
+    # No token, an unknown one, or one rotated while connected.
+    BAD_TOKEN = 4401
+    # A newer connection of the same node replaced this one.
+    REPLACED = 4409
+    # The node was declared lost: reconnect and say hello (reconciliation).
+    NODE_LOST = 4410
+
+
+# The close codes that mean the server refused the agent's token.
+TOKEN_REJECTED: Final = frozenset({CloseCode.BAD_TOKEN})
 
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1)]

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from scheduler import events, live
 from scheduler.models import Job, Node
+from scheduler.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     """
 
     groups_joined: set[str]
-    tokens: float
-    refill_at: float
+    messages: TokenBucket
     refused: int
+
+    @staticmethod
+    def _now() -> float:
+        """The message allowance's clock."""
+        return live.monotonic()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -77,8 +82,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.tokens = BURST
-        self.refill_at = live.monotonic()
+        self.messages = TokenBucket(RATE, BURST / RATE, clock=self._now)
         self.refused = 0
         await self.accept()
         live.Hub.current().add_member(self)
@@ -117,7 +121,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         bytes_data: bytes | None = None,
         **kwargs: Any,
     ) -> None:
-        if not self._take_token():
+        if not self.messages.take():
             self.refused += 1
             if self.refused > MAX_REFUSED:
                 await self.close(code=CLOSE_TOO_MANY)
@@ -178,15 +182,6 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self._error("no such node")
             return
         await self._join(group)
-
-    def _take_token(self) -> bool:
-        now = live.monotonic()
-        self.tokens = min(BURST, self.tokens + (now - self.refill_at) * RATE)
-        self.refill_at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
     async def _join(self, group: str) -> None:
         hub = live.Hub.current()

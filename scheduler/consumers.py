@@ -15,6 +15,7 @@ from django.db import InterfaceError, OperationalError
 from redis.exceptions import RedisError
 
 from agents import protocol
+from agents.protocol import CloseCode
 from scheduler import events, ingest, live, metrics, services
 from scheduler.models import Node
 from scheduler.throttle import TokenBucket
@@ -23,17 +24,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable
 
 log = logging.getLogger(__name__)
-
-# Close codes (4000-4999 are the application's): the agent logs them.
-CLOSE_BAD_TOKEN = 4401
-CLOSE_BAD_VERSION = 4400
-CLOSE_REPLACED = 4409
-# The node was declared lost: reconnect and say hello (reconciliation).
-CLOSE_NODE_LOST = 4410
-# RFC 6455: a frame over protocol.MAX_FRAME_BYTES; the database unreachable ("try
-# again later": the agent reconnects with backoff and replays what was not acked).
-CLOSE_TOO_BIG = 1009
-CLOSE_TRY_AGAIN = 1013
 
 # PostgreSQL unreachable (Django's wrappers of the driver's errors).
 _DB_DOWN = (OperationalError, InterfaceError)
@@ -102,7 +92,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 exc,
             )
             await self.accept()
-            await self.close(code=CLOSE_TRY_AGAIN)
+            await self.close(code=CloseCode.TRY_AGAIN)
             return
         if node is None:
             log.warning(
@@ -112,7 +102,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             )
             # Accept then close so the agent sees a reason code, not a bare 403.
             await self.accept()
-            await self.close(code=CLOSE_BAD_TOKEN)
+            await self.close(code=CloseCode.BAD_TOKEN)
             return
         self.node_id = node.pk
         self.node_name = node.name
@@ -172,7 +162,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 f"frame of {len(raw)} bytes exceeds the limit of"
                 f" {protocol.MAX_FRAME_BYTES} bytes",
             )
-            await self._close(CLOSE_TOO_BIG)
+            await self._close(CloseCode.TOO_BIG)
             return
         await self._throttle(len(raw))
         try:
@@ -185,7 +175,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                     f"protocol version {version} is not supported; "
                     f"this server speaks {protocol.PROTOCOL_VERSION}",
                 )
-                await self.close(code=CLOSE_BAD_VERSION)
+                await self.close(code=CloseCode.BAD_VERSION)
                 return
             log.warning("bad frame from node %s: %s", self.node_name, exc)
             await self._send_error("bad_message", str(exc))
@@ -207,7 +197,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 message.type,
                 exc,
             )
-            await self._close(CLOSE_TRY_AGAIN)
+            await self._close(CloseCode.TRY_AGAIN)
             return
         except Exception:
             # One bad message must not take the node's connection down.
@@ -247,7 +237,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                     events.agent_group(node_id), self.channel_name
                 )
                 self.node_id = None
-                await self._close(CLOSE_NODE_LOST)
+                await self._close(CloseCode.NODE_LOST)
         elif isinstance(message, protocol.Metrics):
             if self.feed is not None:
                 await self._live(self.feed.offer(message.data))
@@ -299,7 +289,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             events.agent_group(self.node_id), self.channel_name
         )
         self.node_id = None
-        await self.close(code=CLOSE_REPLACED)
+        await self.close(code=CloseCode.REPLACED)
 
     async def agent_revoked(self, event: dict[str, Any]) -> None:
         """The node's token was rotated: a connection made with the old one ends
@@ -307,7 +297,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if self.node_id is None or event["token_hash"] == self.token_hash:
             return
         log.warning("agent of node %s: its token was rotated; closing", self.node_name)
-        await self._close(CLOSE_BAD_TOKEN)
+        await self._close(CloseCode.BAD_TOKEN)
 
     async def _rejoin(self, node_id: int) -> None:
         """Join the node's command group again (on every heartbeat): a membership

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connection
 
-from scheduler.models import Allocation, Gpu, Node
+from scheduler.models import Allocation, Gpu, Node, node_mode
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -118,6 +118,7 @@ def _gpu_live(
     jobs: list[HolderLive] = []
     for attempt_id, holder in holders:
         jobs.append({**holder, "used_mib": used.get(attempt_id)})
+    mode = node_mode(draining=node["draining"], maintenance=node["maintenance"])
     reason = ""
     if not row["present"] or latest.get("lost"):
         reason = "GPU lost"
@@ -125,8 +126,8 @@ def _gpu_live(
         reason = "MIG mode (not supported yet)"
     elif node["status"] != Node.Status.UP:
         reason = f"node {Node.Status(node['status']).label}"
-    elif not jobs and (node["maintenance"] or node["draining"]):
-        reason = "node in maintenance" if node["maintenance"] else "node draining"
+    elif not jobs and mode:
+        reason = "node in maintenance" if mode == "maintenance" else "node draining"
     state: Any
     if reason and not jobs:
         state = "unavailable"
@@ -234,9 +235,7 @@ def cluster_state(
             "name": n["name"],
             "status": n["status"],
             "status_label": Node.Status(n["status"]).label,
-            "mode": "maintenance"
-            if n["maintenance"]
-            else ("draining" if n["draining"] else ""),
+            "mode": node_mode(draining=n["draining"], maintenance=n["maintenance"]),
             "connected": n["connected"],
             "gpus": keys[n["id"]],
         }

@@ -23,7 +23,15 @@ from django.views.decorators.http import require_POST
 
 from portal.templatetags.gpulab import duration
 from scheduler import livestate, metrics, services
-from scheduler.models import Allocation, Attempt, Gpu, Job, Node, attach_queue_positions
+from scheduler.models import (
+    NODE_MODE_VERBS,
+    Allocation,
+    Attempt,
+    Gpu,
+    Job,
+    Node,
+    attach_queue_positions,
+)
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -334,14 +342,14 @@ def node_mode(request: AuthenticatedHttpRequest, node_id: int) -> HttpResponse:
     console's node actions)."""
     node = _node_or_404(node_id)
     mode = request.POST.get("mode", "")
-    if mode not in ("drain", "maintenance", "resume"):
+    if mode not in NODE_MODE_VERBS:
         return HttpResponseBadRequest(
             "Bad request: mode must be drain, maintenance or resume.",
             content_type="text/plain",
         )
     # The service checks drain_node (PermissionDenied: 403) and logs the change
     # in the node's admin history under the user's name.
-    changed = services.set_node_mode(node.pk, mode, by=request.user)  # type: ignore[arg-type]
+    changed = services.set_node_mode(node.pk, mode, by=request.user)
     done = {"drain": "draining", "maintenance": "in maintenance", "resume": "resumed"}
     if changed:
         messages.success(request, f"{node.name} is {done[mode]}.")

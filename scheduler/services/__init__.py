@@ -40,12 +40,15 @@ from scheduler.services.arrays import (
 from scheduler.services.attempts import finish_attempt, mark_started
 from scheduler.services.common import FrameRefused, JobStateError, kill_frame
 from scheduler.services.console import (
+    REQUEST_FIELDS,
     NodeMode,
+    change_job_request,
     hold_job,
     release_job,
     requeue_job,
     set_node_mode,
     set_priority_class,
+    validate_request_change,
 )
 from scheduler.services.dependencies import (
     format_dependencies,
@@ -125,6 +128,7 @@ __all__ = [
     "MAX_ARRAY_INDEX",
     "MAX_KILL_GRACE_S",
     "PREDICTION_HISTORY",
+    "REQUEST_FIELDS",
     "RESERVED_ENV",
     "RESERVED_ENV_PREFIX",
     "TIME_LIMIT_MARGIN",
@@ -144,6 +148,7 @@ __all__ = [
     "authenticate_node",
     "cancel_array",
     "cancel_job",
+    "change_job_request",
     "class_specs",
     "cluster_capacity",
     "cluster_state",
@@ -191,5 +196,6 @@ __all__ = [
     "transition",
     "unix_account_of",
     "validate_job_request",
+    "validate_request_change",
     "validated_submission",
 ]

@@ -1,6 +1,6 @@
 """Admin verbs (the admin console, and an owner's own hold / release): hold and
 release a waiting job, requeue a running one, change a waiting job's priority
-class, and put a node in drain / maintenance or back in service.
+class or its request, and put a node in drain / maintenance or back in service.
 
 Each verb locks its row (``select_for_update``), re-checks the state under the
 lock, so two admins acting at once never both act (the second gets a
@@ -10,7 +10,7 @@ and only after commit broadcasts and asks for a scheduling pass.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
@@ -18,19 +18,23 @@ from django.db import transaction
 
 from scheduler import classes
 from scheduler.lifecycle import Cause
-from scheduler.models import Attempt, Job, JobEvent, Node
+from scheduler.models import Attempt, Job, JobEvent, Node, NodeModeVerb
 from scheduler.services.common import (
     JobStateError,
     _event,
     _pass_after_commit,
     _send_kill_on_commit,
 )
+from scheduler.services.jobs import JobRequest, predict_runtime, validate_job_request
 from scheduler.services.lifecycle import announce, transition
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from django.contrib.auth.models import User
 
-NodeMode = Literal["drain", "maintenance", "resume"]
+# The verbs of ``set_node_mode`` and the flags each leaves: ``scheduler.models.nodes``.
+NodeMode = NodeModeVerb
 
 
 def _locked_job(job_id: int) -> Job:
@@ -224,16 +228,7 @@ def set_node_mode(node_id: int, mode: NodeMode, *, by: User | None) -> bool:
         )
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
-        before = (node.draining, node.maintenance)
-        if mode == "drain":
-            node.draining = True
-        elif mode == "maintenance":
-            node.maintenance = True
-        elif mode == "resume":
-            node.draining = node.maintenance = False
-        else:
-            raise ValueError(f"Unknown node mode {mode!r}.")
-        if (node.draining, node.maintenance) == before:
+        if not node.apply_mode(mode):  # the flags each verb leaves: models.nodes
             return False
         node.save(update_fields=["draining", "maintenance"])
         if by is not None:
@@ -247,3 +242,82 @@ def set_node_mode(node_id: int, mode: NodeMode, *, by: User | None) -> bool:
         if mode == "resume":
             _pass_after_commit()
     return True
+
+
+# What a waiting job asks for that an admin may change (the console's change
+# form); its owner, group and class are changed otherwise or not at all.
+REQUEST_FIELDS = (
+    "name",
+    "command",
+    "workdir",
+    "env",
+    "gpus",
+    "gpu_memory_mib",
+    "gpu_model",
+    "time_limit_s",
+    "shareable",
+    "slowdown_cap",
+    "evictable",
+    "workload",
+    "requeue_on_node_loss",
+    "kill_grace_s",
+)
+# Named, not quoted, in the job's history (long, or possibly secret).
+_UNQUOTED = frozenset({"command", "workdir", "env"})
+
+
+def validate_request_change(job: Job, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``job``'s request that ``changes`` would change, cleaned:
+    the whole request as it would become is checked by ``validate_job_request``,
+    as the submit form and the API check a new one (a field-keyed
+    ``ValidationError`` naming every problem). ``ValueError`` for a field not in
+    ``REQUEST_FIELDS``."""
+    unknown = set(changes) - set(REQUEST_FIELDS)
+    if unknown:
+        raise ValueError(f"Not a request field: {', '.join(sorted(unknown))}.")
+    fields = {f: getattr(job, f) for f in REQUEST_FIELDS} | dict(changes)
+    req = JobRequest(priority_class=job.priority_class, **fields)
+    cleaned = validate_job_request(req, job.owner.get_username())
+    return {f: cleaned[f] for f in REQUEST_FIELDS if cleaned[f] != getattr(job, f)}
+
+
+def change_job_request(job_id: int, changes: Mapping[str, Any], *, by: User) -> Job:
+    """Change what a waiting job asks for (the admin console's change form).
+
+    1. ``by`` needs ``scheduler.change_job`` (``PermissionDenied`` else).
+    2. Lock the job; it must be PENDING (``JobStateError`` else: a job that left
+       the queue keeps the request it was started with).
+    3. Validate the request as it would become (``validate_request_change``);
+       write the fields that change (a new workload label predicts the run time
+       again, as at submission), one event naming them and who; browsers told
+       on commit, and a pass asked for.
+    """
+    if not by.has_perm("scheduler.change_job"):
+        raise PermissionDenied("Changing a job's request needs change_job.")
+    with transaction.atomic():
+        job = _locked_job(job_id)
+        if job.status != Job.Status.PENDING:
+            raise _state_error(job, "only a waiting job's request can be changed")
+        changed = validate_request_change(job, changes)
+        if not changed:
+            return job
+        said = [
+            f if f in _UNQUOTED else f"{f} {getattr(job, f)!r} -> {v!r}"
+            for f, v in changed.items()
+        ]
+        for field, value in changed.items():
+            setattr(job, field, value)
+        update = list(changed)
+        if "workload" in changed:
+            job.predicted_runtime_s = predict_runtime(job.owner_id, job.workload)
+            update.append("predicted_runtime_s")
+        job.save(update_fields=update)
+        _event(
+            job,
+            f"request changed by {by.get_username()}: {', '.join(said)}",
+            source=JobEvent.Source.USER,
+            actor=by,
+        )
+        announce(job, "request changed")
+        _pass_after_commit()
+    return job

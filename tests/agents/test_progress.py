@@ -201,7 +201,7 @@ def test_the_reaper_spools_progress_as_droppable_and_warns_once(
     out.write_text("GPULAB_PROGRESS 1/10\nGPULAB_PROGRESS x\nGPULAB_PROGRESS y\n")
     job = Job(3, 1003, job_dir, [], {})
 
-    with caplog.at_level(logging.WARNING, logger="agents.agent"):
+    with caplog.at_level(logging.WARNING, logger="agents.reaper"):
         agent._ship_log(job, final=False)
         agent._send_progress(job, now=0.0)
         with out.open("a") as fh:

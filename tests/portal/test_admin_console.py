@@ -129,6 +129,42 @@ def test_staff_still_get_every_admin_page(
         assert client.get(url).status_code == 200, url
 
 
+# Every scheduler model the console manages (the rest are written only by the
+# agents' reports and the metrics pipeline, and are not in the console).
+CONSOLE_MODELS = [
+    "allocation",
+    "attempt",
+    "gpu",
+    "group",
+    "interferencepair",
+    "job",
+    "jobevent",
+    "joblogchunk",
+    "membership",
+    "node",
+    "profile",
+    "progresssample",
+    "usagerecord",
+]
+
+
+def test_the_console_index_lists_every_model(admin_user: User) -> None:
+    """The registrations are found by the admin's autodiscovery: the index links
+    each scheduler model's list, and the users' list is gpulab's own (with the
+    primary group column)."""
+    admin_user.is_superuser = True
+    admin_user.save()
+    client = Client()
+    client.force_login(admin_user)
+
+    body = client.get(reverse("admin:index")).content.decode()
+
+    for name in CONSOLE_MODELS:
+        assert reverse(f"admin:scheduler_{name}_changelist") in body, name
+    users = client.get(reverse("admin:auth_user_changelist")).content.decode()
+    assert "primary group" in users
+
+
 # ------------------------------------------------------------------ job actions
 
 # action, the permission it needs, the state it starts from, the state it leads to

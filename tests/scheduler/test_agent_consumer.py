@@ -16,9 +16,9 @@ from channels.testing import WebsocketCommunicator
 from django.db import connections
 
 from agents import protocol
+from agents.protocol import CloseCode
 from portal.asgi import application
 from scheduler import events, services
-from scheduler.consumers import CLOSE_BAD_TOKEN, CLOSE_BAD_VERSION, CLOSE_REPLACED
 from scheduler.models import (
     Attempt,
     Gpu,
@@ -127,7 +127,7 @@ async def test_it_closes_4401_and_stores_nothing_without_the_right_token(
     closed = await comm.receive_output(timeout=TIMEOUT)
 
     assert closed["type"] == "websocket.close"
-    assert closed["code"] == CLOSE_BAD_TOKEN
+    assert closed["code"] == CloseCode.BAD_TOKEN
     node = await fetch(Node, node.pk)
     assert node.status == Node.Status.NEW
     assert await db(Gpu.objects.filter(node=node).count)() == 0
@@ -260,7 +260,7 @@ async def test_it_closes_4400_on_an_unsupported_protocol_version(
     assert error["data"]["code"] == "unsupported_version"
     assert "2" in error["data"]["detail"]
     assert closed["type"] == "websocket.close"
-    assert closed["code"] == CLOSE_BAD_VERSION
+    assert closed["code"] == CloseCode.BAD_VERSION
 
 
 # ------------------------------------------------------------------ job messages
@@ -513,6 +513,6 @@ async def test_it_closes_the_older_connection_when_a_node_reconnects(
     command = await receive(new)
 
     assert closed["type"] == "websocket.close"
-    assert closed["code"] == CLOSE_REPLACED
+    assert closed["code"] == CloseCode.REPLACED
     assert command["type"] == "node.drain"
     await new.disconnect()

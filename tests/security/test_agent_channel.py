@@ -22,15 +22,10 @@ from django.conf import settings as django_settings
 from django.db import OperationalError, connections
 
 from agents import protocol
+from agents.protocol import CloseCode
 from portal.asgi import application
 from scheduler import events, services
-from scheduler.consumers import (
-    CLOSE_BAD_TOKEN,
-    CLOSE_NODE_LOST,
-    CLOSE_TOO_BIG,
-    CLOSE_TRY_AGAIN,
-    AgentConsumer,
-)
+from scheduler.consumers import AgentConsumer
 from scheduler.models import (
     Attempt,
     GpuSample,
@@ -140,9 +135,9 @@ async def test_a_rotated_token_loses_its_live_connection_and_the_next(
 
     new_token = await db(services.rotate_node_token)(node.pk)
 
-    assert await closed_with(live) == CLOSE_BAD_TOKEN
+    assert await closed_with(live) == CloseCode.BAD_TOKEN
     again = await agent(old_token)
-    assert await closed_with(again) == CLOSE_BAD_TOKEN
+    assert await closed_with(again) == CloseCode.BAD_TOKEN
     fresh = await agent(new_token)
     await barrier(fresh, 2)  # the new token works, and is not cut
     await db(services.rotate_node_token)(nodes["b"][0].pk)  # another node's
@@ -286,7 +281,7 @@ async def test_a_frame_over_the_size_limit_is_refused_and_the_connection_closed(
         f"exceeds the limit of {protocol.MAX_FRAME_BYTES} bytes"
         in (error["data"]["detail"])
     )
-    assert await closed_with(comm) == CLOSE_TOO_BIG
+    assert await closed_with(comm) == CloseCode.TOO_BIG
     assert not await db(JobLogChunk.objects.exists)()
 
 
@@ -356,7 +351,7 @@ async def test_a_database_error_closes_without_acking_so_the_agent_replays(
         )
         code = await closed_with(comm)
 
-    assert code == CLOSE_TRY_AGAIN  # no ack came before the close
+    assert code == CloseCode.TRY_AGAIN  # no ack came before the close
     assert (await db(Attempt.objects.get)(pk=running.pk)).ended_at is None
     # The agent's replay on its next connection is stored, once.
     again = await agent(token)
@@ -377,7 +372,7 @@ async def test_a_heartbeat_from_a_node_declared_lost_makes_it_say_hello(
 
     await comm.send_to(text_data=agent_frame(protocol.Heartbeat, {}, 1))
 
-    assert await closed_with(comm) == CLOSE_NODE_LOST
+    assert await closed_with(comm) == CloseCode.NODE_LOST
 
 
 async def test_a_lapsed_group_membership_is_renewed_by_the_next_heartbeat(
