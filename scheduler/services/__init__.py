@@ -50,11 +50,13 @@ from scheduler.services.console import (
     set_priority_class,
     validate_request_change,
 )
+from scheduler.services.decisions import WAIT_FIELDS, ApplyResult, apply_decisions
 from scheduler.services.dependencies import (
     format_dependencies,
     parse_dependencies,
     resolve_dependencies,
 )
+from scheduler.services.interference import mark_harmful, reset_interference_pairs
 from scheduler.services.jobs import (
     ALLOWED_GPULAB_ENV,
     ENV_NAME_RE,
@@ -92,19 +94,14 @@ from scheduler.services.presence import (
     set_node_status,
 )
 from scheduler.services.reconcile import reconcile
-from scheduler.services.scheduling import (
-    WAIT_FIELDS,
-    ApplyResult,
+from scheduler.services.snapshot import (
     Snapshot,
     StoredWait,
-    apply_decisions,
     class_specs,
     cluster_state,
     decayed_usage,
     load_knowledge,
-    mark_harmful,
     policy_config,
-    reset_interference_pairs,
     snapshot,
 )
 from scheduler.services.starts import (

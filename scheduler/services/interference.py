@@ -289,3 +289,36 @@ def measured(
             window = [at for at, _ in pts[a.pk] if start <= at <= now]
             out[a.job_id] = (solo / r, (window[-1] - window[0]).total_seconds())
     return out
+
+
+def mark_harmful(workload_a: str, workload_b: str, *, reason: str) -> None:
+    """Both orders of the pair are refused from now on (an upsert per order)."""
+    now = timezone.now()
+    for a, b in ((workload_a, workload_b), (workload_b, workload_a)):
+        InterferencePair.objects.update_or_create(
+            workload_a=a,
+            workload_b=b,
+            defaults={
+                "harmful": True,
+                "harmful_reason": reason[:500],
+                "updated_at": now,
+            },
+        )
+
+
+def reset_interference_pairs(pks: Iterable[int], user_id: int | None) -> int:
+    """Forget what was learned about these ordered pairs (observations and the
+    harmful mark): the admission rule treats them as never seen again. Returns how
+    many rows were reset."""
+    return InterferencePair.objects.filter(pk__in=list(pks)).update(
+        n=0,
+        mean_log=0.0,
+        m2=0.0,
+        util_n=0,
+        util_mean_log=0.0,
+        util_m2=0.0,
+        harmful=False,
+        harmful_reason="",
+        reset_at=timezone.now(),
+        reset_by_id=user_id,
+    )
