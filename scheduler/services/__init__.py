@@ -9,8 +9,9 @@ and management commands are adapters around these functions: they call
 - ``jobs``: validation of a request, run-time prediction, submit, cancel;
 - ``dependencies`` and ``arrays``: a submission's dependencies (parsed and
   checked) and job arrays (submit, cancel every task);
-- ``scheduling``: the pass's state (``cluster_state``) and its application
-  (``apply_decisions``: starts, preemptions, waits);
+- ``snapshot`` and ``decisions``: the two ends of a scheduling pass, the state
+  it reads (``snapshot``, ``cluster_state``) and what it writes
+  (``apply_decisions``: starts, preemptions, evictions, quota stops, waits);
 - ``lifecycle``: the only writer of a job's state (``transition``, checked
   against ``scheduler.lifecycle``'s table; ``start_many`` for a pass's starts)
   and of an attempt's end;
@@ -24,7 +25,9 @@ and management commands are adapters around these functions: they call
   (beat);
 - ``nodes``: admin verbs on nodes (register, rotate the token);
 - ``console``: the admin console's verbs: hold / release, requeue, priority
-  class, node drain / maintenance / resume;
+  class, a waiting job's request, node drain / maintenance / resume;
+- ``interference``: co-location measured in production (rates, sharing
+  episodes, observations) and what was learned about pairs;
 - ``common``: events, after-commit passes, kill frames and errors the others
   share.
 """
