@@ -1,4 +1,4 @@
-"""Stage 3: multifactor priority (Slurm's priority/multifactor): each factor is
+"""The ordering stage: multifactor priority (Slurm's priority/multifactor): each factor is
 normalised to [0, 1] and multiplied by its weight from ``PolicyConfig``; the weighted
 parts are kept as the breakdown ``sprio`` would show, and their sum is the priority.
 
