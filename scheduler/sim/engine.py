@@ -38,6 +38,8 @@ from scheduler.policy import (
     Evict,
     GpuView,
     NodeView,
+    PassResult,
+    PassStats,
     PendingJob,
     PolicyConfig,
     Preempt,
@@ -45,7 +47,7 @@ from scheduler.policy import (
     Start,
     Usage,
     Wait,
-    decide,
+    run_pass,
 )
 from scheduler.policy.interference import Knowledge
 from scheduler.policy.predict import HISTORY, predict
@@ -133,6 +135,25 @@ class SimResult:
     throughput_fallbacks: int = 0
     samples: list[tuple[float, int, int, float]] = field(default_factory=list)
     wall_s: float = 0.0
+    # ``PassStats`` summed over the passes: seconds and passes per stage, passes
+    # by stop reason, and the counts (considered, started, ...)
+    stage_s: dict[str, float] = field(default_factory=dict)
+    stage_passes: Counter[str] = field(default_factory=Counter)
+    passes_by_stop: Counter[str] = field(default_factory=Counter)
+    pass_counts: Counter[str] = field(default_factory=Counter)
+
+    def record(self, stats: PassStats) -> None:
+        """Add one pass's ``PassStats``."""
+        for stage, seconds in stats.stage_s.items():
+            self.stage_s[stage] = self.stage_s.get(stage, 0.0) + seconds
+            self.stage_passes[stage] += 1
+        self.passes_by_stop[stats.stop_reason] += 1
+        counts = self.pass_counts
+        counts["considered"] += stats.considered
+        counts["started"] += stats.started
+        counts["preempted"] += stats.preempted
+        counts["reserved"] += stats.reserved
+        counts["backfilled"] += stats.backfilled
 
 
 class DecayedUsage:
@@ -193,13 +214,18 @@ class Simulator:
         *,
         throughputs: Throughputs | None = None,
         colocation: ColocationTable | None = None,
-        decide_fn: Callable[[ClusterState], list[Decision]] = decide,
+        decide_fn: Callable[[ClusterState], list[Decision]] | None = None,
+        pass_fn: Callable[[ClusterState], PassResult] = run_pass,
     ) -> None:
+        """``pass_fn``: the pass (``policy.run_pass``: its decisions and
+        ``PassStats``); ``decide_fn``, when given, replaces it with a bare decision
+        function (a test's policy) whose passes record no ``PassStats``."""
         self.opts = options or SimOptions()
         if self.opts.gpu_job_limit < 1:
             raise ValueError("gpu_job_limit must be >= 1")
         self.config = config
         self.decide = decide_fn
+        self.run_pass = pass_fn
         self.table = throughputs
         self.colocation = colocation
         # progress reports are measured only when there is something to share
@@ -900,8 +926,14 @@ class Simulator:
     def _pass(self, now: float, trigger: str) -> None:
         state = self._state(now)
         t0 = time.perf_counter()
-        decisions = self.decide(state)
+        if self.decide is not None:
+            decisions = self.decide(state)
+        else:
+            got = self.run_pass(state)
+            decisions = got.decisions
         self.result.decide_ms.append((time.perf_counter() - t0) * 1000.0)
+        if self.decide is None:
+            self.result.record(got.stats)
         self.result.passes += 1
         self.result.passes_by_trigger[trigger] += 1
         acted = False

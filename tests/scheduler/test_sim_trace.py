@@ -260,6 +260,7 @@ def test_cli_output_keys_and_determinism(tmp_path):
         "replay_wall_s",
         "read_s",
         "prepare_s",
+        "stage_mean_ms",
     }
     strip = lambda d: {k: v for k, v in d.items() if k not in volatile}  # noqa: E731
     assert strip(a) == strip(b)
