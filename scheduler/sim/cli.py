@@ -28,14 +28,8 @@ from scheduler.sim.engine import (
     Simulator,
 )
 from scheduler.sim.metrics import summarize
-from scheduler.sim.trace import (
-    FORMATS,
-    PrepareOptions,
-    TraceError,
-    prepare,
-    read_throughputs,
-    read_trace,
-)
+from scheduler.sim.prepare import PrepareOptions, prepare
+from scheduler.sim.trace import FORMATS, TraceError, read_throughputs, read_trace
 
 CHECKPOINT_NOTE = (
     "a preempted job returns to the queue with its original submit time (age kept) "

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from scheduler.sim.engine import SimResult
-    from scheduler.sim.trace import SimJob
+    from scheduler.sim.jobs import SimJob
 
 SLOWDOWN_FLOOR_S = 10.0
 SIZE_BUCKETS = (("1", 1, 1), ("2-4", 2, 4), ("5-8", 5, 8), ("9+", 9, 10**9))

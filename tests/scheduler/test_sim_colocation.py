@@ -49,13 +49,9 @@ from scheduler.sim.engine import (
     Simulator,
 )
 from scheduler.sim.metrics import summarize
-from scheduler.sim.trace import (
-    PrepareOptions,
-    SimJob,
-    TraceError,
-    prepare,
-    read_trace,
-)
+from scheduler.sim.jobs import SimJob
+from scheduler.sim.prepare import PrepareOptions, prepare
+from scheduler.sim.trace import TraceError, read_trace
 
 if TYPE_CHECKING:
     from pathlib import Path

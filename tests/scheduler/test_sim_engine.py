@@ -24,7 +24,7 @@ from scheduler.sim.engine import (
     Simulator,
 )
 from scheduler.sim.metrics import jain, percentile, summarize
-from scheduler.sim.trace import SimJob
+from scheduler.sim.jobs import SimJob
 
 if TYPE_CHECKING:
     from scheduler.policy import Decision
