@@ -48,8 +48,8 @@ from scheduler.sim.engine import (
     SimOptions,
     Simulator,
 )
-from scheduler.sim.metrics import summarize
 from scheduler.sim.jobs import SimJob
+from scheduler.sim.metrics import summarize
 from scheduler.sim.prepare import PrepareOptions, prepare
 from scheduler.sim.trace import TraceError, read_trace
 

@@ -23,8 +23,8 @@ from scheduler.sim.engine import (
     SimOptions,
     Simulator,
 )
-from scheduler.sim.metrics import jain, percentile, summarize
 from scheduler.sim.jobs import SimJob
+from scheduler.sim.metrics import jain, percentile, summarize
 
 if TYPE_CHECKING:
     from scheduler.policy import Decision
