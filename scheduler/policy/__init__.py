@@ -36,6 +36,7 @@ from scheduler.policy.fifo import order_key, run_fifo
 from scheduler.policy.interference import Knowledge, Observations
 from scheduler.policy.multifactor import run_multifactor
 from scheduler.policy.state import (
+    DEFAULT_CLASSES,
     GPULAB_FAMILY,
     ClassSpec,
     ClusterState,
@@ -128,6 +129,7 @@ def _run(state: ClusterState) -> PassResult:
 
 __all__ = [
     "BACKFILL_PLANS",
+    "DEFAULT_CLASSES",
     "POLICIES",
     "ClassSpec",
     "ClusterState",

@@ -31,7 +31,21 @@ class ClassSpec:
     name: str
     weight: float  # the class factor, 0..1
     preemptible: bool = False
-    slowdown_cap: float | None = 1.5  # co-location (issue #5)
+    slowdown_cap: float | None = 1.5  # co-location: the class's slowdown cap
+
+
+# The classes gpulab ships: what the policy knows of each (``portal.settings``
+# derives the default ``GPULAB_PRIORITY_CLASSES`` from it, adding time limits and
+# idle actions; the simulator replays with it).
+DEFAULT_CLASSES: Mapping[str, ClassSpec] = MappingProxyType(
+    {
+        "high": ClassSpec("high", 1.0, preemptible=False, slowdown_cap=1.5),
+        "normal": ClassSpec("normal", 0.5, preemptible=False, slowdown_cap=1.5),
+        "best-effort": ClassSpec(
+            "best-effort", 0.0, preemptible=True, slowdown_cap=None
+        ),
+    }
+)
 
 
 # ``gpulab`` and its two co-location baselines: the same multifactor policy with

@@ -6,25 +6,17 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from scheduler.policy import ClassSpec
+from scheduler.policy import DEFAULT_CLASSES
 from scheduler.policy.predict import HISTORY
 
 if TYPE_CHECKING:
     from scheduler.policy import PassStats
     from scheduler.sim.jobs import SimJob
 
-CLASSES: MappingProxyType[str, ClassSpec] = MappingProxyType(
-    {
-        "high": ClassSpec("high", 1.0, preemptible=False, slowdown_cap=1.5),
-        "normal": ClassSpec("normal", 0.5, preemptible=False, slowdown_cap=1.5),
-        "best-effort": ClassSpec(
-            "best-effort", 0.0, preemptible=True, slowdown_cap=None
-        ),
-    }
-)
+# the classes the replay runs with: the ones gpulab ships
+CLASSES = DEFAULT_CLASSES
 
 
 class PolicyContractError(RuntimeError):

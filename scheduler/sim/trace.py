@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
+from scheduler.policy import DEFAULT_CLASSES
 from scheduler.sim.jobs import RawJob
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ GAVEL_COLUMNS = ("vc", "job_type", "total_steps", "arrival_time_s", "scale_facto
 THROUGHPUT_COLUMN = "isolated_steps_per_sec_simulation_json"
 THROUGHPUT_FALLBACK_COLUMN = "isolated_steps_per_sec_physical_json"
 FORMATS = ("auto", "canonical", "philly", "gavel")
-CLASS_NAMES = ("high", "normal", "best-effort")
+CLASS_NAMES = tuple(DEFAULT_CLASSES)
 DEFAULT_CLASS = "normal"
 DEFAULT_GROUP = "default"
 
