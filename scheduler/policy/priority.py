@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.state import ClassSpec, PendingJob, PolicyConfig
 
-FACTORS = ("class", "age", "fairshare", "size", "runtime")
-
 
 def clamp(x: float) -> float:
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
