@@ -51,11 +51,6 @@ def _gpus_by_node(
     return free, capacity
 
 
-def decide_fifo(state: ClusterState) -> list[Decision]:
-    """``run_fifo``'s decisions."""
-    return run_fifo(state).decisions
-
-
 def run_fifo(state: ClusterState) -> PassResult:
     """Decide which pending jobs start now, where, and why the others wait, and
     the pass's ``PassStats`` (fifo never reserves, preempts or backfills, and

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from scheduler.policy.colocate import Estimator
-    from scheduler.policy.state import ClusterState, Decision
+    from scheduler.policy.state import ClusterState
 
 
 def run_multifactor(
@@ -103,25 +103,3 @@ def stats(p: stages.Pass, considered: int) -> PassStats:
         stop_reason=p.stop_reason,
         stage_s=p.stage_s,
     )
-
-
-def decide_multifactor(
-    state: ClusterState,
-    *,
-    preemption: bool,
-    topology: bool,
-    predictions: bool,
-    runtime: bool,
-    colocation: str | None = None,
-    estimator: Estimator | None = None,
-) -> list[Decision]:
-    """``run_multifactor``'s decisions."""
-    return run_multifactor(
-        state,
-        preemption=preemption,
-        topology=topology,
-        predictions=predictions,
-        runtime=runtime,
-        colocation=colocation,
-        estimator=estimator,
-    ).decisions

@@ -75,15 +75,3 @@ def runner(
         return PassResult(kept, got.stats)
 
     return run_oracle
-
-
-def decider(
-    table: ColocationTable, models: Iterable[str]
-) -> Callable[[ClusterState], list[Decision]]:
-    """``runner``'s decisions: ``decide`` for ``oracle``."""
-    run = runner(table, models)
-
-    def decide_oracle(state: ClusterState) -> list[Decision]:
-        return run(state).decisions
-
-    return decide_oracle
