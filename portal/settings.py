@@ -28,6 +28,7 @@ from portal.settings_env import (
     envurl,
 )
 from portal.stack.urls import celery_broker_url
+from scheduler.policy import DEFAULT_CLASSES
 
 # Django generics (ModelAdmin[Job]) become subscriptable at run time.
 django_stubs_ext.monkeypatch()
@@ -384,31 +385,33 @@ LOGGING = {
 # ------------------------------------------------------------------ scheduling
 # Priority classes (DESIGN.md "Scheduling policy"). Times in seconds; a
 # ``slowdown_cap`` of None means unbounded (best-effort shares with anyone who gains).
-GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
+# The policy's part of each class (weight, slowdown_cap, preemptible) is
+# scheduler.policy.DEFAULT_CLASSES; the portal adds its limits and idle action.
+_CLASS_PORTAL_FIELDS: dict[str, dict[str, Any]] = {
     "high": {
-        "weight": 1.0,
-        "slowdown_cap": 1.5,
         "default_time_limit": 24 * 3600,
         "max_time_limit": 3 * 24 * 3600,
-        "preemptible": False,
         "idle_action": "notify",
     },
     "normal": {
-        "weight": 0.5,
-        "slowdown_cap": 1.5,
         "default_time_limit": 24 * 3600,
         "max_time_limit": 7 * 24 * 3600,
-        "preemptible": False,
         "idle_action": "notify",
     },
     "best-effort": {
-        "weight": 0.0,
-        "slowdown_cap": None,
         "default_time_limit": 24 * 3600,
         "max_time_limit": 14 * 24 * 3600,
-        "preemptible": True,
         "idle_action": "cancel",
     },
+}
+GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
+    name: {
+        "weight": spec.weight,
+        "slowdown_cap": spec.slowdown_cap,
+        "preemptible": spec.preemptible,
+        **_CLASS_PORTAL_FIELDS[name],
+    }
+    for name, spec in DEFAULT_CLASSES.items()
 }
 GPULAB_DEFAULT_CLASS = "normal"
 # Idle GPUs (portal/idle): a running job whose own processes' SM utilisation stays

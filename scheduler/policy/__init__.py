@@ -8,13 +8,17 @@
 - ``gpulab``: the production policy (multifactor, fair share, backfill, preemption,
   topology-aware multi-node placement).
 
-No Django, no I/O, no wall clock: the Celery pass and the simulator run this code.
+No Django, no I/O, and no decision reads a clock (``run_pass`` times its stages
+with ``time.perf_counter`` for ``PassStats`` only): the Celery pass and the
+simulator run this code.
 
-Modules (STYLE.md 13): ``state`` (the contract), ``multifactor`` (the staged pass of
-``slurm`` and ``gpulab``), ``index`` (per-pass lookups), ``ledger`` (free GPUs,
-bucketed by free count), ``priority`` and ``fairshare`` (the factors), ``place``
-(best fit / spread, topology, gangs), ``backfill`` (the EASY reservation),
-``preempt`` (the preemption plan), ``reasons`` (messages), ``fifo`` (the baseline).
+Modules (STYLE.md 13): ``state`` (the contract), ``multifactor`` (the pass of
+``slurm`` and ``gpulab``: an orchestrator over ``stages``, one function per stage),
+``index`` (per-pass lookups), ``ledger`` (free GPUs, bucketed by free count),
+``priority`` and ``fairshare`` (the factors), ``place`` (best fit / spread,
+topology, gangs), ``colocate`` (sharing a GPU), ``backfill`` (the EASY
+reservation), ``preempt`` (the preemption plan), ``reasons`` (messages), ``fifo``
+(the baseline).
 
 What the caller must do with the decisions: apply every ``Start`` (in order; each
 ``Placement`` is one node, rank 0 first, all of them or none), stop every ``Preempt``
@@ -28,10 +32,11 @@ from __future__ import annotations
 
 import gc
 
-from scheduler.policy.fifo import decide_fifo, order_key
+from scheduler.policy.fifo import order_key, run_fifo
 from scheduler.policy.interference import Knowledge, Observations
-from scheduler.policy.multifactor import decide_multifactor
+from scheduler.policy.multifactor import run_multifactor
 from scheduler.policy.state import (
+    DEFAULT_CLASSES,
     GPULAB_FAMILY,
     ClassSpec,
     ClusterState,
@@ -79,18 +84,18 @@ def run_pass(state: ClusterState) -> PassResult:
     if paused:
         gc.disable()
     try:
-        return PassResult(_decide(state), PassStats())
+        return _run(state)
     finally:
         if paused:
             gc.enable()
 
 
-def _decide(state: ClusterState) -> list[Decision]:
+def _run(state: ClusterState) -> PassResult:
     name = state.config.name
     if name == "fifo":
-        return decide_fifo(state)
+        return run_fifo(state)
     if name == "slurm":
-        return decide_multifactor(
+        return run_multifactor(
             state,
             preemption=False,
             topology=False,
@@ -105,7 +110,7 @@ def _decide(state: ClusterState) -> list[Decision]:
                 f"unknown backfill plan {plan!r}; choose one of"
                 f" {', '.join(BACKFILL_PLANS)}"
             )
-        return decide_multifactor(
+        return run_multifactor(
             state,
             preemption=True,
             topology=True,
@@ -124,6 +129,7 @@ def _decide(state: ClusterState) -> list[Decision]:
 
 __all__ = [
     "BACKFILL_PLANS",
+    "DEFAULT_CLASSES",
     "POLICIES",
     "ClassSpec",
     "ClusterState",

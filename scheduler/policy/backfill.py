@@ -1,11 +1,11 @@
-"""Stage 7: the EASY reservation (shadow time) for the top blocked job.
+"""The reservation stage: the EASY reservation (shadow time) for the top blocked job.
 
 Walk the running jobs in planned-end order (``PassIndex.planned_end``: started_at +
 min(limit, prediction), or + limit in ``slurm``, whose backfill plans with limits), releasing each GPU when the last job on it is planned to end,
 into a scratch ledger, until the blocked job fits: that time (never before ``now``) is
 its shadow time, and the GPUs it would take then are reserved. A later job may start
 now only if it fits now and either ends (by its plan) by the shadow time or takes none
-of the reserved GPUs (``multifactor`` applies the rule). One reservation per pass, as
+of the reserved GPUs (``stages.backfill_one`` applies the rule). One reservation per pass, as
 in EASY. A job that never fits (it needs nodes that are down) gets no reservation.
 """
 

@@ -1,4 +1,4 @@
-"""Stage 6: may a shareable job join a GPU that already runs jobs? (SEEDS.md P1-P3)
+"""The co-location stage: may a shareable job join a GPU that already runs jobs? (SEEDS.md P1-P3)
 
 A candidate joins a GPU only if all of these hold, checked in this order; the
 first that fails is the refusal's rule, and an admission records its numbers:
@@ -34,7 +34,7 @@ import math
 from bisect import insort
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy.interference import Estimate, Profile, gain
 from scheduler.policy.state import Evict
@@ -134,40 +134,70 @@ def admit(
     """Whether ``job`` may join ``residents`` on one GPU (it does not spend the
     budget: the caller does, for the admission it keeps). ``rules``: "full", or
     "memory" for count, exclusive and memory only (``pack-by-memory``)."""
-
-    # the predictions, once made, go into every record from then on
-    prediction: dict[str, Any] = {}
-
-    def decision(rule: str, message: str, *, admitted: bool = False) -> Admission:
+    partners = tuple(r.id for r in residents)
+    workloads = (job.profile.workload, *(r.profile.workload for r in residents))
+    refused = _fit_refusal(job, residents, slots, memory_total_mib, config, model)
+    if refused is not None:
+        rule, message = refused
         return Admission(
             job.id,
             gpu_id,
-            admitted=admitted,
+            admitted=False,
             rule=rule,
             message=message,
             partners=partners,
             workloads=workloads,
-            **prediction,
         )
+    if rules == "memory":
+        return Admission(
+            job.id,
+            gpu_id,
+            admitted=True,
+            rule="memory-only",
+            message="memory and job count allow it (pack-by-memory)",
+            partners=partners,
+            workloads=workloads,
+        )
+    p = _Prediction.of(job, residents, model, config)
+    rule, message = _judge(job, p, config, budget)
+    return Admission(
+        job.id,
+        gpu_id,
+        admitted=rule in ("ok", "trial"),
+        rule=rule,
+        message=message,
+        partners=partners,
+        workloads=workloads,
+        slowdowns=MappingProxyType(p.slowdowns),
+        gain=p.worst_gain,
+        confidence=p.confidence,
+        trial=p.trial,
+    )
 
-    refuse = decision
 
-    partners = tuple(r.id for r in residents)
-    workloads = (job.profile.workload, *(r.profile.workload for r in residents))
+def _fit_refusal(
+    job: Sharer,
+    residents: Sequence[Sharer],
+    slots: int,
+    memory_total_mib: int,
+    config: PolicyConfig,
+    model: Estimator,
+) -> tuple[str, str] | None:
+    """The rules that need no prediction, in order: ``count``, ``exclusive``,
+    ``memory``, and ``protection`` for a pair marked harmful; (rule, message) of
+    the first that refuses, else None."""
     if len(residents) + 1 > slots:
-        return refuse(
-            "count", f"it already runs {len(residents)} job(s), its limit is {slots}"
-        )
+        return "count", f"it already runs {len(residents)} job(s), its limit is {slots}"
     if not job.shareable:
-        return refuse("exclusive", "the job asked for a GPU of its own")
+        return "exclusive", "the job asked for a GPU of its own"
     for r in residents:
         if not r.shareable:
-            return refuse("exclusive", f"job {r.id} asked for a GPU of its own")
+            return "exclusive", f"job {r.id} asked for a GPU of its own"
     headroom = config.colo_headroom_mib
     needs = [(s, s.need_mib(headroom)) for s in (job, *residents)]
     for s, need in needs:
         if need is None:
-            return refuse(
+            return (
                 "memory",
                 f"job {s.id} declares no GPU memory and none was measured, so its"
                 " need is unknown",
@@ -175,70 +205,95 @@ def admit(
     total = sum(n for _, n in needs if n is not None)
     if total > memory_total_mib:
         parts = " + ".join(_gib(n) for _, n in needs if n is not None)
-        return refuse(
+        return (
             "memory",
             f"memory {parts} (with {headroom} MiB headroom each) is over the GPU's"
             f" {_gib(memory_total_mib)}",
         )
-
     for r in residents:
         if model.harmful(job.profile.workload, r.profile.workload):
-            return refuse(
+            return (
                 "protection",
                 f"this pair of workloads ({job.profile.workload or 'unlabelled'},"
                 f" {r.profile.workload or 'unlabelled'}) ran over a cap or out of"
                 " memory when it shared before: it is not admitted again until an"
                 " admin resets it",
             )
-    if rules == "memory":
-        return decision(
-            "memory-only",
-            "memory and job count allow it (pack-by-memory)",
-            admitted=True,
+    return None
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    """The estimates for one candidate GPU: each job's predicted slowdown (the
+    product over its partners), the worst pair's gain, the least confidence."""
+
+    residents: Sequence[Sharer]
+    slowdowns: dict[int, float]
+    worst_gain: float
+    worst_pair: tuple[int, int]
+    confidence: float
+    trial: bool  # confidence under ``colo_min_confidence``
+    observed: bool  # some pair was seen together
+
+    @classmethod
+    def of(
+        cls,
+        job: Sharer,
+        residents: Sequence[Sharer],
+        model: Estimator,
+        config: PolicyConfig,
+    ) -> _Prediction:
+        group = (job, *residents)
+        est: dict[tuple[int, int], Estimate] = {}
+        for a in group:
+            for b in group:
+                if a.id != b.id:
+                    est[a.id, b.id] = model.estimate(a.profile, b.profile)
+        confidence = min(e.confidence for e in est.values())
+        worst_gain = math.inf
+        worst_pair = (job.id, job.id)
+        for a in group:
+            for b in group:
+                if a.id < b.id:
+                    g = gain(est[a.id, b.id].slowdown, est[b.id, a.id].slowdown)
+                    if g < worst_gain:
+                        worst_gain, worst_pair = g, (a.id, b.id)
+        slowdowns = {
+            a.id: math.prod(est[a.id, b.id].slowdown for b in group if b.id != a.id)
+            for a in group
+        }
+        return cls(
+            residents,
+            slowdowns,
+            worst_gain,
+            worst_pair,
+            confidence,
+            trial=confidence < config.colo_min_confidence,
+            observed=any(e.observations > 0 for e in est.values()),
         )
 
-    # predicted slowdowns, pair by pair
-    group = (job, *residents)
-    est: dict[tuple[int, int], Estimate] = {}
-    for a in group:
-        for b in group:
-            if a.id != b.id:
-                est[a.id, b.id] = model.estimate(a.profile, b.profile)
-    confidence = min(e.confidence for e in est.values())
-    worst_gain = math.inf
-    worst_pair = (job.id, job.id)
-    for a in group:
-        for b in group:
-            if a.id < b.id:
-                g = gain(est[a.id, b.id].slowdown, est[b.id, a.id].slowdown)
-                if g < worst_gain:
-                    worst_gain, worst_pair = g, (a.id, b.id)
-    slowdowns = {
-        a.id: math.prod(est[a.id, b.id].slowdown for b in group if b.id != a.id)
-        for a in group
-    }
+
+def _judge(
+    job: Sharer, p: _Prediction, config: PolicyConfig, budget: Budget
+) -> tuple[str, str]:
+    """The predicted rules, in order: ``budget`` (a trial needs one), ``gain``,
+    ``protection``; (rule, message), the rule "ok" or "trial" when admitted."""
+    confidence, worst_gain, trial = p.confidence, p.worst_gain, p.trial
     need_gain = 1.0 + config.colo_gain_margin
-    trial = confidence < config.colo_min_confidence
-    prediction.update(
-        slowdowns=MappingProxyType(slowdowns),
-        gain=worst_gain,
-        confidence=confidence,
-        trial=trial,
-    )
     if trial:
         pairs = {
-            frozenset((job.profile.workload, r.profile.workload)) for r in residents
+            frozenset((job.profile.workload, r.profile.workload)) for r in p.residents
         }
-        if not all(budget.allows(p) for p in pairs):
-            return refuse(
+        if not all(budget.allows(pair) for pair in pairs):
+            return (
                 "budget",
                 f"the pair is not known well enough (confidence {confidence:.2f},"
                 f" needs {config.colo_min_confidence:.2f}) and the exploration"
                 " budget for this hour is spent",
             )
-    a_id, b_id = worst_pair
+    a_id, b_id = p.worst_pair
     if worst_gain <= need_gain:
-        return refuse(
+        return (
             "gain",
             f"jobs {a_id} and {b_id} together would do {worst_gain:.2f} GPUs' worth"
             f" of work, not over the {need_gain:.2f} that sharing must beat"
@@ -246,26 +301,24 @@ def admit(
         )
     # a trial is judged on gain alone only while its pair was never seen together:
     # once observed, the observation speaks for the caps
-    seen = not trial or any(e.observations > 0 for e in est.values())
-    if seen:
+    if not trial or p.observed:
         margin = 1.0 + config.colo_cap_margin
-        for s in group:
-            if s.cap is not None and slowdowns[s.id] * margin > s.cap:
-                return refuse(
+        for s in (job, *p.residents):
+            if s.cap is not None and p.slowdowns[s.id] * margin > s.cap:
+                return (
                     "protection",
-                    f"job {s.id} would run {slowdowns[s.id]:.2f}x slower, over its"
+                    f"job {s.id} would run {p.slowdowns[s.id]:.2f}x slower, over its"
                     f" cap of {s.cap:g}x",
                 )
-    shown = ", ".join(f"job {k} {v:.2f}x" for k, v in slowdowns.items())
+    shown = ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
     if trial:
-        message = (
+        return (
+            "trial",
             f"exploration trial: the pair is new (confidence {confidence:.2f});"
             f" predicted gain {worst_gain:.2f}, slowdowns {shown}; ended early if"
-            " a job runs slower than its cap"
+            " a job runs slower than its cap",
         )
-    else:
-        message = f"predicted gain {worst_gain:.2f}, slowdowns {shown}"
-    return decision("trial" if trial else "ok", message, admitted=True)
+    return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}"
 
 
 def rank(
@@ -292,7 +345,7 @@ _RULE_RANK = {"protection": 5, "gain": 4, "budget": 3, "memory": 2, "exclusive":
 
 
 class Sharing:
-    """Stage 6 state for one pass: the GPUs a shareable single-GPU job may join
+    """The co-location stage's state for one pass: the GPUs a shareable single-GPU job may join
     (those whose every job is a shareable single-GPU one, not stopping, below the
     GPU's slots, on a schedulable node), grouped by what runs on them so that a
     job is judged once per kind of GPU, not once per GPU."""

@@ -4,13 +4,19 @@ foundation's policy, kept as a baseline for the simulator."""
 
 from __future__ import annotations
 
+import time
+
 from scheduler.policy import dependency
 from scheduler.policy.arrays import ArrayLimits
 from scheduler.policy.quota import Quotas
 from scheduler.policy.state import (
+    STAGE_ORDERING,
+    STAGE_PLACEMENT,
     ClusterState,
     Decision,
     GpuView,
+    PassResult,
+    PassStats,
     PendingJob,
     Placement,
     Reason,
@@ -30,8 +36,26 @@ def _fits(gpu: GpuView, job: PendingJob) -> bool:
     )
 
 
-def decide_fifo(state: ClusterState) -> list[Decision]:
-    """Decide which pending jobs start now, where, and why the others wait.
+def _gpus_by_node(
+    state: ClusterState,
+) -> tuple[dict[int, list[GpuView]], dict[int, list[GpuView]]]:
+    """By node, in index order: the wholly free schedulable GPUs of schedulable
+    nodes, and every GPU (what the node could hold empty)."""
+    schedulable_nodes = {n.id for n in state.nodes if n.schedulable}
+    free: dict[int, list[GpuView]] = {node_id: [] for node_id in schedulable_nodes}
+    capacity: dict[int, list[GpuView]] = {n.id: [] for n in state.nodes}
+    for gpu in sorted(state.gpus, key=lambda g: (g.node_id, g.index)):
+        capacity.setdefault(gpu.node_id, []).append(gpu)
+        if gpu.node_id in free and gpu.free_slots == gpu.slots and gpu.schedulable:
+            free[gpu.node_id].append(gpu)
+    return free, capacity
+
+
+def run_fifo(state: ClusterState) -> PassResult:
+    """Decide which pending jobs start now, where, and why the others wait, and
+    the pass's ``PassStats`` (fifo never reserves, preempts or backfills, and
+    always reaches the end of the queue; its stages are ordering and placement,
+    timed with ``time.perf_counter`` for the record only).
 
     1. Order the pending jobs (``order_key``).
     2. For each, find the schedulable nodes with enough whole free GPUs (every slot
@@ -44,14 +68,11 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     3. A job that fits no node waits: ``NO_SUCH_SHAPE`` if no node could hold it even
        when empty, else ``RESOURCES``. Later jobs may still start (no reservations yet).
     """
-    schedulable_nodes = {n.id for n in state.nodes if n.schedulable}
+    t0 = time.perf_counter()
+    order = sorted(state.pending, key=order_key)
+    t1 = time.perf_counter()
     names = {n.id: n.name for n in state.nodes}
-    free: dict[int, list[GpuView]] = {node_id: [] for node_id in schedulable_nodes}
-    capacity: dict[int, list[GpuView]] = {n.id: [] for n in state.nodes}
-    for gpu in sorted(state.gpus, key=lambda g: (g.node_id, g.index)):
-        capacity.setdefault(gpu.node_id, []).append(gpu)
-        if gpu.node_id in free and gpu.free_slots == gpu.slots and gpu.schedulable:
-            free[gpu.node_id].append(gpu)
+    free, capacity = _gpus_by_node(state)
 
     decisions: list[Decision] = []
     quotas = Quotas(state.quotas, state.config.quota_soft_factor)
@@ -65,7 +86,8 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
     failed: dict[int | None, int] = {}
     could: dict[tuple[int, int | None], bool] = {}
     most_free: dict[int | None, int] = {}
-    for job in sorted(state.pending, key=order_key):
+    started = 0
+    for job in order:
         mem = job.gpu_memory_mib
         gated = dependency.refusal(job)
         if gated is None and (limited := arrays.refusal(job)) is not None:
@@ -92,6 +114,7 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
             decisions.append(
                 Start(job.id, (Placement(node_id, tuple(g.id for g in chosen)),))
             )
+            started += 1
             if quotas:
                 quotas.take(job)
             arrays.take(job)
@@ -119,4 +142,7 @@ def decide_fifo(state: ClusterState) -> list[Decision]:
                 f"(most free on one node now: {most_free[mem]})"
             )
             decisions.append(Wait(job.id, Reason.RESOURCES, message, position))
-    return decisions
+    stage_s = {STAGE_ORDERING: t1 - t0, STAGE_PLACEMENT: time.perf_counter() - t1}
+    return PassResult(
+        decisions, PassStats(considered=len(order), started=started, stage_s=stage_s)
+    )

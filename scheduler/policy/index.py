@@ -1,4 +1,4 @@
-"""Stage 1: the pass index, every static lookup of one pass built once (Kubernetes'
+"""The setup stage: the pass index, every static lookup of one pass built once (Kubernetes'
 CycleState, Kueue's snapshot) and read-only afterwards.
 
 What changes during the pass (free GPUs) lives in ``ledger.Ledger``; this module holds

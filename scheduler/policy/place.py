@@ -1,4 +1,4 @@
-"""Stage 5: placement on a ledger (exclusive whole GPUs).
+"""The placement stage: placement on a ledger (exclusive whole GPUs).
 
 - One node when the job fits a node of the cluster (its constraint's largest node):
   best fit ("pack": the node with the fewest fitting free GPUs that still fits, so

@@ -1,4 +1,4 @@
-"""Stage 8 (gpulab only): a preemption plan for the top blocked job.
+"""The reservation stage (gpulab only): a preemption plan for the top blocked job.
 
 Only for a job of a non-preemptible class; victims are running jobs marked
 ``preemptible`` that were preempted fewer than ``preempt_max_per_hour`` times in the
@@ -8,11 +8,12 @@ over their fair share first, then lower priority, then the youngest), free them 
 by one on a scratch ledger until the job fits, then add them back in reverse (all but
 the last removed) while it still fits. What is left is the minimal set this order
 gives. A GPU frees only when every running job on it is a victim, and only GPUs of
-schedulable nodes count. At most one plan per pass (``multifactor`` asks once).
+schedulable nodes count. At most one plan per pass (``stages.reserve_top`` asks once).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,6 @@ from scheduler.policy.place import _fitting, is_gang, place
 from scheduler.policy.priority import class_factor
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
     from scheduler.policy.state import GpuView, Placement, RunningJob
@@ -83,24 +82,7 @@ def plan(
     stopping = [r for r in idx.state.running if r.stopping]
     if not cands and not stopping:
         return None
-    on_gpu: dict[int, set[int]] = {}
-    for r in idx.state.running:
-        for gid in r.gpu_ids:
-            on_gpu.setdefault(gid, set()).add(r.id)
-
-    def freed_by(victims: set[int], r: RunningJob) -> list[GpuView]:
-        """The GPUs that free when ``r`` stops, given the other victims."""
-        out = []
-        for gid in r.gpu_ids:
-            gpu = idx.gpu_by_id.get(gid)
-            if gpu is None or not gpu.schedulable or gpu.slots <= 0:
-                continue
-            if gpu.node_id not in idx.schedulable_nodes:
-                continue
-            if on_gpu[gid] <= victims:
-                out.append(gpu)
-        return out
-
+    freed_by = _freeing(idx)
     # the GPUs of jobs being stopped are as good as free
     gone = {r.id for r in stopping}
     if stopping:
@@ -113,7 +95,52 @@ def plan(
             return Plan([], placements, _waiting_on(stopping, placements))
     if is_gang(idx, c, k):
         got = _gang_plan(c, k, ledger, idx, cands, freed_by, gone, spread, topology)
-        return None if got is None else Plan(*got, _waiting_on(stopping, got[1]))
+    else:
+        got = _node_plan(c, k, ledger, idx, cands, freed_by, gone, spread, topology)
+    return None if got is None else Plan(*got, _waiting_on(stopping, got[1]))
+
+
+FreedBy = Callable[[set[int], "RunningJob"], list["GpuView"]]
+
+
+def _freeing(idx: PassIndex) -> FreedBy:
+    """``freed_by(victims, r)``: the GPUs that free when ``r`` stops, given the
+    other victims (a GPU frees when every job on it is a victim; only schedulable
+    GPUs of schedulable nodes count)."""
+    on_gpu: dict[int, set[int]] = {}
+    for r in idx.state.running:
+        for gid in r.gpu_ids:
+            on_gpu.setdefault(gid, set()).add(r.id)
+
+    def freed_by(victims: set[int], r: RunningJob) -> list[GpuView]:
+        out = []
+        for gid in r.gpu_ids:
+            gpu = idx.gpu_by_id.get(gid)
+            if gpu is None or not gpu.schedulable or gpu.slots <= 0:
+                continue
+            if gpu.node_id not in idx.schedulable_nodes:
+                continue
+            if on_gpu[gid] <= victims:
+                out.append(gpu)
+        return out
+
+    return freed_by
+
+
+def _node_plan(
+    c: Constraint,
+    k: int,
+    ledger: Ledger,
+    idx: PassIndex,
+    cands: list[RunningJob],
+    freed_by: FreedBy,
+    gone: set[int],
+    spread: bool,  # noqa: FBT001
+    topology: bool,  # noqa: FBT001
+) -> tuple[list[RunningJob], tuple[Placement, ...]] | None:
+    """A single-node job: one remove-then-add-back plan per node holding
+    candidates; the fewest victims win, then the earliest in candidate order, then
+    the node's name."""
     view = idx.view(c)
     rank = {r.id: i for i, r in enumerate(cands)}
     by_node: dict[int, list[RunningJob]] = {}
@@ -164,7 +191,7 @@ def plan(
     placements = place(mini, idx, c, k, spread=spread, topology=topology)
     if placements is None:  # pragma: no cover - it fitted above
         return None
-    return Plan(chosen, placements, _waiting_on(stopping, placements))
+    return chosen, placements
 
 
 def _waiting_on(
@@ -180,7 +207,7 @@ def _gang_plan(
     ledger: Ledger,
     idx: PassIndex,
     cands: list[RunningJob],
-    freed_by: Callable[[set[int], RunningJob], list[GpuView]],
+    freed_by: FreedBy,
     gone: set[int],
     spread: bool,  # noqa: FBT001
     topology: bool,  # noqa: FBT001

@@ -1,4 +1,4 @@
-"""Stage 3: multifactor priority (Slurm's priority/multifactor): each factor is
+"""The ordering stage: multifactor priority (Slurm's priority/multifactor): each factor is
 normalised to [0, 1] and multiplied by its weight from ``PolicyConfig``; the weighted
 parts are kept as the breakdown ``sprio`` would show, and their sum is the priority.
 
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.state import ClassSpec, PendingJob, PolicyConfig
-
-FACTORS = ("class", "age", "fairshare", "size", "runtime")
 
 
 def clamp(x: float) -> float:

@@ -2,7 +2,7 @@
 per group and per user, as plain data the loader computed (``QuotaView``).
 
 A job is subject to its owner's user quota and to its group's quota (the group it
-is charged to). For each pending job, before it is placed (stage 2, the gate):
+is charged to). For each pending job, before it is placed (the gate, ``stages.gate``):
 
 - a **hard** quota whose GPU-hours for the period are used up (used >= limit), or
   **any** quota whose concurrent-GPU cap the job would pass (GPUs its jobs hold,

@@ -1,4 +1,4 @@
-"""Stage 9: messages for the one ``Reason`` each still-pending job gets.
+"""The reasons stage: messages for the one ``Reason`` each still-pending job gets.
 
 Messages name the numbers a person needs: how many GPUs, how many are free, why each
 node was refused (a Volcano-style histogram, "0/3 nodes fit: 2 too few free GPUs, 1
@@ -62,7 +62,7 @@ def shape(c: Constraint, k: int, idx: PassIndex) -> str:
 
 
 class Messages:
-    """Renders messages against the pass's final ledger (stage 9): every number is
+    """Renders messages against the pass's final ledger (``stages.render_waits``): every number is
     what is free after this pass's starts. Per constraint the node categories that
     do not change (down, model, memory, too small) are counted once; the free part
     comes from the ledger's free-count buckets with set operations, so a histogram

@@ -31,7 +31,21 @@ class ClassSpec:
     name: str
     weight: float  # the class factor, 0..1
     preemptible: bool = False
-    slowdown_cap: float | None = 1.5  # co-location (issue #5)
+    slowdown_cap: float | None = 1.5  # co-location: the class's slowdown cap
+
+
+# The classes gpulab ships: what the policy knows of each (``portal.settings``
+# derives the default ``GPULAB_PRIORITY_CLASSES`` from it, adding time limits and
+# idle actions; the simulator replays with it).
+DEFAULT_CLASSES: Mapping[str, ClassSpec] = MappingProxyType(
+    {
+        "high": ClassSpec("high", 1.0, preemptible=False, slowdown_cap=1.5),
+        "normal": ClassSpec("normal", 0.5, preemptible=False, slowdown_cap=1.5),
+        "best-effort": ClassSpec(
+            "best-effort", 0.0, preemptible=True, slowdown_cap=None
+        ),
+    }
+)
 
 
 # ``gpulab`` and its two co-location baselines: the same multifactor policy with
@@ -378,19 +392,54 @@ class Wait:
     est_start: float | None = None  # the reservation's planned start, if any
 
 
+# Why a pass stopped looking at waiting jobs (``PassStats.stop_reason``).
+STOP_QUEUE_EXHAUSTED = "queue exhausted"  # it reached the end of the queue
+# the backfill test budget (``PolicyConfig.backfill_max_tested``) ran out: later
+# jobs wait ``NOT_TESTED``
+STOP_BACKFILL_MAX_TESTED = "backfill_max_tested"
+# backfill is off (``PolicyConfig.backfill``): jobs after the top blocked job wait
+# ``PRIORITY`` untried
+STOP_BACKFILL_OFF = "backfill off"
+STOP_REASONS = (STOP_QUEUE_EXHAUSTED, STOP_BACKFILL_MAX_TESTED, STOP_BACKFILL_OFF)
+
+# The stages of a pass, in the order they run (``PassStats.stage_s`` keys;
+# ``multifactor`` runs them all, ``fifo`` only ordering and placement).
+STAGE_SETUP = "setup"  # index, ledger, quotas, fair share; quota stops
+STAGE_ORDERING = "ordering"  # priority factors and the scheduling order
+STAGE_PLACEMENT = "placement"  # gate and place in order up to the top blocked job
+STAGE_COLOCATION = "colocation"  # evictions, then every try to share a GPU
+STAGE_RESERVATION = "reservation"  # preemption plan or EASY reservation
+STAGE_BACKFILL = "backfill"  # the jobs after the top blocked job
+STAGE_REASONS = "reasons"  # one Wait per job not started
+STAGES = (
+    STAGE_SETUP,
+    STAGE_COLOCATION,
+    STAGE_ORDERING,
+    STAGE_PLACEMENT,
+    STAGE_RESERVATION,
+    STAGE_BACKFILL,
+    STAGE_REASONS,
+)
+
+
 @dataclass(frozen=True)
 class PassStats:
     """What one pass did and what each of its stages cost (Slurm's ``sdiag``, per
-    pass). ``stop_reason`` says why the pass stopped looking at waiting jobs:
-    ``"queue exhausted"`` when it reached the end of the queue, otherwise the limit
-    that ended it (for example the backfill test budget)."""
+    pass). ``stop_reason`` (one of ``STOP_REASONS``) says why the pass stopped
+    looking at waiting jobs: ``STOP_QUEUE_EXHAUSTED`` when it reached the end of
+    the queue, otherwise the limit that ended it.
+
+    ``stage_s`` maps each stage that ran (``STAGES``) to its seconds of
+    ``time.perf_counter``. It is a measurement only: no decision reads a clock, so
+    the same state always gives the same decisions; time spent sharing GPUs is
+    counted under ``colocation``, not under the placement or backfill around it."""
 
     considered: int = 0  # waiting jobs the ordering stage ranked
-    started: int = 0
-    preempted: int = 0
+    started: int = 0  # ``Start`` decisions, backfilled ones included
+    preempted: int = 0  # ``Preempt`` decisions
     reserved: int = 0  # jobs given a reservation (a planned start)
     backfilled: int = 0  # starts that went ahead of a reservation
-    stop_reason: str = "queue exhausted"
+    stop_reason: str = STOP_QUEUE_EXHAUSTED
     stage_s: Mapping[str, float] = field(default_factory=dict)  # stage -> seconds
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.spec import SpecError, parse_cluster_spec
-from scheduler.policy import BACKFILL_PLANS, POLICIES, PolicyConfig, decide
+from scheduler.policy import BACKFILL_PLANS, POLICIES, PolicyConfig, run_pass
 from scheduler.policy.predict import HISTORY
 from scheduler.sim import oracle
 from scheduler.sim.colocation import NOISE_SIGMA, REPORT_S, read_colocation
@@ -28,14 +28,8 @@ from scheduler.sim.engine import (
     Simulator,
 )
 from scheduler.sim.metrics import summarize
-from scheduler.sim.trace import (
-    FORMATS,
-    PrepareOptions,
-    TraceError,
-    prepare,
-    read_throughputs,
-    read_trace,
-)
+from scheduler.sim.prepare import PrepareOptions, prepare
+from scheduler.sim.trace import FORMATS, TraceError, read_throughputs, read_trace
 
 CHECKPOINT_NOTE = (
     "a preempted job returns to the queue with its original submit time (age kept) "
@@ -166,10 +160,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     prepared = prepare(fmt, raw, nodes, table, opts, colocation)
     prepare_s = time.perf_counter() - t0 - read_s
-    decide_fn = (
-        oracle.decider(colocation, (n.model for n in nodes))
+    pass_fn = (
+        oracle.runner(colocation, (n.model for n in nodes))
         if args.policy == oracle.NAME and colocation is not None
-        else decide
+        else run_pass
     )
     sim = Simulator(
         prepared.jobs,
@@ -191,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
         throughputs=table,
         colocation=colocation,
-        decide_fn=decide_fn,
+        pass_fn=pass_fn,
     )
     result = sim.run()
     out: dict[str, Any] = summarize(result)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from scheduler.sim.engine import SimResult
-    from scheduler.sim.trace import SimJob
+    from scheduler.sim.jobs import SimJob
 
 SLOWDOWN_FLOOR_S = 10.0
 SIZE_BUCKETS = (("1", 1, 1), ("2-4", 2, 4), ("5-8", 5, 8), ("9+", 9, 10**9))
@@ -176,4 +176,19 @@ def summarize(result: SimResult) -> dict[str, Any]:
         },
         "replay_wall_s": result.wall_s,
         **colocation(result),
+        **pass_stats(result),
+    }
+
+
+def pass_stats(result: SimResult) -> dict[str, Any]:
+    """The passes' ``PassStats``: mean milliseconds per stage (over the passes
+    that ran it; a timing, like ``avg_decide_ms``), passes by stop reason, and the
+    summed counts. Empty when the passes came from a bare decision function."""
+    return {
+        "stage_mean_ms": {
+            stage: 1000.0 * seconds / result.stage_passes[stage]
+            for stage, seconds in result.stage_s.items()
+        },
+        "passes_by_stop_reason": dict(sorted(result.passes_by_stop.items())),
+        "pass_counts": dict(result.pass_counts),
     }

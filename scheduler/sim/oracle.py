@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.policy import Evict
+from scheduler.policy import Evict, PassResult
 from scheduler.policy.interference import Estimate, Profile
-from scheduler.policy.multifactor import decide_multifactor
+from scheduler.policy.multifactor import run_multifactor
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -54,15 +54,15 @@ class TableEstimator:
         return False  # it never admits a pair that hurts
 
 
-def decider(
+def runner(
     table: ColocationTable, models: Iterable[str]
-) -> Callable[[ClusterState], list[Decision]]:
-    """``decide`` for ``oracle``: gpulab's pass, full co-location rule, true
-    slowdowns, no evictions."""
+) -> Callable[[ClusterState], PassResult]:
+    """``run_pass`` for ``oracle``: gpulab's staged pass, full co-location rule,
+    true slowdowns, no evictions."""
     estimator = TableEstimator(table, models)
 
-    def decide_oracle(state: ClusterState) -> list[Decision]:
-        decisions = decide_multifactor(
+    def run_oracle(state: ClusterState) -> PassResult:
+        got = run_multifactor(
             state,
             preemption=True,
             topology=True,
@@ -71,6 +71,7 @@ def decider(
             colocation="full",
             estimator=estimator,
         )
-        return [d for d in decisions if not isinstance(d, Evict)]
+        kept: list[Decision] = [d for d in got.decisions if not isinstance(d, Evict)]
+        return PassResult(kept, got.stats)
 
-    return decide_oracle
+    return run_oracle

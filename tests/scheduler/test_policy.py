@@ -155,13 +155,13 @@ def test_decide_pauses_the_collector_and_restores_it(enabled, policy, monkeypatc
     from scheduler import policy as policy_module
 
     seen = []
-    real = policy_module._decide
+    real = policy_module._run
 
     def spy(state):
         seen.append(gc.isenabled())
         return real(state)
 
-    monkeypatch.setattr(policy_module, "_decide", spy)
+    monkeypatch.setattr(policy_module, "_run", spy)
     (gc.enable if enabled else gc.disable)()
     try:
         state = ClusterState(

@@ -1,4 +1,5 @@
-"""EASY backfill (stage 7) and the one-reason-per-job rule (stage 9)."""
+"""EASY backfill (the reservation and backfill stages) and the one-reason-per-job
+rule (the reasons stage)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Co-location inside the pass (stage 6 of ``multifactor``): when a shareable job
+"""Co-location inside the pass (the co-location stage): when a shareable job
 joins a busy GPU, when it does not, and the evictions of harmful pairs."""
 
 from __future__ import annotations

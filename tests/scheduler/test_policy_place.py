@@ -1,4 +1,4 @@
-"""Placement (stage 5): best fit, spread, constraints, topology, gangs."""
+"""Placement (the placement stage): best fit, spread, constraints, topology, gangs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Preemption (stage 8, gpulab only)."""
+"""Preemption (the reservation stage, gpulab only)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multifactor priority (stage 3) and ordering (stage 4): pure, table-driven."""
+"""Multifactor priority and ordering (the ordering stage): pure, table-driven."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reasons (stage 9): one per waiting job, with numbers a person can act on."""
+"""Reasons (the reasons stage): one per waiting job, with numbers a person can act on."""
 
 from __future__ import annotations
 

@@ -48,14 +48,10 @@ from scheduler.sim.engine import (
     SimOptions,
     Simulator,
 )
+from scheduler.sim.jobs import SimJob
 from scheduler.sim.metrics import summarize
-from scheduler.sim.trace import (
-    PrepareOptions,
-    SimJob,
-    TraceError,
-    prepare,
-    read_trace,
-)
+from scheduler.sim.prepare import PrepareOptions, prepare
+from scheduler.sim.trace import TraceError, read_trace
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -132,14 +128,16 @@ def job(
 
 
 def simulate(jobs, table, decide_fn=decide, *, cluster="1x1:p100", policy="gpulab",
-             **opts):  # fmt: skip
+             pass_fn=None, **opts):  # fmt: skip
+    """``pass_fn``: a ``run_pass``-like pass instead of ``decide_fn``."""
+    more = {"decide_fn": decide_fn} if pass_fn is None else {"pass_fn": pass_fn}
     sim = Simulator(
         jobs,
         parse_cluster_spec(cluster),
         PolicyConfig(name=policy),
         SimOptions(**opts),
         colocation=table,
-        decide_fn=decide_fn,
+        **more,
     )
     return sim, sim.run()
 
@@ -541,9 +539,10 @@ def test_the_oracle_admits_exactly_the_pairs_the_rules_admit_with_true_values(
     table, caps
 ):
     cfg = PolicyConfig()
-    decide_oracle = oracle.decider(table, ["p100"])
+    run_oracle = oracle.runner(table, ["p100"])
     for resident, candidate in product("ABCD", repeat=2):
-        ds = decide_oracle(state_for(resident, candidate, cap_r=caps[0], cap_c=caps[1]))
+        st = state_for(resident, candidate, cap_r=caps[0], cap_c=caps[1])
+        ds = run_oracle(st).decisions
         shared = [d for d in ds if isinstance(d, Start) and d.admission is not None]
         n_rc, n_cr = NORM.get((resident, candidate)), NORM.get((candidate, resident))
         want = (
@@ -564,9 +563,8 @@ def test_the_oracle_never_admits_a_bad_pair_in_a_replay(table):
         job(i, i * 30.0, rng.uniform(200, 3000), rng.choice("ABCD"))
         for i in range(1, 80)
     ]
-    decide_oracle = oracle.decider(table, ["p100"])
-    _sim, result = simulate(jobs, table, decide_oracle, policy=oracle.NAME,
-                            cluster="1x2:p100")  # fmt: skip
+    _sim, result = simulate(jobs, table, policy=oracle.NAME, cluster="1x2:p100",
+                            pass_fn=oracle.runner(table, ["p100"]))  # fmt: skip
     out = summarize(result)
     assert out["admitted_pairs"] > 0
     assert out["bad_admissions"] == 0 and out["exploration_trials"] == 0
@@ -585,7 +583,7 @@ def test_the_oracle_never_evicts_on_noise(table):
     gpu = replace(st.gpus[0], free_slots=0)
     st = replace(st, running=(run, other), gpus=(gpu,), pending=())
     assert any(isinstance(d, Evict) for d in decide(replace(st, config=PolicyConfig())))
-    assert not oracle.decider(table, ["p100"])(st)
+    assert not oracle.runner(table, ["p100"])(st).decisions
 
 
 def _baseline_jobs():

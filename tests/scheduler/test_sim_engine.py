@@ -23,8 +23,8 @@ from scheduler.sim.engine import (
     SimOptions,
     Simulator,
 )
+from scheduler.sim.jobs import SimJob
 from scheduler.sim.metrics import jain, percentile, summarize
-from scheduler.sim.trace import SimJob
 
 if TYPE_CHECKING:
     from scheduler.policy import Decision
@@ -299,3 +299,33 @@ def test_same_seed_same_result():
     a, b = summarize(ra), summarize(rb)
     for key in ("avg_jct_s", "p99_jct_s", "gpu_utilization", "passes", "jain_fairness"):
         assert a[key] == b[key]
+
+
+def test_the_replay_runs_the_staged_pass_and_sums_its_stats():
+    """The default pass is ``run_pass``: each pass's ``PassStats`` is summed into
+    the result's new keys (a bare ``decide_fn`` records none)."""
+    from scheduler.policy.state import STAGES
+
+    # 2 GPUs. Passes at 0 (j1 starts on both), 10 (j2 reserved behind j1), 20
+    # (j2 reserved again, j3 has no free GPU), 100 (j1 ended: j2 starts, j3
+    # reserved behind it), 150 (j3 starts) and 155 (j3 ended, nothing waits):
+    # 1+1+2+2+1+0 jobs considered.
+    jobs = [job(1, 0, 100, 2), job(2, 10, 50, 2), job(3, 20, 5, 1)]
+    sim = Simulator(
+        jobs, parse_cluster_spec("1x2:p100"), PolicyConfig(name="slurm"),
+        SimOptions(period_s=1e9),
+    )  # fmt: skip
+    result = sim.run()
+    out = summarize(result)
+    assert sum(out["passes_by_stop_reason"].values()) == result.passes
+    assert out["passes_by_stop_reason"] == {"queue exhausted": result.passes}
+    assert result.passes == 6
+    assert out["pass_counts"] == {
+        "considered": 7, "started": 3, "preempted": 0, "reserved": 3,
+        "backfilled": 0,
+    }  # fmt: skip
+    assert set(out["stage_mean_ms"]) == set(STAGES)
+    assert all(v >= 0.0 for v in out["stage_mean_ms"].values())
+    _, bare = simulate(jobs, cluster="1x2:p100")
+    assert summarize(bare)["passes_by_stop_reason"] == {}
+    assert summarize(bare)["stage_mean_ms"] == {}

@@ -14,14 +14,8 @@ from scheduler.policy import decide
 from scheduler.sim import cli as sim_cli
 from scheduler.sim.cli import main
 from scheduler.sim.engine import Simulator
-from scheduler.sim.trace import (
-    PrepareOptions,
-    TraceError,
-    prepare,
-    read_throughputs,
-    read_trace,
-    user_limit_for,
-)
+from scheduler.sim.prepare import PrepareOptions, prepare, user_limit_for
+from scheduler.sim.trace import TraceError, read_throughputs, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 THROUGHPUTS = """worker_type,gpu_type,consolidated,job_type,scale_factor,\
@@ -260,6 +254,7 @@ def test_cli_output_keys_and_determinism(tmp_path):
         "replay_wall_s",
         "read_s",
         "prepare_s",
+        "stage_mean_ms",
     }
     strip = lambda d: {k: v for k, v in d.items() if k not in volatile}  # noqa: E731
     assert strip(a) == strip(b)

@@ -1,0 +1,553 @@
+"""The stages of a ``slurm`` / ``gpulab`` pass over one ``Pass`` context.
+
+``multifactor.run_multifactor`` runs them in this order (``state.STAGES``):
+
+- ``setup``: ``index.build`` (every static lookup, once), the ``Ledger`` of free
+  GPUs, quotas, array limits, fair share; then ``stop_overruns`` (``QuotaStop``);
+- ``colocation``: ``share_setup`` (the later jobs of pairs measured over a cap go
+  back to the queue, then the GPUs others may join), and later every ``share``;
+- ``ordering``: ``ordering`` (weighted factors; priority desc, then the higher
+  class in ``gpulab``, submitted asc, id asc);
+- ``placement``: ``place_in_order``: each job passes ``gate`` (dependencies, array
+  limit, a shape no set of nodes can ever hold, quota) and starts (``try_place``,
+  ``start``, or ``share``) until the first job that does not fit: the top blocked
+  job;
+- ``reservation``: ``reserve_top``: for the top blocked job, in ``gpulab`` and a
+  non-preemptible class, a preemption plan if one exists (``preempt_for``), else
+  the EASY shadow-time reservation (``reserve_shadow``);
+- ``backfill``: ``backfill``: each later job, at most ``backfill_max_tested`` of
+  them, starts if it fits now and either ends by the shadow time or avoids the
+  reserved GPUs; without backfill later jobs wait ``PRIORITY``;
+- ``reasons``: ``render_waits``: exactly one ``Wait`` per job not started, in
+  scheduling order, against the final ledger.
+
+Shape cache: within a pass capacity only shrinks, so when k GPUs of a constraint
+fail (single node or gang, with or without the reservation excluded), every later
+job of that constraint asking for k or more is refused in O(1).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from scheduler.policy import backfill as easy
+from scheduler.policy import colocate, dependency, index, place, preempt, priority
+from scheduler.policy.arrays import ArrayLimits
+from scheduler.policy.fairshare import FairShare
+from scheduler.policy.interference import model_for
+from scheduler.policy.ledger import Ledger
+from scheduler.policy.quota import Quotas
+from scheduler.policy.reasons import Messages, duration, gpus_word, when
+from scheduler.policy.state import (
+    STAGE_COLOCATION,
+    STOP_BACKFILL_MAX_TESTED,
+    STOP_BACKFILL_OFF,
+    STOP_QUEUE_EXHAUSTED,
+    Evict,
+    Placement,
+    Preempt,
+    Reason,
+    RunningJob,
+    Start,
+    Wait,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from scheduler.policy.backfill import Reservation
+    from scheduler.policy.colocate import Estimator
+    from scheduler.policy.index import Constraint, PassIndex
+    from scheduler.policy.state import ClusterState, Decision, PendingJob, PolicyConfig
+
+INF = 1 << 62
+
+# a job's Wait before rendering: (job, reason, message, planned start, the shape
+# whose free-GPU histogram prefixes the message)
+Later = tuple["PendingJob", Reason, str, float | None, "tuple[Constraint, int] | None"]
+
+
+class Pass:
+    """What the stages of one pass share: the state, the lookups, the free GPUs,
+    and what the pass decided so far. Built by ``setup``; every stage reads and
+    extends it, none keeps anything across passes."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        *,
+        preemption: bool,
+        topology: bool,
+        predictions: bool,
+        runtime: bool,
+    ) -> None:
+        cfg = state.config
+        self.state = state
+        self.cfg: PolicyConfig = cfg
+        self.now = state.now
+        self.preemption = preemption
+        self.topology = topology
+        self.runtime = runtime
+        self.spread = cfg.placement == "spread"
+        self.pack_first = cfg.colo_packing == "pack"
+        self.idx: PassIndex = index.build(state, predictions=predictions)
+        self.ledger = Ledger(
+            {n: gs.copy() for n, gs in self.idx.free_now.items()}, self.idx.node_rank
+        )
+        self.quotas = Quotas(state.quotas, cfg.quota_soft_factor)
+        self.arrays = ArrayLimits(state.running)
+        self.fairshare = FairShare(
+            state.usage,
+            {j.group for j in state.pending} | {r.group for r in state.running},
+            {(j.group, j.user) for j in state.pending}
+            | {(r.group, r.user) for r in state.running},
+            self.quotas.fairshare_scale if self.quotas else None,
+        )
+        self.messages = Messages(self.idx)
+        self.sharing: colocate.Sharing | None = None
+        self.decisions: list[Decision] = []
+        self.started: list[RunningJob] = []
+        # (gang, reservation avoided, constraint) -> fewest GPUs that failed
+        self.failed: dict[tuple[bool, bool, Constraint], int] = {}
+        # per shape (gpus, memory, model): its constraint and whether any set of
+        # nodes could ever hold it, looked up once per shape, not once per job
+        self.shapes: dict[tuple[int, int | None, str], tuple[Constraint, bool]] = {}
+        self.refusals: dict[int, str] = {}  # job -> why sharing was refused
+        self.later: list[Later] = []
+        self.breakdowns: dict[int, dict[str, float]] = {}
+        self.prio: dict[int, float] = {}
+        self.top: PendingJob | None = None
+        self.reservation: Reservation | None = None
+        self.reserved = 0
+        self.tested = 0
+        self.stop_reason = STOP_QUEUE_EXHAUSTED
+        self.stage_s: dict[str, float] = {}
+
+    def wait(
+        self,
+        job: PendingJob,
+        reason: Reason,
+        message: str,
+        est: float | None = None,
+        *,
+        resources: tuple[Constraint, int] | None = None,
+    ) -> None:
+        """``job`` waits; ``resources``: prefix the message with the shape's
+        free-GPU histogram (rendered by ``render_waits`` after the last start)."""
+        self.later.append((job, reason, message, est, resources))
+
+    def exclusion(self, avoid_reserved: bool) -> frozenset[int]:  # noqa: FBT001
+        """The GPUs a start must avoid: the reservation's, when asked."""
+        if avoid_reserved and self.reservation is not None:
+            return self.reservation.gpu_ids
+        return place.NO_EXCLUSION
+
+
+# ------------------------------------------------------------------ setup
+
+
+def stop_overruns(p: Pass) -> None:
+    """``QuotaStop`` for each running job over a used-up hard quota, when
+    ``quota_overrun`` is "stop"."""
+    if p.quotas and p.cfg.quota_overrun == "stop":
+        p.decisions.extend(p.quotas.overruns(p.state.running))
+
+
+def share_setup(p: Pass, rules: str | None, estimator: Estimator | None) -> None:
+    """Co-location set-up: ``Evict`` the later job of each pair measured over a cap
+    (``rules`` "full"), then index the GPUs others may join. ``rules`` None (or
+    ``config.colocation`` off): nothing is shared this pass."""
+    if rules is None or not p.cfg.colocation:
+        return
+    state = p.state
+    evicts = colocate.evictions(state) if rules == "full" else []
+    p.decisions.extend(evicts)
+    p.sharing = colocate.Sharing(
+        state,
+        p.idx,
+        estimator or model_for(state.knowledge),
+        rules,
+        frozenset(e.job_id for e in evicts if isinstance(e, Evict)),
+    )
+
+
+# ------------------------------------------------------------------ ordering
+
+
+def ordering(p: Pass) -> list[PendingJob]:
+    """The pending jobs in scheduling order: priority desc, then (``runtime``) the
+    higher class, submitted asc, id asc. Fills ``p.breakdowns`` and ``p.prio``."""
+    state = p.state
+    p.breakdowns, p.prio = breakdowns, prio = priority.breakdowns(
+        state.pending,
+        now=p.now,
+        config=p.cfg,
+        classes=state.classes,
+        fairshare=p.fairshare,
+        total_gpus=p.idx.total_gpus,
+        runtime=p.runtime,
+    )
+    pending = state.pending
+    runtime = p.runtime
+    # tuples compare in C; the position breaks nothing (ids are unique). gpulab: at
+    # equal priority the higher class first (a max-aged job's whole runtime part
+    # may tie a new job one class up: see priority.py), then older
+    keyed = sorted(
+        (
+            -prio[j.id],
+            -breakdowns[j.id]["class"] if runtime else 0.0,
+            j.submitted_at,
+            j.id,
+            i,
+        )
+        for i, j in enumerate(pending)
+    )
+    return [pending[k[4]] for k in keyed]
+
+
+# ------------------------------------------------------------------ placement
+
+
+def gate(p: Pass, job: PendingJob) -> Constraint | None:
+    """``job``'s constraint, or None when a node-independent rule holds it (it then
+    waits: ``DEPENDENCY`` / ``DEPENDENCY_NEVER``, ``ARRAY_LIMIT``,
+    ``NO_SUCH_SHAPE`` or ``QUOTA``; such a job is never the top blocked job and
+    never backfilled)."""
+    sk = (job.gpus, job.gpu_memory_mib, job.gpu_model)
+    got = p.shapes.get(sk)
+    if got is None:
+        c0 = p.idx.constraint(job)
+        got = p.shapes[sk] = (c0, place.could_ever(p.idx, c0, job.gpus))
+    c, ok = got
+    if job.dependencies:
+        blocked = dependency.refusal(job)
+        if blocked is not None:
+            p.wait(job, *blocked)
+            return None
+    if job.array_limit is not None:
+        limited = p.arrays.refusal(job)
+        if limited is not None:
+            p.wait(job, Reason.ARRAY_LIMIT, limited)
+            return None
+    if not ok:
+        p.wait(job, Reason.NO_SUCH_SHAPE, p.messages.no_such_shape(c, job.gpus))
+        return None
+    if p.quotas:
+        refused = p.quotas.refusal(job, p.now)
+        if refused is not None:
+            p.wait(job, Reason.QUOTA, refused)
+            return None
+    return c
+
+
+def try_place(
+    p: Pass, job: PendingJob, c: Constraint, *, avoid_reserved: bool
+) -> tuple[Placement, ...] | None:
+    """Where ``job`` fits on the free GPUs now (not on the reserved ones when
+    ``avoid_reserved``), or None; a miss is remembered for the shape cache."""
+    gang = place.is_gang(p.idx, c, job.gpus)
+    key = (gang, avoid_reserved, c)
+    failed = p.failed
+    if failed.get(key, INF) <= job.gpus:
+        return None
+    got = place.place(
+        p.ledger,
+        p.idx,
+        c,
+        job.gpus,
+        exclude=p.exclusion(avoid_reserved),
+        spread=p.spread,
+        topology=p.topology,
+    )
+    if got is None:
+        failed[key] = min(failed.get(key, INF), job.gpus)
+    return got
+
+
+def _record_start(p: Pass, job: PendingJob, start: Start) -> None:
+    gpu_ids = start.gpu_ids
+    p.started.append(
+        RunningJob(job.id, gpu_ids, p.now, job.planned_s, job.time_limit_s)
+    )
+    p.decisions.append(start)
+    if p.quotas:
+        p.quotas.take(job)
+    p.arrays.take(job)
+
+
+def start(
+    p: Pass, job: PendingJob, placements: tuple[Placement, ...], *, bf: bool
+) -> None:
+    """Start ``job`` on ``placements`` (whole GPUs) and take them from the ledger;
+    a shareable single-GPU job's GPU becomes one a later job may join."""
+    place.take(p.ledger, placements)
+    _record_start(p, job, Start(job.id, placements, backfilled=bf))
+    gpu_ids = tuple(g for pl in placements for g in pl.gpu_ids)
+    if p.sharing is not None and job.shareable and len(gpu_ids) == 1:
+        p.sharing.started_alone(job, gpu_ids[0])
+
+
+def share(p: Pass, job: PendingJob, c: Constraint, *, bf: bool, avoid: bool) -> bool:
+    """Start ``job`` on a GPU it shares, if one admits it (``colocate``); ``avoid``:
+    not on GPUs the reservation holds. A refusal is kept for its ``Wait``."""
+    sharing = p.sharing
+    if sharing is None or job.gpus != 1 or not job.shareable:
+        return False
+    t0 = time.perf_counter()
+    adm, refusal = sharing.try_share(job, c, p.exclusion(avoid))
+    if adm is None:
+        if refusal is not None:
+            p.refusals[job.id] = f"; sharing a GPU refused: {refusal.message}"
+    else:
+        gpu = p.idx.gpu_by_id[adm.gpu_id]
+        placements = (Placement(gpu.node_id, (adm.gpu_id,)),)
+        _record_start(p, job, Start(job.id, placements, backfilled=bf, admission=adm))
+    stage_s = p.stage_s
+    stage_s[STAGE_COLOCATION] = (
+        stage_s.get(STAGE_COLOCATION, 0.0) + time.perf_counter() - t0
+    )
+    return adm is not None
+
+
+def place_in_order(
+    p: Pass, order: Sequence[PendingJob]
+) -> tuple[int, Constraint | None]:
+    """Start jobs in order until the first that passes the gate and does not fit
+    (a shareable job shares a GPU when none is free, or first when packing). The
+    answer is that job's position in ``order`` and its constraint (``len(order)``
+    and None: none blocked)."""
+    pack_first = p.pack_first
+    for i, job in enumerate(order):
+        c = gate(p, job)
+        if c is None:
+            continue
+        if pack_first and share(p, job, c, bf=False, avoid=False):
+            continue
+        got = try_place(p, job, c, avoid_reserved=False)
+        if got is not None:
+            start(p, job, got, bf=False)
+            continue
+        if not pack_first and share(p, job, c, bf=False, avoid=False):
+            continue
+        return i, c
+    return len(order), None
+
+
+# ------------------------------------------------------------------ reservation
+
+
+def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
+    """``job`` is the top blocked job: a preemption plan (``gpulab``, a job of a
+    non-preemptible class) when one exists, else the EASY reservation."""
+    p.top = job
+    spec = p.state.classes.get(job.priority_class)
+    if p.preemption and not (spec is not None and spec.preemptible):
+        plan = preempt.plan(
+            c,
+            job.gpus,
+            p.ledger,
+            p.idx,
+            p.fairshare,
+            spread=p.spread,
+            topology=p.topology,
+        )
+        if plan is not None:
+            preempt_for(p, job, plan)
+            return
+    reserve_shadow(p, job, c)
+
+
+def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
+    """Apply ``plan``: ``Preempt`` its victims; ``job`` waits
+    ``WAITING_FOR_PREEMPTION`` and the GPUs it will take are reserved from now."""
+    victims, placements = plan.victims, plan.placements
+    p.reservation = easy.Reservation(
+        job.id,
+        p.now,
+        placements,
+        frozenset(g for pl in placements for g in pl.gpu_ids),
+        None,
+        tuple(v.id for v in victims) + plan.waiting_on,
+    )
+    p.reserved += 1
+    for v in victims:
+        p.decisions.append(
+            Preempt(
+                v.id,
+                job.id,
+                f"preempted (class {v.priority_class!r}) so that job"
+                f" {job.id} (class {job.priority_class!r}) can start",
+            )
+        )
+    node_key = p.idx.node_key
+    nodes = ", ".join(
+        node_key.get(pl.node_id, ("", pl.node_id))[0] or str(pl.node_id)
+        for pl in placements
+    )
+    parts = []
+    if victims:
+        parts.append(
+            "stopping preemptible job(s) " + ", ".join(str(v.id) for v in victims)
+        )
+    if plan.waiting_on:
+        parts.append(
+            "waiting for job(s) "
+            + ", ".join(map(str, plan.waiting_on))
+            + " (already being stopped)"
+        )
+    p.wait(
+        job,
+        Reason.WAITING_FOR_PREEMPTION,
+        f"{' and '.join(parts)} to free {gpus_word(job.gpus)} on {nodes};"
+        " it starts when they exit",
+    )
+
+
+def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:
+    """The EASY reservation (``backfill.reserve``): ``job`` waits ``RESOURCES``
+    with its planned start, if the running jobs' planned ends give one."""
+    r = p.reservation = easy.reserve(
+        job.id,
+        c,
+        job.gpus,
+        p.ledger,
+        p.idx,
+        [*p.idx.running_by_end, *p.started],
+        spread=p.spread,
+        topology=p.topology,
+    )
+    if r.shadow is None:
+        msg = (
+            "; no start can be planned from the running jobs"
+            " (it needs GPUs that are down, draining or not tracked)"
+        )
+    else:
+        p.reserved += 1
+        msg = f"; reserved to start at {when(r.shadow, p.now)}"
+        if r.behind is not None:
+            msg += f", when job {r.behind} is planned to end"
+    p.wait(job, Reason.RESOURCES, msg, r.shadow, resources=(c, job.gpus))
+
+
+# ------------------------------------------------------------------ backfill
+
+
+def backfill(p: Pass, jobs: Sequence[PendingJob]) -> None:
+    """The jobs after the top blocked job (``reserve_top`` ran): each passes the
+    gate; without backfill it waits ``PRIORITY``; past ``backfill_max_tested``
+    tries it waits ``NOT_TESTED``; else ``backfill_one`` judges it."""
+    top = p.top
+    assert top is not None
+    cfg = p.cfg
+    max_tested = cfg.backfill_max_tested
+    not_tested = (
+        f"not tested this pass: backfill stopped after"
+        f" {max_tested} jobs (backfill_max_tested)"
+    )
+    later = p.later
+    not_tested_reason = Reason.NOT_TESTED
+    for job in jobs:
+        c = gate(p, job)
+        if c is None:
+            continue
+        if not cfg.backfill:
+            p.stop_reason = STOP_BACKFILL_OFF
+            p.wait(
+                job,
+                Reason.PRIORITY,
+                f"behind job {top.id} (priority {p.prio[top.id]:.0f}, this job"
+                f" {p.prio[job.id]:.0f}), which waits for GPUs; backfill is off",
+            )
+            continue
+        if p.tested >= max_tested:
+            p.stop_reason = STOP_BACKFILL_MAX_TESTED
+            later.append((job, not_tested_reason, not_tested, None, None))
+            continue
+        p.tested += 1
+        backfill_one(p, job, c)
+
+
+def backfill_one(p: Pass, job: PendingJob, c: Constraint) -> None:
+    """Start ``job`` ahead of the top blocked job if it fits now and either ends
+    (by its plan) by the shadow time or avoids the reserved GPUs; else it waits
+    ``RESOURCES`` (it does not fit) or ``RESERVED_FOR_HIGHER``."""
+    pack_first = p.pack_first
+    if pack_first and share(p, job, c, bf=True, avoid=True):
+        return
+    got = try_place(p, job, c, avoid_reserved=False)
+    if got is None:
+        if not pack_first and share(p, job, c, bf=True, avoid=True):
+            return
+        p.wait(
+            job,
+            Reason.RESOURCES,
+            # Not named: the holder changes with nearly every start, and naming
+            # it rewrote most waiting rows on each pass (the queue and the job's
+            # page show the jobs ahead).
+            "; the first job ahead of it that waits for GPUs holds the reservation",
+            resources=(c, job.gpus),
+        )
+        return
+    reservation = p.reservation
+    assert reservation is not None
+    shadow = reservation.shadow
+    if shadow is None and not reservation.victims:
+        start(p, job, got, bf=True)  # nothing can be protected: no planned start
+        return
+    if shadow is not None and p.now + p.idx.planned_s(job) <= shadow:
+        start(p, job, got, bf=True)
+        return
+    got = try_place(p, job, c, avoid_reserved=True)
+    if got is not None:
+        start(p, job, got, bf=True)
+        return
+    if not pack_first and share(p, job, c, bf=True, avoid=True):
+        return
+    p.wait(job, Reason.RESERVED_FOR_HIGHER, _held_message(p, job, shadow))
+
+
+def _held_message(p: Pass, job: PendingJob, shadow: float | None) -> str:
+    top, reservation = p.top, p.reservation
+    assert top is not None and reservation is not None
+    if reservation.victims:
+        return (
+            f"{gpus_word(job.gpus)} are free now, but they are held for job"
+            f" {top.id}, which is preempting job(s)"
+            f" {', '.join(map(str, reservation.victims))}"
+        )
+    assert shadow is not None
+    return (
+        f"{gpus_word(job.gpus)} are free now, but it would delay job {top.id},"
+        f" reserved to start at {when(shadow, p.now)}: it is planned to run"
+        f" {duration(p.idx.planned_s(job))}, past that, and the only GPUs that fit"
+        f" it are reserved"
+    )
+
+
+# ------------------------------------------------------------------ reasons
+
+
+def render_waits(p: Pass) -> None:
+    """Exactly one ``Wait`` per job not started, in scheduling order, with its
+    breakdown; messages that show the free GPUs read the final ledger."""
+    # ``Wait(...)`` inlined: this loop runs once per waiting job, up to 10,000
+    append = p.decisions.append
+    new = object.__new__
+    refusals = p.refusals
+    breakdowns = p.breakdowns
+    messages, ledger = p.messages, p.ledger
+    for position, (job, reason, message, est, res) in enumerate(p.later, 1):
+        if res is not None:
+            message = f"{messages.resources(*res, ledger)}{message}"
+        if refusals and job.id in refusals:
+            message += refusals[job.id]
+        w = new(Wait)
+        fields = w.__dict__  # frozen: set the fields as dataclasses' __init__ does
+        fields["job_id"] = job.id
+        fields["reason"] = reason
+        fields["message"] = message
+        fields["position"] = position
+        fields["breakdown"] = breakdowns[job.id]
+        fields["est_start"] = est
+        append(w)

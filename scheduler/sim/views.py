@@ -1,0 +1,151 @@
+"""What the policy sees: the ``ClusterState`` of a pass, built like the Celery
+pass builds it (requests, labels, limits, run times predicted from the jobs
+finished so far, decayed usage, what was learned about pairs); true durations
+stay in the physics."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from scheduler.policy import ClusterState, PendingJob, RunningJob, Usage
+from scheduler.policy.interference import Knowledge
+from scheduler.policy.predict import planned_runtime, predict
+from scheduler.sim.gpus import GpuPhysics
+from scheduler.sim.results import CLASSES
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from scheduler.sim.jobs import SimJob
+
+TRIAL_WINDOW_S = 3600.0  # ClusterState.trials_last_hour
+
+
+class PolicyViews(GpuPhysics):
+    def _predict(self, job: SimJob) -> tuple[float | None, str]:
+        """``policy.predict.predict`` over the user's completed runs with the same
+        label, else over all of the user's: the production rule."""
+        if job.label:
+            hist = self.hist_label.get((job.user, job.label))
+            if hist:
+                return predict(hist), "user+label"
+        hist_u = self.hist_user.get(job.user)
+        if hist_u:
+            return predict(hist_u), "user"
+        return None, "default"
+
+    def _pending_view(self, job: SimJob) -> PendingJob:
+        predicted, source = self._predict(job)
+        job.planned_s = planned_runtime(job.time_limit, predicted)
+        job.pred_source = source
+        job.pred_version = self.user_version.get(job.user, 0)
+        cls = CLASSES[job.priority_class]
+        return PendingJob(
+            id=job.id,
+            gpus=job.gpus,
+            gpu_memory_mib=job.gpu_mem_mib,
+            priority_weight=cls.weight,
+            submitted_at=job.submit,
+            user=job.user,
+            group=job.group,
+            priority_class=job.priority_class,
+            time_limit_s=job.time_limit,
+            planned_s=job.planned_s,
+            shareable=job.shareable,
+            workload=job.label,
+            slowdown_cap=cls.slowdown_cap,
+        )
+
+    def _running_view(self, job: SimJob, now: float) -> RunningJob:
+        recent = sum(1 for t in job.preempt_times if now - t < 3600.0)
+        cls = CLASSES[job.priority_class]
+        measured: float | None = None
+        measured_for = 0.0
+        seg = job.segment
+        if seg is not None and seg.partners and self.meter is not None:
+            log_r = self.meter.log_slowdown(seg, self._solo_key(job))
+            if log_r is not None:
+                measured = math.exp(log_r)
+                measured_for = seg.measured_s
+        return RunningJob(
+            id=job.id,
+            gpu_ids=job.gpu_ids,
+            started_at=job.started_at,
+            planned_s=job.planned_s,
+            time_limit_s=job.time_limit,
+            user=job.user,
+            group=job.group,
+            priority_class=job.priority_class,
+            preemptible=cls.preemptible and job.state == "running",
+            preemptions_last_hour=recent,
+            shareable=job.shareable,
+            workload=job.label,
+            gpu_memory_mib=job.gpu_mem_mib,
+            peak_memory_mib=job.gpu_mem_mib,  # the sim's jobs use what they declare
+            slowdown_cap=cls.slowdown_cap,
+            joined_at=job.joined_at,
+            trial=job.trial,
+            measured_slowdown=measured,
+            measured_for_s=measured_for,
+        )
+
+    def _state(self, now: float) -> ClusterState:
+        for user in self.stale_users:
+            version = self.user_version.get(user, 0)
+            for job_id in self.pending_by_user.get(user, ()):
+                job = self.pending[job_id]
+                if job.pred_version != version:
+                    self.pending_views[job_id] = self._pending_view(job)
+        self.stale_users.clear()
+        refresh = self.recently_preempted | self.stale_views
+        self.stale_views.clear()
+        knowledge = Knowledge()
+        trials: Mapping[frozenset[str], int] = MappingProxyType({})
+        meter = self.meter
+        if meter is not None:
+            # the reports that arrived since the last pass (solo ones feed the
+            # workloads' solo rates), and every sharing job's measurement
+            for job in self.running.values():
+                seg = job.segment
+                if seg is not None:
+                    meter.advance(seg, now, self._solo_key(job))
+                    if seg.partners:
+                        refresh.add(job.id)
+            knowledge = meter.knowledge()
+        while self.trials and self.trials[0][0] <= now - TRIAL_WINDOW_S:
+            self.trials.popleft()
+        if self.trials:
+            trials = MappingProxyType(Counter(p for _, p in self.trials))
+        for job_id in refresh:
+            self.running_views[job_id] = self._running_view(self.by_id[job_id], now)
+        if self.gpu_tuple is None:
+            self.gpu_tuple = tuple(self.gpu_list)
+        values = self.usage.values(now)
+        group_usage: dict[str, float] = {}
+        user_usage: dict[tuple[str, str], float] = {}
+        for key, value in values.items():
+            assert isinstance(key, tuple)
+            if key[0] == "g":
+                group_usage[key[1]] = value
+            else:
+                user_usage[(key[1], key[2])] = value
+        return ClusterState(
+            now=now,
+            nodes=self.nodes,
+            gpus=self.gpu_tuple,
+            pending=tuple(self.pending_views.values()),
+            running=tuple(self.running_views.values()),
+            usage=Usage(
+                group_usage=group_usage,
+                user_usage=user_usage,
+                group_shares=self.group_shares,
+                user_shares=self.user_shares,
+            ),
+            classes=CLASSES,
+            config=self.config,
+            knowledge=knowledge,
+            trials_last_hour=trials,
+        )
