@@ -20,7 +20,7 @@ PROTOCOL_VERSION: Final = 1
 # Largest frame either side accepts, in bytes.
 MAX_FRAME_BYTES = 1 << 20
 # The agent's websocket offers no compression (permessage-deflate): its frames are
-# a couple of kB a second on a lab's network, and compressing them cost both ends
+# a couple of kB a second on a lab's network, and compressing them costs both ends
 # CPU for every frame (the web process's deflate and inflate, bench/README.md).
 WS_COMPRESSION: Final = None
 # Largest job command a launch can carry, in characters (the portal's

@@ -1,5 +1,5 @@
-"""Cost of the admin overview at scale (issue 6: 100k jobs, 30 days of metrics of
-64 GPUs), figure by figure and as a whole page.
+"""Cost of the admin overview at scale (100k jobs, 30 days of metrics of 64 GPUs),
+figure by figure and as a whole page.
 
 A fresh database: 8 nodes of 8 GPUs, ``--jobs`` jobs spread over the last 30 days
 one after another on each GPU (each with its attempt, its two slot allocations and
@@ -7,23 +7,14 @@ its usage record; the last on each GPU still running), a minute rollup per GPU p
 minute for 30 days (2.76 million rows at 64 GPUs) plus the hourly ones, and
 ``--sample-hours`` of raw samples (every 10 s, each naming the process of the
 attempt holding the GPU; 553k rows for 24 h). Then: the GPU hours backfilled as
-the first ``maintain_metrics`` runs after the migration do it; ``group_usage``,
+the first ``maintain_hours`` runs after the migration do it; ``group_usage``,
 ``daily_figures`` and ``nodes_needing_attention`` (median of ``--repeat``); a
 routine ``hours.maintain`` (beat's every minute); and the whole ``/admin/overview/``
 page through Django's test client signed in as staff (p50 / p95 over
 ``--requests`` after two warm-ups). Prints them; writes
-``bench/results/admin_overview.json``.
-
-Measured on our shared 2-core machine (nice -n 10, load average 3.5-3.7 from
-other work; defaults, 40 requests):
-
-- before (the daily figures from allocations joined to days and to the minute
-  rollups, 4 queries): group usage 33-39 ms, daily figures 13.5 s (25.7 s in a
-  second run at load 2-6), nodes 2 ms: the page could not meet its goal;
-- after (the daily figures from the GPU hours): backfill of 31 days 9.7 s (one
-  run), group usage 39.8 ms (2 queries), daily figures 22.7 ms (4 queries), nodes
-  2.1 ms, routine ``hours.maintain`` 59.6 ms, the whole page p50 85.5 ms, p95
-  106.8 ms (max 109.6 ms): under the 200 ms goal of issue 7.
+``bench/results/admin_overview.json``. The goal: the whole page's p95 under
+200 ms. The current figures, with the machine they were measured on, are in
+docs/benchmarks.md, "Admin overview".
 
 Run through ``make bench`` (it provides DATABASE_URL / REDIS_URL), or:
 ``python -m portal.stack.run -- python bench/admin_overview.py``.
@@ -222,7 +213,7 @@ def populate_samples(hours_back: int) -> int:
 
 
 def backfill_hours() -> dict[str, Any]:
-    """What the first runs of ``maintain_metrics`` do after the migration: the
+    """What the first runs of ``maintain_hours`` do after the migration: the
     GPU hours from its mark (31 days back), a day per transaction, a run at a
     time (each stops after its time budget)."""
     from django.utils import timezone

@@ -1,4 +1,4 @@
-"""Telemetry ingest (issue 9): the largest number of nodes the real web process
+"""Telemetry ingest: the largest number of nodes the real web process
 takes at 1 Hz with nothing lost and the dashboards under a second.
 
 Input: ``--nodes`` (a list, e.g. ``50,100,200,400``) simulated nodes of 8 GPUs,

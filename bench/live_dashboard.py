@@ -1,4 +1,4 @@
-"""Live dashboards at scale (issue 7): page render times with a big history, and
+"""Live dashboards at scale: page render times with a big history, and
 the latency from an agent's sample to a subscribed browser's websocket.
 
 1. **Pages.** A fresh database with a 64-GPU lab's history, built by

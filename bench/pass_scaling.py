@@ -1,4 +1,4 @@
-"""Cost of one full scheduling pass against PostgreSQL (issue #4's scaling table).
+"""Cost of one full scheduling pass against PostgreSQL, at several sizes.
 
 For each size (pending jobs on GPUs): a fresh database, nodes of 8 GPUs, all GPUs
 but 100 held by running jobs, then ``scheduler.tasks.run_one_pass()`` (load the state
@@ -8,10 +8,10 @@ pending between repetitions. A first, separately reported pass stores every job'
 reason; the timed ones are the steady state (only changed reasons are written).
 Prints, per size, the median pass and its parts (state load, decide, starts,
 preemptions, storing the waits' reasons), the client's CPU time (steadier than wall
-time on a busy machine) and the queries; writes ``pass_scaling.json``. The figures
-measured on our 2-core machine are in the README (Benchmarks): 0.31-0.57 s at
-10,000 pending on 4,096 GPUs with 24 queries (1.3-2.6 s and 1,112 before the
-starts were batched and the state read once).
+time on a busy machine) and the queries; writes ``pass_scaling.json``. The goal:
+under a second at 10,000 pending on 4,096 GPUs, in a number of queries that does
+not grow with the queue. The current figures, with the machine, are in
+docs/benchmarks.md, "Scheduling pass".
 
 Run through ``make bench`` (it provides DATABASE_URL / REDIS_URL), or:
 ``python -m portal.stack.run -- python bench/pass_scaling.py``.

@@ -11,7 +11,7 @@ decide() cost, replay wall time). Scenarios:
   (run without per-pass invariant checks);
 - ``d``: Philly VC 6214e9 on ``16x4:p100``, held out (never used to tune).
 
-Co-location (issue #5; policies ``gpulab-exclusive``, ``pack-by-memory``,
+Co-location (policies ``gpulab-exclusive``, ``pack-by-memory``,
 ``gpulab``, ``oracle``; run them with ``--only colo-k80,colo-b``):
 
 - ``colo-k80``: the tuning case, Gavel-Philly VC 11cb48, ``--time-scale 2.3`` on
@@ -223,7 +223,7 @@ def run_one(
 
 
 def goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
-    """The issue's goal, checked: ``gpulab`` beats ``slurm`` on average JCT without
+    """The policy's goal, checked: ``gpulab`` beats ``slurm`` on average JCT without
     a worse p99 JCT, nor a size class's average JCT worse by more than 10%."""
     g, s = by_policy.get("gpulab"), by_policy.get("slurm")
     if not g or not s or not g.get("avg_jct_s") or not s.get("avg_jct_s"):
@@ -252,10 +252,10 @@ def goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def colo_goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
-    """Issue #5's goal: ``gpulab`` gets at least 75% of ``oracle``'s reduction in
-    average JCT relative to ``gpulab-exclusive``, beats ``pack-by-memory``, with
-    under 2% bad admissions and no job slowed beyond its cap for longer than the
-    detection window."""
+    """The co-location goal, checked: ``gpulab`` gets at least 75% of ``oracle``'s
+    reduction in average JCT relative to ``gpulab-exclusive``, beats
+    ``pack-by-memory``, with under 2% bad admissions and no job slowed beyond its
+    cap for longer than the detection window."""
     g = by_policy.get("gpulab")
     x = by_policy.get("gpulab-exclusive")
     o = by_policy.get("oracle")

@@ -1,4 +1,4 @@
-"""Submission burst (issue 9): ``--jobs`` (10,000) jobs submitted through the API
+"""Submission burst: ``--jobs`` (10,000) jobs submitted through the API
 in ``--seconds`` (60) by ``--users`` (50) users under the default rate limits,
 while a signed-in user keeps loading the web pages.
 
@@ -24,7 +24,7 @@ client per user.
 - Pages: meanwhile one user (the first, logged in through the login form) loads
   ``/``, ``/queue/`` and ``/jobs/`` in turn, one at a time, from a process of its
   own (as a person's browser would: timed from the load generator's own event
-  loop, a page's time was mostly that loop's backlog): p50 / p95 / max per page
+  loop, a page's time would be mostly that loop's backlog): p50 / p95 / max per page
   before the burst (idle), during it (goal: p95 < 500 ms), and for
   ``--after-pages`` s after it, with the burst's jobs stored.
 - The load generator's own CPU, as a share of one core over the burst.

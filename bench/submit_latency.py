@@ -1,4 +1,4 @@
-"""Submit-to-start latency on an idle cluster (issue 9): from the HTTP POST of a
+"""Submit-to-start latency on an idle cluster: from the HTTP POST of a
 job to the moment its process runs on the agent.
 
 A fresh database and ``make up``'s processes on it (``bench/real_stack.py``: web,
@@ -26,9 +26,6 @@ max. Where the time goes, per job, from the processes' own timestamps:
 - ``spawn``: the agent's "launching" -> the marker (the job's shim, a Python
   process, then the shell running the command);
 - and, beside them, ``post``: POST sent -> response received.
-
-``--profile`` then runs cProfile-free sampling of the top stage (see the
-README): it prints the frames where that stage spends its time.
 
 Prints the figures and writes ``<out-dir>/submit_latency.json``. Run:
 ``DATABASE_URL=... REDIS_URL=... python bench/submit_latency.py``

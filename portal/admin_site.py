@@ -1,6 +1,7 @@
 """The admin console's site: staff only, and a signed-in user who is not staff
-gets 403 Forbidden on every console page (issue 6), not the admin's login form
-again; a visitor who is not signed in is sent to that login form as before.
+gets 403 Forbidden on every console page, not the admin's login form again
+(signing in again would not make them staff); a visitor who is not signed in is sent to
+that login form.
 
 ``staff_required`` does the same for the console's own pages outside the admin
 site's URLs (the overview)."""

@@ -2,9 +2,9 @@
 
 Django's ASGI handler runs each request's synchronous code in a thread of its
 own, with a PostgreSQL connection of its own. Without a bound, a burst of API
-submissions (bench/submit_burst.py: 10,000 in a minute) put hundreds of
-requests in threads at once: each opened a connection until PostgreSQL refused
-more (503 "database unavailable"), they all shared the one GIL, and a page took
+submissions (bench/submit_burst.py: 10,000 in a minute) puts hundreds of
+requests in threads at once: each opens a connection until PostgreSQL refuses
+more (503 "database unavailable"), they all share the one GIL, and a page takes
 seconds. So at most ``GPULAB_WEB_API_CONCURRENCY`` API requests (``/api/``) and
 ``GPULAB_WEB_PAGE_CONCURRENCY`` other requests (pages, forms, static files) run
 at once in each web process; the others wait their turn in the event loop
@@ -12,10 +12,9 @@ at once in each web process; the others wait their turn in the event loop
 so a queue of API calls never holds up a page, and pages come first: while one
 runs, the API lane starts no more than ``API_BESIDE_PAGES`` (1) at once, so a
 page shares the process's one GIL with at most that many calls it did not find
-running (in a burst, a page's own time was 2-4 times its idle time beside four).
-A lane with
-``GPULAB_WEB_QUEUE`` requests already waiting answers the next at once: 503
-with ``Retry-After`` (the API's JSON error body under ``/api/``).
+running (in a burst, a page's own time is 2-4 times its idle time beside four).
+A lane with ``GPULAB_WEB_QUEUE`` requests already waiting answers the next at
+once: 503 with ``Retry-After`` (the API's JSON error body under ``/api/``).
 
 One client may hold at most ``GPULAB_WEB_API_PER_CLIENT`` places in the API
 lane (running or waiting): its next call is answered at once with 429 and

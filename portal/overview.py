@@ -64,7 +64,8 @@ def month_start(now: datetime) -> datetime:
 
 
 # A record inside the window counts whole; one across its start or end, pro rata
-# (date_part, not extract: numeric arithmetic on every row took half the time).
+# (date_part, not extract: extract's numeric arithmetic on every row takes half the
+# time).
 _GROUP_USAGE_SQL = """
 WITH recorded AS (
     SELECT r.group_id,

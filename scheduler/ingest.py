@@ -1,10 +1,10 @@
 """The web process's metrics writer: every agent connection's frames, batched.
 
-Each agent connection used to write its own frames (three statements and a commit
-each, one database call per frame on the process's one database thread): at a few
-hundred nodes a second the thread was busy all the time and the acks and live
-updates queued behind it (bench/ingest.py, bench/README.md "Telemetry ingest").
-Now one ``MetricsWriter`` per event loop (one per web process) takes the frames of
+Written by each connection on its own (three statements and a commit each, one
+database call per frame on the process's one database thread), the frames of a few
+hundred nodes a second keep that thread busy all the time and the acks and live
+updates queue behind it (bench/ingest.py, bench/README.md "Telemetry ingest").
+So one ``MetricsWriter`` per event loop (one per web process) takes the frames of
 all its connections and writes whatever arrived meanwhile in one call of
 ``services.record_metrics_many`` (one transaction, a fixed number of statements),
 then the next batch: group commit, no timer. A quiet process writes each frame at

@@ -175,8 +175,8 @@ _SAMPLE_FIELDS = {name for name, _ in SAMPLE_COLUMNS[2:-1]}
 _NAMES = ", ".join(name for name, _ in SAMPLE_COLUMNS)
 
 # Every row of a batch in one statement, the rows as one JSON document that
-# PostgreSQL takes apart (a statement per row cost a round trip and a parse per
-# GPU sample; one array parameter per column cost the web process about 30 us of
+# PostgreSQL takes apart (a statement per row costs a round trip and a parse per
+# GPU sample; one array parameter per column costs the web process about 30 us of
 # CPU per GPU to quote: psycopg dumps arrays element by element).
 _INSERT = (
     f"INSERT INTO {TABLE} ({_NAMES}) SELECT {_NAMES} FROM jsonb_to_recordset(%s::jsonb)"

@@ -58,9 +58,9 @@ def _queued_key() -> str:
 def claim_pass_request() -> bool:
     """True if the caller should enqueue a pass: none is queued and not yet begun.
 
-    A burst of submissions asked for a pass each: thousands of tasks that each
-    took the advisory lock's query, found a pass running and set the rerun flag,
-    about half of the worker's time (bench/submit_burst.py). A queued pass that
+    A pass per submission of a burst would be thousands of tasks that each take
+    the advisory lock's query, find a pass running and set the rerun flag: about
+    half of the worker's time (bench/submit_burst.py). A queued pass that
     has not begun will load every change committed before it begins, so one is
     enough: the first request marks it queued (SET NX) and enqueues it, the rest
     return. The mark is cleared just before a pass loads the state

@@ -46,8 +46,9 @@ def _cyclic_gc_paused() -> Iterator[None]:
     """Pause Python's cycle collector for one pass, then restore it as it was.
 
     A pass at 10,000 pending jobs builds some 100,000 objects that all live until
-    it ends: the collector's thresholds kept tripping and it walked them (and the
-    rest of the heap) over and over, ~130 ms of CPU a pass (bench/pass_scaling.py).
+    it ends: left on, the collector's thresholds keep tripping and it walks them
+    (and the rest of the heap) over and over, ~130 ms of CPU a pass
+    (bench/pass_scaling.py).
     Reference counting frees everything as usual; a cycle made meanwhile waits for
     the first collection after the pass. Concurrent passes (threads) leave it as
     they found it: only the one that paused it resumes it.
@@ -160,8 +161,8 @@ def schedule_pass_body() -> dict[str, Any]:
 def _space_after(started: float, ended: float) -> None:
     """Wait until ``GPULAB_PASS_MIN_SPACING`` s after the last pass started, and at
     least as long after it ended as it took: passes hold at most half of the time.
-    A pass over thousands of waiting jobs took 1-2 s and ran back to back under a
-    job's churn; the pages waited on the database meanwhile."""
+    A pass over thousands of waiting jobs takes 1-2 s, and back to back under a
+    job's churn the passes would keep the pages waiting on the database."""
     resume = max(started + settings.GPULAB_PASS_MIN_SPACING, ended + (ended - started))
     wait = resume - time.monotonic()
     if wait > 0:

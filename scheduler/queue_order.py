@@ -1,9 +1,9 @@
 """Stable order keys for the waiting jobs (pure: no Django).
 
-A pass orders every waiting job. Storing each job's 1-based place meant that one
-start at the head shifted every place behind it: each pass rewrote nearly every
+A pass orders every waiting job. Were each job's 1-based place stored, one start
+at the head would shift every place behind it: each pass would rewrite nearly every
 waiting row (95 % of them in a burst of submissions, bench/submit_burst.py), and
-the queue's pages waited on that database work. Instead each waiting job stores
+the queue's pages would wait on that database work. So each waiting job stores
 an order key (``Job.queue_order``): the keys increase along the pass's order, and
 a job's place is counted when it is read
 (``scheduler.models.attach_queue_positions``). A start, an end or a cancellation

@@ -1,4 +1,4 @@
-"""One error body for every API error (issue 8):
+"""One error body for every API error:
 ``{"error": code, "detail": text, "fields": {field: [messages]}}``.
 
 ``exception_handler`` (DRF's hook) maps what views and services raise:

@@ -1,4 +1,4 @@
-"""``gpulab``, the command line (issue 8): the REST API (``/api/v1/``) from a
+"""``gpulab``, the command line: the REST API (``/api/v1/``) from a
 shell, with a personal token.
 
 It runs on login nodes and laptops that have no database, no settings and no

@@ -45,7 +45,7 @@ class Throttle:
     Slots are counted on the sample clock, not on arrival: an agent sampling once
     a second gets each sample out as it arrives, and a late one never makes the
     next ones late too (a period counted from the last send would hold every
-    frame after one slow one: the first bench run saw seconds of lag pile up so).
+    frame after one slow one, and seconds of lag would pile up).
     """
 
     # A sample clock that went back this many periods is a reset clock, not a

@@ -1,4 +1,4 @@
-"""Job arrays in the pass (issue 8): the gate's check (``stages.gate``) for an array's run-at-once
+"""Job arrays in the pass: the gate's check (``stages.gate``) for an array's run-at-once
 limit (the ``%8`` of ``--array 0-99%8``, Slurm's ``JobArrayTaskLimit``).
 
 A task of an array whose ``array_limit`` tasks already run (live attempts,

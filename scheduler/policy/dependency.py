@@ -1,4 +1,4 @@
-"""Dependencies in the pass (issue 8): the gate's check (``stages.gate``) for a job that may start
+"""Dependencies in the pass: the gate's check (``stages.gate``) for a job that may start
 only after other jobs end (Slurm's ``--dependency``).
 
 - ``afterok``: the job it names completed (exit 0);

@@ -9,7 +9,7 @@
   their job only within [F_group / 2, F_group], so a light user in a heavy group never
   jumps a whole heavy/light group gap by being light, yet heavy users in a group queue
   behind their light colleagues.
-- Quotas (issue 6): a job over a soft quota gets ``F * quota_soft_factor``
+- Quotas: a job over a soft quota gets ``F * quota_soft_factor``
   (``scale``, from ``policy.quota.Quotas.fairshare_scale``).
 - No usage: factor 1. Shares missing from the map default to 1 (an equal share);
   zero shares: factor 1 with no usage, 0 with any usage (2^-inf).

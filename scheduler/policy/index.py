@@ -139,7 +139,8 @@ class PassIndex:
 
 
 def is_free(gpu: GpuView) -> bool:
-    """Exclusive GPUs only: free means every slot is free (co-location: issue #5)."""
+    """Free for an exclusive start: every slot is free (a GPU with some slots taken
+    is only for sharing, ``policy.colocate``)."""
     return gpu.schedulable and gpu.slots > 0 and gpu.free_slots == gpu.slots
 
 

@@ -36,7 +36,7 @@ class Ledger:
     def first(self, count: int) -> int | None:
         """The bucket's node that comes first in ``rank`` order, in O(log n)
         amortised instead of a scan of the bucket (best fit asks this once per
-        start: 1,000 starts over 500 nodes were a third of a pass)."""
+        start: with a scan, 1,000 starts over 500 nodes are a third of a pass)."""
         bucket = self.by_count.get(count)
         if not bucket:
             return None

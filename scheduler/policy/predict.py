@@ -6,8 +6,8 @@ The prediction is the longest of the last ``HISTORY`` completed runs of similar 
 plans with min(limit, prediction), and the two errors are not alike: a prediction
 that is too long only makes backfill more careful, one that is too short lets a job
 jump the queue and then delay the reservation it promised not to delay. The median
-(tried first) was too short for half of the jobs by definition; on the benchmark
-traces the longest of the last ten halved the reservations that slipped and cut the
+is too short for half of the jobs by definition; on the benchmark traces the longest
+of the last ten, against the median, halves the reservations that slip and cuts the
 average JCT (docs/policy.md). A running job that outlives its prediction is planned
 to its limit from then on (``index.PassIndex.planned_end``).
 """

@@ -1,4 +1,4 @@
-"""Quotas in the pass (issue 6): GPU-hours per period and a cap on concurrent GPUs,
+"""Quotas in the pass: GPU-hours per period and a cap on concurrent GPUs,
 per group and per user, as plain data the loader computed (``QuotaView``).
 
 A job is subject to its owner's user quota and to its group's quota (the group it

@@ -155,7 +155,7 @@ class GpuView:
 
 @dataclass(frozen=True)
 class Dependency:
-    """One dependency of a pending job (issue 8, ``policy.dependency``): it may
+    """One dependency of a pending job (``policy.dependency``): it may
     start once job ``job_id`` has ended as ``kind`` asks ("afterok", "afterany",
     "afternotok"). ``status`` is that job's state now (a ``Job.Status`` value,
     e.g. "running", "completed", "failed"); ``exit_code`` its exit, if any."""
@@ -186,7 +186,7 @@ class PendingJob:
     # None: unbounded).
     workload: str = ""
     slowdown_cap: float | None = 1.5
-    # Issue 8: a task of job array ``array_id``, of which at most ``array_limit``
+    # A task of job array ``array_id``, of which at most ``array_limit``
     # run at once (None: no limit; ``policy.arrays``), and the jobs it waits for.
     array_id: int | None = None
     array_limit: int | None = None
@@ -293,7 +293,7 @@ class ClusterState:
     trials_last_hour: Mapping[frozenset[str], int] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    # Quotas (issue 6) and their state now; the simulator passes none.
+    # Quotas (``policy.quota``) and their state now; the simulator passes none.
     quotas: tuple[QuotaView, ...] = ()
 
 
@@ -308,12 +308,12 @@ class Reason(StrEnum):
     RESOURCES = "resources"  # it fits the cluster, not the free GPUs now
     RESERVED_FOR_HIGHER = "reserved"  # free GPUs are held for a higher job
     NO_SUCH_SHAPE = "no_such_shape"  # no set of nodes could ever hold it
-    QUOTA = "quota"  # quota exhausted (issue #6, ``policy.quota``)
+    QUOTA = "quota"  # quota exhausted (``policy.quota``)
     HELD = "held"
-    DEPENDENCY = "dependency"  # waits for other jobs to end (issue #8)
+    DEPENDENCY = "dependency"  # waits for other jobs to end (``policy.dependency``)
     DEPENDENCY_NEVER = "dependency_never"  # a dependency can never be met
     ARRAY_LIMIT = "array_limit"  # its array runs its %N tasks at once
-    INTERFERENCE = "interference"  # co-location refused (issue #5)
+    INTERFERENCE = "interference"  # co-location refused (``policy.colocate``)
     WAITING_FOR_PREEMPTION = "preempting"  # victims are being stopped for it
     NOT_TESTED = "not_tested"  # a pass cap stopped before this job
 

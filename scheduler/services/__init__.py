@@ -19,7 +19,9 @@ and management commands are adapters around these functions: they call
 - what agents report, by concept: ``presence`` (authentication, hello,
   heartbeats, disconnection; ``set_node_status``, the only writer of a node's
   state), ``attempts`` (starts and exits), ``telemetry`` (GPU metrics, job
-  progress), ``logs`` (output chunks, and the stored output read back);
+  progress), ``logs`` (output chunks, and the stored output read back),
+  ``late_reports`` (a start or exit reported after the portal ended the attempt
+  without the agent: its times and charges corrected);
 - ``liveness``: lost nodes, time limits and lost launches (beat);
 - ``reconcile``: what agents say they hold against the database, drift repaired
   (beat);

@@ -1,4 +1,4 @@
-"""Job arrays (issue 8): one submission, many tasks (Slurm's ``--array``).
+"""Job arrays: one submission, many tasks (Slurm's ``--array``).
 
 Each task is a ``Job`` of its own (its own state, attempts, logs and charges)
 with its ``array_index``, which the agent puts in its environment as

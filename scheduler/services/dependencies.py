@@ -1,4 +1,4 @@
-"""Dependencies of a submission (issue 8): the one parser of the text form
+"""Dependencies of a submission: the one parser of the text form
 (``--after`` on the command line, the API's ``after``, the submit form's
 "Run after"), its checks against the jobs the submitter may see, and the rows.
 

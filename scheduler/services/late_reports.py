@@ -2,8 +2,8 @@
 declared lost (``liveness.mark_lost_nodes``: ended at the last heartbeat) or its
 launch was given up (``liveness.resend_launches``). The job has moved on exactly
 once (requeued or failed) and stays where it is; what changes is the record of
-what ran: the agent's start and exit are the authoritative times (issue 6:
-"including jobs that finished while the agent was disconnected"), so the
+what ran: the agent's start and exit are the authoritative times (a job that
+finished while its agent was disconnected is charged for what it ran), so the
 attempt's times, its slots' release and its charges (``UsageRecord`` and
 ``DailyUsage`` through ``hooks.accounting().runs_changed``, so its GPU neighbours' shares
 follow) are corrected, with a job event saying so.

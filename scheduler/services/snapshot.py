@@ -90,11 +90,11 @@ def decayed_usage(
 
 
 # The hot queries of a pass, in SQL: timestamps come back as epoch seconds (parsing
-# 18,000 timestamps was a fifth of loading the state at 10,000 pending jobs), JSON as
+# 18,000 timestamps is a fifth of loading the state at 10,000 pending jobs), JSON as
 # text (parsed once per distinct value), users and groups as ids (mapped through
-# small dicts). No ORDER BY: PostgreSQL sorting 10,000 wide rows cost more than
+# small dicts). No ORDER BY: PostgreSQL sorting 10,000 wide rows costs more than
 # sorting the tuples here (into the models' default orders, so ``decide`` sees the
-# order it saw from the ORM).
+# order the ORM would give).
 _GPUS_SQL = """
 SELECT id, node_id, index, memory_total_mib, slots, present, mig_enabled, name,
        nvlink_peers::text, topology::text
@@ -112,7 +112,7 @@ SELECT j.id, j.gpus, j.gpu_memory_mib, date_part('epoch', j.submitted_at), j.own
 FROM scheduler_job j LEFT JOIN scheduler_jobarray a ON a.id = j.array_id
 WHERE j.status = 'pending'
 """
-# The dependencies of every pending job with their jobs' state now (issue 8): one
+# The dependencies of every pending job with their jobs' state now: one
 # query for the pass, whatever the number of jobs.
 _DEPENDENCIES_SQL = """
 SELECT d.job_id, d.kind, d.depends_on_id, t.status, t.exit_code

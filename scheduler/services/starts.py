@@ -348,7 +348,7 @@ def launch_frame(
     env = {str(k): str(v) for k, v in job.env.items()}
     env.update(rank_env(attempt, node_id, len(gpus), nodes or {}))
     if job.array_id is not None:
-        # issue 8: a task of a job array learns which one it is
+        # a task of a job array learns which one it is
         env["GPULAB_ARRAY_ID"] = str(job.array_id)
         env["GPULAB_ARRAY_INDEX"] = str(job.array_index)
     return events.frame(

@@ -51,14 +51,14 @@ class MetricsFrame(NamedTuple):
 # replayed sample never overwrites the present, even one written meanwhile by
 # another web process).
 # The batch is one JSON document (arrays, one per column, cost the web process
-# seven times the CPU to quote, scheduler/metrics.py ``_INSERT``).
+# seven times the CPU to quote: scheduler/metrics.py ``_INSERT``).
 _LATEST_SQL = """
 UPDATE scheduler_gpu g SET latest = v.latest, latest_at = v.at
 FROM jsonb_to_recordset(%s::jsonb) AS v(id bigint, latest jsonb, at timestamptz)
 WHERE g.id = v.id AND (g.latest_at IS NULL OR g.latest_at <= v.at)
 """
 # What a batch reads of its nodes' GPUs (not ``latest``: a batch only writes it,
-# and decoding every GPU's stored JSON cost as much as the frames' own).
+# and decoding every GPU's stored JSON costs as much as the frames' own).
 _GPU_FIELDS = ("id", "node_id", "index", "uuid", "present", "latest_at")
 
 

@@ -112,8 +112,8 @@ class JobList(APIView):
         parsed.is_valid(raise_exception=True)
         job = services.submit_job(request.user, _request(parsed.validated_data))  # type: ignore[arg-type]
         # Answered from the row just stored (its owner, group and dependencies
-        # are at hand; no attempt yet): read again through the visibility
-        # filter, the answer cost as much as the submission (bench/submit_burst.py).
+        # are at hand; no attempt yet): reading it again through the visibility
+        # filter would cost as much as the submission (bench/submit_burst.py).
         prefetch_related_objects([job], "dependencies__depends_on")
         return Response(s.JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
