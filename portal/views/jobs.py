@@ -11,7 +11,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -125,15 +125,24 @@ def _job_context(job: Job) -> dict[str, Any]:
                 else (len(attempt.node_ids), a.gpu.index)
             ),
         )
-    # co-location: the jobs sharing its GPU now, the viewer's own or not (only
-    # number, owner and memory of someone else's are shown)
+    # co-location: the jobs sharing its GPU now, or, once its attempt ended, the
+    # jobs that held its GPU while it did; the viewer's own or not (only number,
+    # owner and memory of someone else's are shown)
     partners: list[Job] = []
-    if attempt is not None and attempt.ended_at is None and len(allocations) == 1:
-        partners = list(
-            Job.objects.filter(
-                attempt_set__allocations__gpu_id=allocations[0].gpu_id,
-                attempt_set__allocations__released_at__isnull=True,
+    if attempt is not None and len(allocations) == 1:
+        held = allocations[0]
+        if attempt.ended_at is None:
+            overlap = Q(attempt_set__allocations__released_at__isnull=True)
+        else:
+            overlap = Q(
+                attempt_set__allocations__allocated_at__lt=held.released_at
+                or attempt.ended_at
+            ) & (
+                Q(attempt_set__allocations__released_at__isnull=True)
+                | Q(attempt_set__allocations__released_at__gt=held.allocated_at)
             )
+        partners = list(
+            Job.objects.filter(overlap, attempt_set__allocations__gpu_id=held.gpu_id)
             .exclude(pk=job.pk)
             .select_related("owner")
             .distinct()
