@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "portal.idle",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, served from static
     "portal.api",
 ]
 
@@ -318,6 +319,10 @@ SPECTACULAR_SETTINGS: dict[str, Any] = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {},
+    # /api/v1/docs/ loads Swagger UI from this server (drf-spectacular-sidecar):
+    # it works offline, and a page carrying the session runs no third-party script.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
 }
 # Requests per token (or per signed-in user, or per client address before it is
 # known who asks) per window, Redis-backed (GCRA: a burst of the whole limit,
