@@ -351,6 +351,18 @@ GPULAB_WEB_API_PER_CLIENT = envint(
 GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 
 # ------------------------------------------------------------------ logging
+
+
+def _client_errors_in_one_line(record: Any) -> bool:
+    """django.request logs a 4xx with the exception that caused it (a 403's
+    PermissionDenied): the request was the client's fault, so one line says it;
+    a 5xx keeps its traceback."""
+    if getattr(record, "status_code", 500) < 500:
+        record.exc_info = None
+        record.exc_text = None
+    return True
+
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -358,7 +370,10 @@ LOGGING = {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
     },
     # Secrets never reach a log: header values and bearer tokens are blanked.
-    "filters": {"redact": {"()": "portal.redact.RedactSecrets"}},
+    "filters": {
+        "redact": {"()": "portal.redact.RedactSecrets"},
+        "client_errors": {"()": lambda: _client_errors_in_one_line},
+    },
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
@@ -368,8 +383,18 @@ LOGGING = {
     },
     "root": {"handlers": ["console"], "level": envstr("GPULAB_LOG_LEVEL", "INFO")},
     "loggers": {
+        # Django's own handlers (a second console copy of each record under
+        # DEBUG, mail to ADMINS) are dropped: its records reach the root's once.
+        "django": {"level": "INFO"},
+        "django.request": {"filters": ["client_errors"]},
         "django.db.backends": {"level": "INFO"},
         "celery": {"level": "INFO"},
+        # Each periodic task (the pass every few seconds, node checks) would log
+        # "Sending due task", "received" and "succeeded" at INFO: only their
+        # warnings and failures are events a person needs.
+        "celery.beat": {"level": "WARNING"},
+        "celery.worker.strategy": {"level": "WARNING"},
+        "celery.app.trace": {"level": "WARNING"},
         # uvicorn's own handlers are not ours: filter at its logger, where the
         # websockets library logs handshake headers at debug level.
         "uvicorn.error": {"filters": ["redact"]},
