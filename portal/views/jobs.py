@@ -22,7 +22,7 @@ from portal.forms import JobForm, format_duration
 from portal.idle.models import IdleFlag
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
-from scheduler import livestate, metrics, services
+from scheduler import classes, livestate, metrics, services
 from scheduler.models import Allocation, Attempt, Job, JobLogChunk
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         ahead = list(Job.objects.ahead_of(job).select_related("owner")[:5])
     policy = services.policy_config()
     return {
+        "trial": _trial_note(job, attempt, policy.colo_detect_window_s),
         "job": job,
         "attempt": attempt,
         "allocations": allocations,
@@ -167,6 +168,36 @@ def _job_context(job: Job) -> dict[str, Any]:
         # idle GPUs: the open flag, if the job is idle now
         "idle_flag": IdleFlag.objects.filter(job=job, cleared_at__isnull=True).first(),
     }
+
+
+def _trial_note(
+    job: Job, attempt: Attempt | None, window_s: float
+) -> dict[str, Any] | None:
+    """What the page says of an exploration trial (docs/colocation.md): the pair
+    was admitted on its predicted gain alone, so its predicted slowdowns may be
+    over the cap; the pass sends the job that joined back to the queue once a job
+    of the GPU was measured over its cap for half of ``colo_detect_window_s``."""
+    admission = attempt.admission if attempt is not None else None
+    if not admission or not admission.get("trial"):
+        return None
+    spec = classes.get_class(job.priority_class)
+    cap = spec.slowdown_cap if spec is not None else None
+    if job.slowdown_cap is not None:
+        cap = job.slowdown_cap if cap is None else min(cap, job.slowdown_cap)
+    slowdowns = admission.get("slowdowns") or {}
+    predicted = slowdowns.get(str(job.pk)) or max(slowdowns.values(), default=None)
+    return {
+        "predicted": _times(predicted),
+        "over_cap": predicted is not None and cap is not None and predicted > cap,
+        "cap": _times(cap),
+        "detect_min": f"{window_s / 2 / 60:g}",
+        "window_min": f"{window_s / 60:g}",
+    }
+
+
+def _times(value: float | None) -> str:
+    """A slowdown as people write it: 1.64x, 1.5x, 2x."""
+    return "" if value is None else f"{value:.2f}".rstrip("0").rstrip(".") + "x"
 
 
 # The job page's charts: the last minutes of its latest attempt's GPUs.

@@ -5,6 +5,7 @@ the job it shared with."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -115,3 +116,35 @@ def test_the_job_that_joined_keeps_its_charts_and_partner_after_it_ends(
     assert series["live"] is False
     assert points(series) == [(90.0, 5000, 8000)] * MINUTES
     assert f'data-testid="partners">job #{first.pk} (alice, 4.0 GiB declared)' in body
+
+
+def test_a_trial_says_why_it_may_exceed_the_cap_and_for_how_long(
+    alice: User, bob: User
+) -> None:
+    from scheduler.policy.colocate import Admission
+    from scheduler.services import policy_config
+
+    node, _ = make_node("node-t", 1)
+    gpu = node.gpus.get()
+    first = JobFactory(owner=alice, shareable=True, gpu_memory_mib=4096)
+    start_job(first, node)
+    second = JobFactory(owner=bob, shareable=True, gpu_memory_mib=4096)
+    trial = Admission(
+        second.pk, gpu.pk, admitted=True, rule="ok", trial=True,
+        message="exploration trial: predicted gain 1.10",
+        slowdowns={second.pk: 1.64, first.pk: 1.2}, gain=1.1, confidence=0.2,
+        partners=(first.pk,),
+    )  # fmt: skip
+    start = shared_start(second, gpu.pk, node.pk, (first.pk,))
+    assert services.apply_decisions([replace(start, admission=trial)]).started
+    window_min = policy_config().colo_detect_window_s / 60
+
+    body = " ".join(get(bob, f"/jobs/{second.pk}/").content.decode().split())
+
+    note = body.split('data-testid="trial-note">', 1)[1].split("</dd>", 1)[0]
+    assert "1.64x" in note  # its predicted slowdown ...
+    assert "1.5x" in note  # ... over its class's cap
+    assert "never been seen sharing a GPU" in note
+    assert f"{window_min / 2:g} minutes" in note  # measured over it that long
+    assert f"within {window_min:g} minutes" in note
+    assert "sent back to the queue" in note  # what happens then, to whom
