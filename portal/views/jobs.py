@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -23,7 +24,7 @@ from portal.idle.models import IdleFlag
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import classes, livestate, metrics, services
-from scheduler.models import Allocation, Attempt, Job, JobLogChunk
+from scheduler.models import Allocation, Attempt, Group, Job, JobLogChunk, Profile
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,7 +69,8 @@ def job_list(request: AuthenticatedHttpRequest) -> HttpResponse:
 
 @login_required
 def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
-    group_names = [g.name for g in services.groups_of(request.user)]
+    groups = services.groups_of(request.user)
+    group_names = [g.name for g in groups]
     initial = {}
     copy_of = request.GET.get("copy")
     if copy_of and copy_of.isdigit():
@@ -93,6 +95,7 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
         request.POST or None,
         initial=initial,
         group_names=group_names,
+        default_group=_default_group(request.user, groups),
         gpu_models=services.gpu_models(),
     )
     if request.method == "POST" and form.is_valid():
@@ -168,6 +171,21 @@ def _job_context(job: Job) -> dict[str, Any]:
         # idle GPUs: the open flag, if the job is idle now
         "idle_flag": IdleFlag.objects.filter(job=job, cleared_at__isnull=True).first(),
     }
+
+
+def _default_group(user: Any, groups: list[Group]) -> str:
+    """The group a job is charged to when none is chosen, as the submit service
+    picks it (``services.jobs._charge_group``): the primary group, else the
+    first, else the default group a user in none joins."""
+    primary = (
+        Profile.objects.filter(user=user)
+        .values_list("primary_group_id", flat=True)
+        .first()
+    )
+    for group in groups:
+        if group.pk == primary:
+            return group.name
+    return groups[0].name if groups else str(settings.GPULAB_DEFAULT_GROUP)
 
 
 def _trial_note(
