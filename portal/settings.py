@@ -352,6 +352,10 @@ GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 
 # ------------------------------------------------------------------ logging
 
+_TASK_LOG_LEVEL = envchoice(
+    "GPULAB_TASK_LOG_LEVEL", "WARNING", ("DEBUG", "INFO", "WARNING", "ERROR")
+)
+
 
 def _client_errors_in_one_line(record: Any) -> bool:
     """django.request logs a 4xx with the exception that caused it (a 403's
@@ -390,11 +394,12 @@ LOGGING = {
         "django.db.backends": {"level": "INFO"},
         "celery": {"level": "INFO"},
         # Each periodic task (the pass every few seconds, node checks) would log
-        # "Sending due task", "received" and "succeeded" at INFO: only their
-        # warnings and failures are events a person needs.
-        "celery.beat": {"level": "WARNING"},
-        "celery.worker.strategy": {"level": "WARNING"},
-        "celery.app.trace": {"level": "WARNING"},
+        # "Sending due task", "received" and "succeeded" at INFO: by default only
+        # their warnings and failures, the events a person needs
+        # (GPULAB_TASK_LOG_LEVEL=INFO shows every task run).
+        "celery.beat": {"level": _TASK_LOG_LEVEL},
+        "celery.worker.strategy": {"level": _TASK_LOG_LEVEL},
+        "celery.app.trace": {"level": _TASK_LOG_LEVEL},
         # uvicorn's own handlers are not ours: filter at its logger, where the
         # websockets library logs handshake headers at debug level.
         "uvicorn.error": {"filters": ["redact"]},

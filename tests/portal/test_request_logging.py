@@ -4,6 +4,7 @@ traceback (a 4xx is the client's doing, not a fault of the server's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -79,3 +80,35 @@ def test_a_404_is_one_log_line(alice: User) -> None:
     assert len(lines) == 1, log
     assert "Not Found: /jobs/999999/" in lines[0]
     assert log.count("Not Found") == 1
+
+
+LEVELS = """
+import json, logging, django
+django.setup()
+names = ("celery.beat", "celery.worker.strategy", "celery.app.trace")
+print(json.dumps({n: [logging.getLogger(n).isEnabledFor(level)
+                      for level in (logging.INFO, logging.WARNING)] for n in names}))
+"""
+
+
+@pytest.mark.parametrize(("setting", "info"), [(None, False), ("INFO", True)])
+def test_each_periodic_task_run_is_logged_only_when_asked(
+    setting: str | None, *, info: bool
+) -> None:
+    """Celery's line per task sent, received and succeeded (the pass runs every
+    few seconds) only with GPULAB_TASK_LOG_LEVEL=INFO; warnings and failures
+    always."""
+    env = {k: v for k, v in os.environ.items() if k != "GPULAB_TASK_LOG_LEVEL"}
+    if setting is not None:
+        env["GPULAB_TASK_LOG_LEVEL"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", LEVELS],
+        env={**env, "DJANGO_SETTINGS_MODULE": "portal.settings"},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+
+    assert set(map(tuple, json.loads(out).values())) == {(info, True)}
