@@ -156,7 +156,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         ahead = list(Job.objects.ahead_of(job).select_related("owner")[:5])
     policy = services.policy_config()
     return {
-        "trial": _trial_note(job, attempt, policy.colo_detect_window_s),
+        "trial": _trial_note(job, attempt, partners, policy.colo_detect_window_s),
         "job": job,
         "attempt": attempt,
         "allocations": allocations,
@@ -189,14 +189,27 @@ def _default_group(user: Any, groups: list[Group]) -> str:
 
 
 def _trial_note(
-    job: Job, attempt: Attempt | None, window_s: float
+    job: Job, attempt: Attempt | None, partners: list[Job], window_s: float
 ) -> dict[str, Any] | None:
-    """What the page says of an exploration trial (docs/colocation.md): the pair
-    was admitted on its predicted gain alone, so its predicted slowdowns may be
-    over the cap; the pass sends the job that joined back to the queue once a job
-    of the GPU was measured over its cap for half of ``colo_detect_window_s``."""
-    admission = attempt.admission if attempt is not None else None
+    """What the page says of an exploration trial on the job's GPU, the job's own
+    admission or the one of the partner that joined it (docs/colocation.md): the
+    pair was admitted on its predicted gain alone, so its predicted slowdowns may
+    be over the cap; the pass sends the job that joined back to the queue (if its
+    owner allows) once a job of the GPU was measured over its cap for half of
+    ``colo_detect_window_s``."""
+    if attempt is None:
+        return None
+    joined: Job = job
+    admission = attempt.admission
     if not admission or not admission.get("trial"):
+        admission = None
+        for other in Attempt.objects.filter(
+            job__in=partners, admission__trial=True
+        ).select_related("job"):
+            if job.pk in (other.admission or {}).get("partners", ()):
+                joined, admission = other.job, other.admission
+                break
+    if admission is None:
         return None
     spec = classes.get_class(job.priority_class)
     cap = spec.slowdown_cap if spec is not None else None
@@ -205,6 +218,8 @@ def _trial_note(
     slowdowns = admission.get("slowdowns") or {}
     predicted = slowdowns.get(str(job.pk)) or max(slowdowns.values(), default=None)
     return {
+        "joined": None if joined is job else joined.pk,
+        "evictable": joined.evictable,
         "predicted": _times(predicted),
         "over_cap": predicted is not None and cap is not None and predicted > cap,
         "cap": _times(cap),

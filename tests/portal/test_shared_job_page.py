@@ -139,12 +139,17 @@ def test_a_trial_says_why_it_may_exceed_the_cap_and_for_how_long(
     assert services.apply_decisions([replace(start, admission=trial)]).started
     window_min = policy_config().colo_detect_window_s / 60
 
-    body = " ".join(get(bob, f"/jobs/{second.pk}/").content.decode().split())
+    def note(user: User, job: Job) -> str:
+        body = " ".join(get(user, f"/jobs/{job.pk}/").content.decode().split())
+        return body.split('data-testid="trial-note">', 1)[1].split("</dd>", 1)[0]
 
-    note = body.split('data-testid="trial-note">', 1)[1].split("</dd>", 1)[0]
-    assert "1.64x" in note  # its predicted slowdown ...
-    assert "1.5x" in note  # ... over its class's cap
-    assert "never been seen sharing a GPU" in note
-    assert f"{window_min / 2:g} minutes" in note  # measured over it that long
-    assert f"within {window_min:g} minutes" in note
-    assert "sent back to the queue" in note  # what happens then, to whom
+    joiner, resident = note(bob, second), note(alice, first)
+
+    assert "never been seen sharing a GPU" in joiner
+    assert "1.64x, may exceed its cap of 1.5x" in joiner  # its prediction, its cap
+    assert f"{window_min / 2:g} minutes" in joiner  # measured over it that long
+    assert f"within {window_min:g} minutes" in joiner
+    assert "this job (the one that joined) is sent back to the queue" in joiner
+    # The job it joined: its own prediction (under its cap), who would leave.
+    assert "may exceed" not in resident  # 1.2x, under its cap
+    assert f"job #{second.pk} (the one that joined) is sent back" in resident
