@@ -253,6 +253,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def job_log(self, event: dict[str, Any]) -> None:
         await self._forward(event)
 
+    async def job_progress(self, event: dict[str, Any]) -> None:
+        await self._forward(event)
+
     async def node_metrics(self, event: dict[str, Any]) -> None:
         await self._forward(event)
 

@@ -95,13 +95,13 @@ class JobForm(forms.Form):
     on_partner_hurt = forms.ChoiceField(
         label="If its GPU partner suffers",
         choices=[
-            ("requeue", "send this job back to the queue"),
-            ("keep", "keep running"),
+            ("requeue", "requeue this job"),
+            ("keep", "keep it running"),
         ],
         initial="requeue",
         required=False,  # absent: requeue
         help_text="When a job measured over its cap shares a GPU with this one, "
-        "and this one joined later.",
+        "and this one joined later: send this one back to the queue, or keep it.",
     )
     workload = forms.CharField(
         label="Workload label",
@@ -140,6 +140,7 @@ class JobForm(forms.Form):
         self,
         *args: Any,
         group_names: list[str],
+        default_group: str = "",
         gpu_models: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -152,7 +153,9 @@ class JobForm(forms.Form):
             "forms.ChoiceField", self.fields["priority_class"]
         ).choices = classes.class_choices()
         self.fields["priority_class"].initial = settings.GPULAB_DEFAULT_CLASS
-        cast("forms.ChoiceField", self.fields["group"]).choices = [("", "default")] + [
+        # Empty: the group the service charges by default, named when known.
+        default = f"default ({default_group})" if default_group else "default"
+        cast("forms.ChoiceField", self.fields["group"]).choices = [("", default)] + [
             (g, g) for g in group_names
         ]
         self.fields["workdir"].widget.attrs["placeholder"] = (

@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "portal.idle",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, served from static
     "portal.api",
 ]
 
@@ -329,6 +330,10 @@ SPECTACULAR_SETTINGS: dict[str, Any] = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {},
+    # /api/v1/docs/ loads Swagger UI from this server (drf-spectacular-sidecar):
+    # it works offline, and a page carrying the session runs no third-party script.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
 }
 # Requests per token (or per signed-in user, or per client address before it is
 # known who asks) per window, Redis-backed (GCRA: a burst of the whole limit,
@@ -357,6 +362,22 @@ GPULAB_WEB_API_PER_CLIENT = envint(
 GPULAB_API_TOKEN_DAYS = envint("GPULAB_API_TOKEN_DAYS", 90, minimum=0)
 
 # ------------------------------------------------------------------ logging
+
+_TASK_LOG_LEVEL = envchoice(
+    "GPULAB_TASK_LOG_LEVEL", "WARNING", ("DEBUG", "INFO", "WARNING", "ERROR")
+)
+
+
+def _client_errors_in_one_line(record: Any) -> bool:
+    """django.request logs a 4xx with the exception that caused it (a 403's
+    PermissionDenied): the request was the client's fault, so one line says it;
+    a 5xx keeps its traceback."""
+    if getattr(record, "status_code", 500) < 500:
+        record.exc_info = None
+        record.exc_text = None
+    return True
+
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -364,7 +385,10 @@ LOGGING = {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
     },
     # Secrets never reach a log: header values and bearer tokens are blanked.
-    "filters": {"redact": {"()": "portal.redact.RedactSecrets"}},
+    "filters": {
+        "redact": {"()": "portal.redact.RedactSecrets"},
+        "client_errors": {"()": lambda: _client_errors_in_one_line},
+    },
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
@@ -374,8 +398,19 @@ LOGGING = {
     },
     "root": {"handlers": ["console"], "level": envstr("GPULAB_LOG_LEVEL", "INFO")},
     "loggers": {
+        # Django's own handlers (a second console copy of each record under
+        # DEBUG, mail to ADMINS) are dropped: its records reach the root's once.
+        "django": {"level": "INFO"},
+        "django.request": {"filters": ["client_errors"]},
         "django.db.backends": {"level": "INFO"},
         "celery": {"level": "INFO"},
+        # Each periodic task (the pass every few seconds, node checks) would log
+        # "Sending due task", "received" and "succeeded" at INFO: by default only
+        # their warnings and failures, the events a person needs
+        # (GPULAB_TASK_LOG_LEVEL=INFO shows every task run).
+        "celery.beat": {"level": _TASK_LOG_LEVEL},
+        "celery.worker.strategy": {"level": _TASK_LOG_LEVEL},
+        "celery.app.trace": {"level": _TASK_LOG_LEVEL},
         # uvicorn's own handlers are not ours: filter at its logger, where the
         # websockets library logs handshake headers at debug level.
         "uvicorn.error": {"filters": ["redact"]},

@@ -260,9 +260,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
             if text and self.feed is not None:
                 await self._live(self.feed.log_chunk(message.data, text))
         elif isinstance(message, protocol.JobProgress):
-            await database_sync_to_async(services.record_progress)(
+            stored = await database_sync_to_async(services.record_progress)(
                 node_id, message.data
             )
+            if stored and self.feed is not None:
+                await self._live(self.feed.progress(message.data))
 
     def _holders_changed(self) -> None:
         if self.feed is not None:

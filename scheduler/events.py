@@ -258,6 +258,16 @@ class JobLogEvent(TypedDict):
     data: str
 
 
+class JobProgressEvent(TypedDict):
+    """The job's latest progress report as stored (``step`` of ``total``)."""
+
+    type: Literal["job.progress"]
+    job: int
+    step: int
+    total: int | None
+    at: float
+
+
 class QueueChangedEvent(TypedDict):
     """The queue changed (a pass reordered it, a job came, went or was held):
     pages showing it fetch it again. At most one a second."""
@@ -274,6 +284,7 @@ DashboardEvent = (
     | NodeStateEvent
     | JobMetricsEvent
     | JobLogEvent
+    | JobProgressEvent
     | QueueChangedEvent
 )
 

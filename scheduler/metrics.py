@@ -372,14 +372,19 @@ def gpu_history(
 
 def job_history(job_id: int, since: datetime | None = None) -> list[dict[str, Any]]:
     """The samples of every GPU the job held, while it held it (from ``since``
-    when given), in one query."""
+    when given), in one query. A GPU counts once per attempt: the attempt's
+    lowest slot on it (an exclusive job holds every slot, a job that joined a
+    shared GPU holds a slot above 0)."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
             SELECT DISTINCT s.gpu_id, s.at, s.util_gpu, s.util_mem, s.memory_used_mib,
                    s.temperature_c, s.power_w, s.processes, t.id AS attempt_id
             FROM {TABLE} s
-            JOIN scheduler_allocation a ON a.gpu_id = s.gpu_id AND a.slot = 0
+            JOIN scheduler_allocation a ON a.gpu_id = s.gpu_id AND a.slot = (
+                SELECT min(b.slot) FROM scheduler_allocation b
+                WHERE b.attempt_id = a.attempt_id AND b.gpu_id = a.gpu_id
+            )
             JOIN scheduler_attempt t ON t.id = a.attempt_id
             WHERE t.job_id = %s
               AND s.at >= COALESCE(t.started_at, a.allocated_at)

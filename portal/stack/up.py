@@ -2,7 +2,8 @@
 
 1. Check ``GPULAB_DEMO_NODES`` and ``PORT`` before starting anything.
 2. Start the embedded PostgreSQL / Redis that the URLs do not configure.
-3. Keep a secret key in ``<state>/secret_key``; ``DJANGO_DEBUG=true`` unless set.
+3. Keep a secret key in ``<state>/secret_key``; DEBUG off, cookies over plain HTTP
+   and mail printed in the log, unless set (``portal_env``).
 4. ``migrate``, ``ensure_admin``, ``create_node demo-N --if-missing`` per demo node.
 5. Run web, worker, beat and one simulated agent per demo node under honcho, with
    prefixed, coloured output; say where the portal is once web answers.
@@ -202,6 +203,24 @@ def _raise_interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def portal_env(env: Mapping[str, str], state: Path, number: int) -> dict[str, str]:
+    """What ``make up`` adds to the environment of its processes."""
+    added: dict[str, str] = {}
+    if not env.get("DJANGO_SECRET_KEY") and not env.get("DJANGO_SECRET_KEY_FILE"):
+        added["DJANGO_SECRET_KEY"] = secret_key(state)
+    # DEBUG off, as anyone opening the demo should see it: no debug pages, the
+    # product's error pages; static files come from WhiteNoise either way.
+    added["DJANGO_DEBUG"] = env.get("DJANGO_DEBUG", "false")
+    # Plain HTTP on loopback: a Secure-only session cookie would never come back.
+    added["DJANGO_SECURE_COOKIES"] = env.get("DJANGO_SECURE_COOKIES", "false")
+    # No mail server in a demo: mail is printed in the log.
+    added["GPULAB_EMAIL_BACKEND"] = env.get("GPULAB_EMAIL_BACKEND", "console")
+    added["PYTHONUNBUFFERED"] = "1"
+    added["GPULAB_DEMO_NODES"] = env.get("GPULAB_DEMO_NODES") or DEFAULT_DEMO_NODES
+    added["PORT"] = str(number)
+    return added
+
+
 def up(env: Mapping[str, str] | None = None) -> int:
     env = dict(os.environ if env is None else env)
     try:
@@ -219,12 +238,7 @@ def up(env: Mapping[str, str] | None = None) -> int:
         services = ensure_services(env)
         env.update(services.env)
         state = Path(services.env["GPULAB_STATE_DIR"])
-        if not env.get("DJANGO_SECRET_KEY") and not env.get("DJANGO_SECRET_KEY_FILE"):
-            env["DJANGO_SECRET_KEY"] = secret_key(state)
-        env.setdefault("DJANGO_DEBUG", "true")
-        env["PYTHONUNBUFFERED"] = "1"
-        env["GPULAB_DEMO_NODES"] = env.get("GPULAB_DEMO_NODES") or DEFAULT_DEMO_NODES
-        env["PORT"] = str(number)
+        env.update(portal_env(env, state, number))
         for node in nodes:
             (state / "agents" / node.name).mkdir(
                 mode=0o700, parents=True, exist_ok=True

@@ -7,11 +7,12 @@ import json
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -22,8 +23,8 @@ from portal.forms import JobForm, format_duration
 from portal.idle.models import IdleFlag
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
-from scheduler import livestate, metrics, services
-from scheduler.models import Allocation, Attempt, Job, JobLogChunk
+from scheduler import classes, livestate, metrics, services
+from scheduler.models import Allocation, Attempt, Group, Job, JobLogChunk, Profile
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,7 +69,8 @@ def job_list(request: AuthenticatedHttpRequest) -> HttpResponse:
 
 @login_required
 def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
-    group_names = [g.name for g in services.groups_of(request.user)]
+    groups = services.groups_of(request.user)
+    group_names = [g.name for g in groups]
     initial = {}
     copy_of = request.GET.get("copy")
     if copy_of and copy_of.isdigit():
@@ -93,6 +95,7 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
         request.POST or None,
         initial=initial,
         group_names=group_names,
+        default_group=_default_group(request.user, groups),
         gpu_models=services.gpu_models(),
     )
     if request.method == "POST" and form.is_valid():
@@ -125,15 +128,24 @@ def _job_context(job: Job) -> dict[str, Any]:
                 else (len(attempt.node_ids), a.gpu.index)
             ),
         )
-    # co-location: the jobs sharing its GPU now, the viewer's own or not (only
-    # number, owner and memory of someone else's are shown)
+    # co-location: the jobs sharing its GPU now, or, once its attempt ended, the
+    # jobs that held its GPU while it did; the viewer's own or not (only number,
+    # owner and memory of someone else's are shown)
     partners: list[Job] = []
-    if attempt is not None and attempt.ended_at is None and len(allocations) == 1:
-        partners = list(
-            Job.objects.filter(
-                attempt_set__allocations__gpu_id=allocations[0].gpu_id,
-                attempt_set__allocations__released_at__isnull=True,
+    if attempt is not None and len(allocations) == 1:
+        held = allocations[0]
+        if attempt.ended_at is None:
+            overlap = Q(attempt_set__allocations__released_at__isnull=True)
+        else:
+            overlap = Q(
+                attempt_set__allocations__allocated_at__lt=held.released_at
+                or attempt.ended_at
+            ) & (
+                Q(attempt_set__allocations__released_at__isnull=True)
+                | Q(attempt_set__allocations__released_at__gt=held.allocated_at)
             )
+        partners = list(
+            Job.objects.filter(overlap, attempt_set__allocations__gpu_id=held.gpu_id)
             .exclude(pk=job.pk)
             .select_related("owner")
             .distinct()
@@ -144,6 +156,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         ahead = list(Job.objects.ahead_of(job).select_related("owner")[:5])
     policy = services.policy_config()
     return {
+        "trial": _trial_note(job, attempt, partners, policy.colo_detect_window_s),
         "job": job,
         "attempt": attempt,
         "allocations": allocations,
@@ -158,6 +171,66 @@ def _job_context(job: Job) -> dict[str, Any]:
         # idle GPUs: the open flag, if the job is idle now
         "idle_flag": IdleFlag.objects.filter(job=job, cleared_at__isnull=True).first(),
     }
+
+
+def _default_group(user: Any, groups: list[Group]) -> str:
+    """The group a job is charged to when none is chosen, as the submit service
+    picks it (``services.jobs._charge_group``): the primary group, else the
+    first, else the default group a user in none joins."""
+    primary = (
+        Profile.objects.filter(user=user)
+        .values_list("primary_group_id", flat=True)
+        .first()
+    )
+    for group in groups:
+        if group.pk == primary:
+            return group.name
+    return groups[0].name if groups else str(settings.GPULAB_DEFAULT_GROUP)
+
+
+def _trial_note(
+    job: Job, attempt: Attempt | None, partners: list[Job], window_s: float
+) -> dict[str, Any] | None:
+    """What the page says of an exploration trial on the job's GPU, the job's own
+    admission or the one of the partner that joined it (docs/colocation.md): the
+    pair was admitted on its predicted gain alone, so its predicted slowdowns may
+    be over the cap; the pass sends the job that joined back to the queue (if its
+    owner allows) once a job of the GPU was measured over its cap for half of
+    ``colo_detect_window_s``."""
+    if attempt is None:
+        return None
+    joined: Job = job
+    admission = attempt.admission
+    if not admission or not admission.get("trial"):
+        admission = None
+        for other in Attempt.objects.filter(
+            job__in=partners, admission__trial=True
+        ).select_related("job"):
+            if job.pk in (other.admission or {}).get("partners", ()):
+                joined, admission = other.job, other.admission
+                break
+    if admission is None:
+        return None
+    spec = classes.get_class(job.priority_class)
+    cap = spec.slowdown_cap if spec is not None else None
+    if job.slowdown_cap is not None:
+        cap = job.slowdown_cap if cap is None else min(cap, job.slowdown_cap)
+    slowdowns = admission.get("slowdowns") or {}
+    predicted = slowdowns.get(str(job.pk)) or max(slowdowns.values(), default=None)
+    return {
+        "joined": None if joined is job else joined.pk,
+        "evictable": joined.evictable,
+        "predicted": _times(predicted),
+        "over_cap": predicted is not None and cap is not None and predicted > cap,
+        "cap": _times(cap),
+        "detect_min": f"{window_s / 2 / 60:g}",
+        "window_min": f"{window_s / 60:g}",
+    }
+
+
+def _times(value: float | None) -> str:
+    """A slowdown as people write it: 1.64x, 1.5x, 2x."""
+    return "" if value is None else f"{value:.2f}".rstrip("0").rstrip(".") + "x"
 
 
 # The job page's charts: the last minutes of its latest attempt's GPUs.

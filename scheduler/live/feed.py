@@ -246,6 +246,23 @@ class NodeFeed:
         }
         await layer.group_send(group, dict(event))
 
+    async def progress(self, data: protocol.JobProgressData) -> None:
+        """A stored progress report: its job's page, if someone watches it,
+        fetches the progress line again."""
+        group = events.job_group(data.job_id)
+        if group not in await Hub.current().watched():
+            return
+        layer = get_channel_layer()
+        assert layer is not None
+        event: events.JobProgressEvent = {
+            "type": "job.progress",
+            "job": data.job_id,
+            "step": data.step,
+            "total": data.total,
+            "at": data.at,
+        }
+        await layer.group_send(group, dict(event))
+
 
 def readings_json(metrics: protocol.MetricsData) -> str:
     """A frame's readings as the aggregator reads them: each GPU's sample as

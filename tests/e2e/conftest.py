@@ -243,6 +243,8 @@ def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
         "GPULAB_SCHEDULE_INTERVAL": "5",
         # Plain HTTP on loopback: cookies must not be Secure-only.
         "DJANGO_SECURE_COOKIES": "false",
+        # Some tests wait on the worker's line for each task it ran.
+        "GPULAB_TASK_LOG_LEVEL": "INFO",
     }
     env.pop("DJANGO_DEBUG", None)
     s = Stack(f"http://127.0.0.1:{port}", port, env, {}, tmp_path)

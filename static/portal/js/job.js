@@ -1,7 +1,7 @@
-// The job page: its state, reason, queue place, co-location and history are the
-// server-rendered fragment, fetched again whenever the job's group says the job
-// changed (or the queue did, while it waits); its output grows from the job's
-// log chunks; the charts of its GPUs extend from its metric updates. Without a
+// The job page: its state, reason, progress, queue place, co-location and
+// history are the server-rendered fragment, fetched again whenever the job's
+// group says the job changed or reported progress (or the queue changed, while
+// it waits); its output grows from the job's log chunks; the charts of its GPUs extend from its metric updates. Without a
 // socket it polls the fragment every few seconds while visible.
 "use strict";
 (function () {
@@ -106,6 +106,7 @@
     if (WAITING.includes(status())) soon();
   });
   live.on("job.log", appendLog);
+  live.on("job.progress", soon); // the progress line (with its rate) is the server's
   live.on("job.metrics", (msg) => {
     const partners = state() ? state().dataset.partners : "";
     for (const g of msg.gpus) {
