@@ -70,6 +70,30 @@ def test_bad_types_are_a_400_naming_the_field(
     assert field in got.json()["fields"]
 
 
+def test_a_wrong_type_does_not_hide_the_other_bad_fields(
+    as_alice: Api, cluster: list[Node]
+) -> None:
+    """A field of the wrong type (the serializer's word) and fields that break the
+    services' rules are named in the same answer."""
+    got = as_alice.post(
+        "/api/v1/jobs/",
+        {**JOB, "gpus": "two", "priority_class": "urgent", "after": "x"},
+    )
+    assert got.status_code == 400
+    fields = got.json()["fields"]
+    assert set(fields) == {"gpus", "priority_class", "after"}
+    assert "valid integer" in fields["gpus"][0]
+    assert "urgent" in fields["priority_class"][0]
+    got = as_alice.post(
+        "/api/v1/arrays/", {**JOB, "shareable": "maybe", "array": "9-1", "gpus": 99}
+    )
+    assert got.status_code == 400
+    fields = got.json()["fields"]
+    assert set(fields) == {"shareable", "array", "gpus"}
+    assert "ends before it starts" in fields["array"][0]
+    assert not Job.objects.exists()
+
+
 def test_a_body_that_is_not_json_is_refused(as_alice: Api, cluster: list[Node]) -> None:
     got = as_alice.post("/api/v1/jobs/", "name=x", content_type="text/plain")
     assert (got.status_code, got.json()["error"]) == (415, "unsupported_media_type")

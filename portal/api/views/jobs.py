@@ -3,12 +3,14 @@ logs, events."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import Count, F, Func, IntegerField, Q, prefetch_related_objects
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
-from rest_framework import status
+from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -41,6 +43,63 @@ def _request(data: dict[str, Any]) -> services.JobRequest:
         evictable=data["evictable"],
         after=data["after"],
     )
+
+
+def _submission(
+    request: Request, serializer: type[s.JobRequestSerializer]
+) -> dict[str, Any]:
+    """The typed fields of a job (or array) submission, or a 400 naming every bad
+    field at once: when some fields have the wrong type, those that parsed are
+    still checked by the services' rules (the form's and the CLI's), so a client
+    does not learn of a second problem only after fixing the first."""
+    parsed = serializer(data=request.data)
+    if parsed.is_valid():
+        return dict(parsed.validated_data)
+    wrong = dict(parsed.errors)
+    if not isinstance(request.data, Mapping) or "non_field_errors" in wrong:
+        raise exceptions.ValidationError(wrong)
+    typed = {
+        name: field.run_validation(field.get_value(request.data))
+        for name, field in parsed.fields.items()
+        if name not in wrong
+    }
+    try:
+        services.validated_submission(
+            request.user,  # type: ignore[arg-type]
+            _request(_PLACEHOLDERS | typed),
+        )
+    except DjangoValidationError as exc:
+        for name, messages in exc.message_dict.items():
+            wrong.setdefault(name, messages)
+    if "array" in typed:
+        try:
+            services.parse_array_spec(typed["array"])
+        except DjangoValidationError as exc:
+            wrong.setdefault("array", exc.messages)
+    raise exceptions.ValidationError(wrong)
+
+
+# What a field with the wrong type stands in for while the others are checked
+# (its own error is the serializer's; the service's word on it is dropped).
+_PLACEHOLDERS: dict[str, Any] = {
+    "name": "job",
+    "command": "true",
+    "workdir": "",
+    "env": {},
+    "gpus": 1,
+    "gpu_memory_mib": None,
+    "time_limit_s": None,
+    "priority_class": "",
+    "shareable": False,
+    "workload": "",
+    "group": "",
+    "kill_grace_s": None,
+    "requeue_on_node_loss": True,
+    "gpu_model": "",
+    "slowdown_cap": None,
+    "evictable": True,
+    "after": "",
+}
 
 
 def _job_response(request: Request, job_id: int, code: int = 200) -> Response:
@@ -108,9 +167,8 @@ class JobList(APIView):
         summary="Submit a job",
     )
     def post(self, request: Request) -> Response:
-        parsed = s.JobRequestSerializer(data=request.data)
-        parsed.is_valid(raise_exception=True)
-        job = services.submit_job(request.user, _request(parsed.validated_data))  # type: ignore[arg-type]
+        data = _submission(request, s.JobRequestSerializer)
+        job = services.submit_job(request.user, _request(data))  # type: ignore[arg-type]
         # Answered from the row just stored (its owner, group and dependencies
         # are at hand; no attempt yet): reading it again through the visibility
         # filter would cost as much as the submission (bench/submit_burst.py).
@@ -336,9 +394,7 @@ class ArrayList(APIView):
         summary="Submit a job array: one job per index, at most %N running at once",
     )
     def post(self, request: Request) -> Response:
-        parsed = s.ArrayRequestSerializer(data=request.data)
-        parsed.is_valid(raise_exception=True)
-        data = parsed.validated_data
+        data = _submission(request, s.ArrayRequestSerializer)
         array = services.submit_array(request.user, _request(data), data["array"])  # type: ignore[arg-type]
         array = JobArray.objects.select_related("owner").get(pk=array.pk)
         return Response(s.ArraySerializer(_array_data(array)).data, status=201)
