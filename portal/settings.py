@@ -498,7 +498,7 @@ GPULAB_POLICY: dict[str, Any] = {
     ),
     "colo_detect_window_s": envfloat("GPULAB_COLO_DETECT_WINDOW", 600.0, minimum=60),
     "colo_cap_margin": envfloat("GPULAB_COLO_CAP_MARGIN", 0.02, minimum=0),
-    # Quotas (issue 6): a job over a soft quota has its fair-share factor multiplied
+    # Quotas (``policy.quota``): a job over a soft quota has its fair-share factor multiplied
     # by this (0-1); a running job over a hard quota: "finish" or "stop".
     "quota_soft_factor": envfloat(
         "GPULAB_QUOTA_SOFT_FACTOR", 0.5, minimum=0, maximum=1
@@ -554,7 +554,7 @@ GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
 GPULAB_MAX_COMMAND_BYTES = envint(
     "GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256, maximum=MAX_COMMAND_CHARS
 )
-# Job arrays (issue 8): tasks per array at most; jobs one job may wait for
+# Job arrays: tasks per array at most; jobs one job may wait for
 # (dependencies, after an array's expansion into its tasks).
 GPULAB_MAX_ARRAY_SIZE = envint(
     "GPULAB_MAX_ARRAY_SIZE", 1000, minimum=1, maximum=100_000

@@ -56,7 +56,7 @@ urlpatterns = [
     path(
         "docs/",
         # GET and HEAD only: the page has no metadata for OPTIONS to render
-        # (its HTML renderer had no template for it: a 500 for anyone)
+        # (its HTML renderer has no template for OPTIONS: it would answer 500)
         SpectacularSwaggerView.as_view(
             url_name="api-schema",
             permission_classes=[AllowAny],

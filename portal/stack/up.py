@@ -128,7 +128,7 @@ def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list
             "--ws-max-size", "2097152",
             # An idle keep-alive connection is closed by the client first: with
             # uvicorn's 5 s, the same as httpx's (the CLI's), a request sent on a
-            # connection the server was closing failed (ReadError; 47 in a burst).
+            # connection the server is closing fails (ReadError; 47 in a burst).
             "--timeout-keep-alive", "75",
         ],
         "worker": [

@@ -156,7 +156,7 @@ def queue_context(user: Any, page: str | None = None) -> dict[str, Any]:
         "running": running,
         "page_size": QUEUE_PAGE,
         # Rows build their links from this (DESIGN.md fixes /jobs/<id>/...):
-        # a reverse() per row and action cost a 100-row page a third of its time.
+        # a reverse() per row and action would cost a 100-row page a third of its time.
         "jobs_prefix": reverse("portal-jobs"),
     }
 

@@ -53,7 +53,7 @@ def job_list(request: AuthenticatedHttpRequest) -> HttpResponse:
         jobs = jobs.filter(status=status)
     page = Paginator(jobs, 50).get_page(request.GET.get("page"))
     # The quotas the user's jobs are subject to, in their current period (the
-    # full Usage page is another part of issue 6).
+    # whole picture is on the Usage page).
     quotas = quota_states(quotas=Quota.objects.for_user(request.user))
     return render(
         request,

@@ -204,15 +204,15 @@ def _update_reasons(
     """Store each waiting job's reason, order key, factors and planned start.
 
     Only rows that changed are written, in ONE statement (``UPDATE ... FROM
-    unnest``): Django's ``bulk_update`` builds a CASE per field and row and took a
-    minute for 10,000 jobs. Factors are rounded to whole points (as the pages
-    show them: at 0.1, the fair share moving with the running jobs' usage
-    rewrote a fifth of the waiting rows on every pass of a burst) and planned
+    unnest``): Django's ``bulk_update`` builds a CASE per field and row and takes
+    a minute for 10,000 jobs. Factors are rounded to whole points (as the pages
+    show them: at 0.1, the fair share moving with the running jobs' usage would
+    rewrite a fifth of the waiting rows on every pass of a burst) and planned
     starts to the second, so a job's growing age does not rewrite every row on
-    every pass; the
-    order keys (``scheduler.queue_order``) change only where the order did, so a
-    start does not rewrite the place of every job behind it (it did: 95 % of the
-    waiting rows were written on each pass of a burst, bench/submit_burst.py).
+    every pass; the order keys (``scheduler.queue_order``) change only where the
+    order did, so a start does not rewrite the place of every job behind it (a
+    stored place would rewrite 95 % of the waiting rows on each pass of a burst,
+    bench/submit_burst.py).
     The stored values come from the pass's snapshot (or one query without it); a
     job no longer pending is left (the UPDATE checks too).
     """

@@ -96,7 +96,7 @@ class JobRequest:
     # and whether it may be requeued when its GPU partner suffers.
     slowdown_cap: float | None = None
     evictable: bool = True
-    # Jobs it runs after (issue 8), in the text form ``services.dependencies``
+    # Jobs it runs after, in the text form ``services.dependencies``
     # parses: "afterok:12:13,afterany:a7".
     after: str = ""
 
