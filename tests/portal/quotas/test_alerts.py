@@ -123,8 +123,7 @@ def test_an_alert_notifies_every_member_of_the_quotas_group(
         used_gpu_hours=10.5, limit_gpu_hours=10.0,
     )  # fmt: skip
 
-    with mock.patch("portal.notifications.services.enqueue"):
-        alerts.on_alert(alert)
+    alerts.on_alert(alert)
 
     sent = list(Delivery.objects.values_list("user__username", "kind", "subject"))
     assert sent == [("alice", "quota_warning", "Quota used up: group vision")]
