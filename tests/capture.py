@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import redis
 from asgiref.sync import async_to_sync
@@ -28,9 +28,6 @@ from django.db.models.signals import post_save
 
 from scheduler import events
 
-if TYPE_CHECKING:
-    from channels_redis.core import RedisChannelLayer
-
 PASS_TASK = "scheduler.tasks.schedule_pass"
 
 
@@ -39,7 +36,8 @@ class Channels:
     joined, whose messages (as stored in Redis) it reads back in send order."""
 
     def __init__(self) -> None:
-        self.layer = cast("RedisChannelLayer", get_channel_layer())
+        # channels_redis's RedisChannelLayer (untyped)
+        self.layer: Any = get_channel_layer()
         self.redis = redis.Redis.from_url(settings.REDIS_URL)
         self._token = uuid.uuid4().hex[:12]
         self._channels: dict[str, str] = {}  # group -> our channel in it
@@ -61,7 +59,7 @@ class Channels:
     def _key(self, group: str) -> str:
         if group not in self._channels:
             raise AssertionError(f"not listening to {group!r}: join it first")
-        return self.layer.prefix + self._channels[group]
+        return f"{self.layer.prefix}{self._channels[group]}"
 
     def _stored(self, group: str) -> list[tuple[float, dict[str, Any]]]:
         rows = cast(

@@ -92,10 +92,11 @@ def test_jobs_run_through_two_web_processes(stack: Stack, alice: User) -> None:
         mark = len(web.lines)
         agent = stack.start_agent(name, token, "2xA100-80GB")
         web.wait_for(rf"agent of node {name} connected", start=mark)
-        return wait_until(
+        pid: int = wait_until(
             lambda: serving_pid(agent.popen.pid, stack.port, workers),
             what=f"the web process holding {name}'s socket",
         )
+        return pid
 
     nodes, tokens, served_by = [], {}, []
     for name in ("wp-a", "wp-b"):
