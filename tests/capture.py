@@ -66,7 +66,12 @@ class Channels:
             "list[tuple[bytes, float]]",
             self.redis.zrange(self._key(group), 0, -1, withscores=True),
         )
-        return [(score, self.layer.deserialize(raw)) for raw, score in rows]
+        out = []
+        for raw, score in rows:
+            message = self.layer.deserialize(raw)
+            message.pop("__asgi_channel__", None)  # the layer's routing, as receive
+            out.append((score, message))
+        return out
 
     def messages(self, group: str) -> list[dict[str, Any]]:
         """Every message sent to ``group`` since it was joined (or cleared)."""

@@ -33,7 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from django.conf import settings
 
     settings.REDIS_PREFIX = REDIS_PREFIX
-    settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] = f"{REDIS_PREFIX}:asgi"
+    layer: dict[str, Any] = settings.CHANNEL_LAYERS["default"]
+    layer["CONFIG"]["prefix"] = f"{REDIS_PREFIX}:asgi"
     settings.CELERY_TASK_DEFAULT_QUEUE = f"{REDIS_PREFIX}.default"
     settings.CELERY_BROKER_TRANSPORT_OPTIONS = {
         "global_keyprefix": f"{REDIS_PREFIX}:celery:"

@@ -106,7 +106,7 @@ def test_an_array_task_gets_its_index_in_its_environment(
     array = services.submit_array(alice, req(), "5,9")
     with django_capture_on_commit_callbacks(execute=True):
         run_one_pass()
-    launches = [parse_command(c[1]) for c in sent.calls()]
+    launches = [parse_command(f) for f in sent.frames()]
     env = {
         m.data.job_id: m.data.env for m in launches if isinstance(m, protocol.JobLaunch)
     }
@@ -282,7 +282,7 @@ def test_cancelling_an_array_cancels_each_active_task_once(
     assert array.tasks.filter(status=Job.Status.CANCELLED).count() == 3
     running.refresh_from_db()
     assert running.cancel_requested_at is not None  # ends when its agent says so
-    kills = [parse_command(c[1]) for c in sent.calls() if c[1]["type"] == "job.kill"]
+    kills = [parse_command(f) for _, f in sent.of_type("job.kill")]
     assert [k.data.job_id for k in kills] == [running.pk]
     assert services.cancel_array(array.pk, by=alice) == []
 

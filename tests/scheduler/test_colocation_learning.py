@@ -161,8 +161,7 @@ def test_a_pair_measured_over_its_cap_is_evicted_and_never_admitted_again(
     with django_capture_on_commit_callbacks(execute=True):
         tasks.run_one_pass()
 
-    kills = [c[1]["data"] for c in sent.calls()
-             if c[1]["type"] == "job.kill"]  # fmt: skip
+    kills = [frame["data"] for _, frame in sent.of_type("job.kill")]
     assert [(k["job_id"], k["reason"]) for k in kills] == [(b.job_id, "evicted")]
     services.finish_attempt(node.pk, exited_data(b, 143, reason="killed"))
     assert Job.objects.get(pk=b.job_id).status == Job.Status.PENDING

@@ -291,9 +291,7 @@ def test_on_a_shared_gpu_the_job_over_its_declared_memory_is_stopped(
                                                       (b.pk, later_uses)]))  # fmt: skip
 
     kills = {
-        c[1]["data"]["job_id"]: c[1]["data"]["reason"]
-        for c in sent.calls()
-        if c[1]["type"] == "job.kill"
+        f["data"]["job_id"]: f["data"]["reason"] for _, f in sent.of_type("job.kill")
     }
     expected = {"first": first.pk, "later": later.pk}.get(stopped or "")
     assert kills == ({expected: "memory_overrun"} if expected else {})

@@ -61,8 +61,8 @@ def test_it_preempts_a_victim_and_requeues_it_with_its_age_kept(
         )
 
     assert result.preempted == 1
-    [call] = sent.calls()
-    frame = protocol.parse_server_message(json.dumps(call[1]))
+    [(_, command)] = sent.calls()
+    frame = protocol.parse_server_message(json.dumps(command))
     assert frame.type == "job.kill"
     assert frame.data.reason == "preempted"
     attempt.refresh_from_db()
@@ -335,8 +335,8 @@ def test_the_portal_stops_a_job_its_agent_let_run_past_its_limit(
         assert services.enforce_time_limits() == [job.pk]
         assert services.enforce_time_limits() == []  # asked once only
 
-    [call] = sent.calls()
-    assert call[1]["data"]["reason"] == "timeout"
+    [(_, kill)] = sent.calls()
+    assert kill["data"]["reason"] == "timeout"
     services.finish_attempt(
         node.pk, exited(attempt, start.timestamp() + 190, 143, reason="killed")
     )
@@ -386,7 +386,7 @@ def test_a_job_spanning_nodes_gets_one_launch_per_node_with_torchrun_ranks(
 ) -> None:
     _, attempt, a, b = spanning
 
-    launches = {c[0]: c[1]["data"] for c in sent.calls()}
+    launches = {node: f["data"] for node, f in sent.calls()}
 
     assert attempt.node_id == a.pk
     assert attempt.ranks == [a.pk, b.pk]
@@ -434,9 +434,9 @@ def test_a_failed_rank_stops_the_others_and_fails_the_job_with_its_code(
     with django_capture_on_commit_callbacks(execute=True):
         services.finish_attempt(a.pk, exited(attempt, t0 + 10, 3, "exited"))
 
-    [kill] = sent.calls()
-    assert kill[0] == b.pk
-    assert kill[1]["data"]["reason"] == "peer_failed"
+    [(node_id, kill)] = sent.calls()
+    assert node_id == b.pk
+    assert kill["data"]["reason"] == "peer_failed"
     services.finish_attempt(b.pk, exited(attempt, t0 + 12, 143, "killed"))
     job.refresh_from_db()
     assert job.status == Job.Status.FAILED
@@ -466,7 +466,7 @@ def test_cancelling_a_spanning_job_stops_every_rank(
     with django_capture_on_commit_callbacks(execute=True):
         services.cancel_job(job.pk, by=alice)
 
-    assert {c[0] for c in sent.calls()} == {a.pk, b.pk}
+    assert {node for node, _ in sent.calls()} == {a.pk, b.pk}
 
 
 def test_losing_one_node_of_a_spanning_job_requeues_it_and_stops_the_other_rank(
@@ -488,8 +488,8 @@ def test_losing_one_node_of_a_spanning_job_requeues_it_and_stops_the_other_rank(
     attempt.refresh_from_db()
     assert job.status == Job.Status.PENDING
     assert attempt.ended_at is not None
-    [kill] = sent.calls()
-    assert (kill[0], kill[1]["data"]["reason"]) == (a.pk, "node_lost")
+    [(node_id, kill)] = sent.calls()
+    assert (node_id, kill["data"]["reason"]) == (a.pk, "node_lost")
 
 
 def test_a_reconnecting_rank_node_gets_its_own_launch_again(

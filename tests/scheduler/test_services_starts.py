@@ -121,7 +121,7 @@ def test_it_starts_every_job_of_the_batch_with_its_attempt_allocations_and_event
         assert (attempt.number, attempt.node_id) == (1, node.pk)
         assert attempt.allocations.count() == 2  # both slots of its GPU
         assert JobEvent.objects.filter(job=job, to_status="starting").count() == 1
-    assert sorted(c[1]["data"]["job_id"] for c in sent.calls()) == sorted(
+    assert sorted(f["data"]["job_id"] for f in sent.frames()) == sorted(
         j.pk for j in jobs
     )
     assert_consistent()
@@ -233,7 +233,7 @@ def test_an_unlaunchable_job_fails_alone_and_the_others_of_its_batch_start(
     assert failed.status == Job.Status.FAILED
     assert failed.end_reason.startswith("cannot be launched")
     assert not Attempt.objects.filter(job=failed).exists()
-    assert {c[1]["data"]["job_id"] for c in sent.calls()} == {
+    assert {f["data"]["job_id"] for f in sent.frames()} == {
         jobs[1].pk,
         jobs[2].pk,
     }

@@ -117,8 +117,8 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
         assert job.status == Job.Status.RUNNING
         return
     assert result["quota_stopped"] == 1
-    [call] = sent.calls()
-    frame = protocol.parse_server_message(json.dumps(call[1]))
+    [(_, command)] = sent.calls()
+    frame = protocol.parse_server_message(json.dumps(command))
     assert frame.type == "job.kill"
     assert frame.data.reason == "quota"
     event = JobEvent.objects.filter(job=job).latest("id")
