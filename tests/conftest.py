@@ -17,9 +17,12 @@ import pytest
 from agents import protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
+    from tests.capture import AgentFrames, Broker, Channels
 
 RUN_ID = uuid.uuid4().hex[:10]
 REDIS_PREFIX = f"gpulab-test-{RUN_ID}"
@@ -30,7 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from django.conf import settings
 
     settings.REDIS_PREFIX = REDIS_PREFIX
-    settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] = f"{REDIS_PREFIX}:asgi"
+    layer: dict[str, Any] = settings.CHANNEL_LAYERS["default"]
+    layer["CONFIG"]["prefix"] = f"{REDIS_PREFIX}:asgi"
     settings.CELERY_TASK_DEFAULT_QUEUE = f"{REDIS_PREFIX}.default"
     settings.CELERY_BROKER_TRANSPORT_OPTIONS = {
         "global_keyprefix": f"{REDIS_PREFIX}:celery:"
@@ -75,13 +79,56 @@ def _fast_passwords(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_pass_queued() -> None:
-    """Each test starts with no scheduling pass marked queued: an earlier test
-    that mocked the task out (``quiet``) left the mark (scheduler.pass_requests.
-    claim_pass_request), and its next pass request would enqueue nothing."""
+def _no_pass_queued(request: pytest.FixtureRequest) -> None:
+    """Each test starts with no scheduling pass marked queued (a pass request
+    marks it, scheduler.pass_requests.claim_pass_request, and a later request
+    enqueues nothing while it is set) and, outside e2e tests (whose processes
+    consume the queue as they run), with this run's Celery queue empty."""
     from scheduler.pass_requests import _queued_key, _redis_client
 
     _redis_client().delete(_queued_key())
+    if request.node.get_closest_marker("e2e") is None:
+        from tests.capture import Broker
+
+        broker = Broker()
+        broker.purge()
+        broker.close()
+
+
+@pytest.fixture
+def passes() -> Iterator[Broker]:
+    """The tasks this test published to the real broker (``passes.passes()``: how
+    many scheduling passes were enqueued); emptied after the test."""
+    from tests.capture import Broker
+
+    broker = Broker()
+    broker.purge()
+    yield broker
+    broker.purge()
+    broker.close()
+
+
+@pytest.fixture
+def channels() -> Iterator[Channels]:
+    """A listener on the real channel layer: ``channels.join("job.7")`` then
+    ``channels.messages("job.7")``."""
+    from tests.capture import Channels
+
+    listener = Channels()
+    yield listener
+    listener.close()
+
+
+@pytest.fixture
+def sent(db: None, channels: Channels) -> Iterator[AgentFrames]:
+    """The frames sent to node agents, read back from the real channel layer:
+    every node's ``agent.<id>`` group is listened to (those created during the
+    test too). ``sent.calls()``, ``sent.only()``, ``sent.of_type("job.kill")``."""
+    from tests.capture import AgentFrames
+
+    frames = AgentFrames(channels)
+    yield frames
+    frames.close()
 
 
 @pytest.fixture

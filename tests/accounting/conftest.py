@@ -1,5 +1,4 @@
-"""The service tests' mocks of on-commit side effects (agent frames, broadcasts,
-the next pass), shared with tests/scheduler."""
+"""Usage fixtures shared by the accounting tests."""
 
 from __future__ import annotations
 
@@ -7,14 +6,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.scheduler.conftest import quiet, send
-
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
-
-__all__ = ["quiet", "send"]
 
 
 @pytest.fixture

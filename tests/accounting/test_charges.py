@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Gpu, Node
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 GIB = 1024
 # 2027-01-15 08:00 UTC: an agent clock far from the test's wall clock.

@@ -23,7 +23,7 @@ from tests.factories import JobFactory
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 MIGRATION = importlib.import_module(
     "portal.accounting.migrations.0003_backfill_daily_usage"

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Gpu, Job, Node
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 NOW = datetime(2026, 11, 18, 12, 0, tzinfo=UTC)
 T = datetime(2026, 11, 18, 9, 0, tzinfo=UTC)  # the runs start here

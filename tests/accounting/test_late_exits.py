@@ -21,7 +21,7 @@ from tests.factories import JobFactory, exited_data, start_job, started_data
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 
 def at(seconds: float) -> datetime:

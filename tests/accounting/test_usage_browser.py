@@ -21,7 +21,6 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.usefixtures("quiet", "send"),
 ]
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 DAY = "from=2027-01-15&to=2027-01-15"  # T0's UTC day
 

@@ -58,16 +58,3 @@ def as_charlie(charlie: User) -> Api:
 @pytest.fixture
 def as_admin(admin_user: User) -> Api:
     return api_for(admin_user)
-
-
-@pytest.fixture
-def quiet() -> Any:
-    """No browser broadcasts and no queued scheduling pass (as in tests/scheduler)."""
-    from unittest import mock
-
-    with (
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-        mock.patch("scheduler.events.send_to_agent", autospec=True),
-    ):
-        yield

@@ -35,7 +35,7 @@ def test_nodes_list_their_gpus(as_charlie: Api, cluster: list[Node]) -> None:
 
 
 def test_draining_needs_drain_node(
-    as_alice: Api, alice: User, cluster: list[Node], quiet: Any
+    as_alice: Api, alice: User, cluster: list[Node]
 ) -> None:
     node = cluster[0]
     got = as_alice.post(f"/api/v1/nodes/{node.pk}/drain/")
@@ -59,7 +59,7 @@ def test_draining_needs_drain_node(
 
 
 def test_the_queue_shows_everyones_waiting_jobs(
-    alice: User, charlie: User, as_bob: Api, cluster: list[Node], quiet: Any
+    alice: User, charlie: User, as_bob: Api, cluster: list[Node]
 ) -> None:
     running = JobFactory(owner=alice)
     start_job(running, cluster[1])
@@ -106,7 +106,7 @@ def test_the_schema_is_public_openapi_3(settings: Any) -> None:
 
 
 def test_usage_lists_the_jobs_that_used_most(
-    alice: User, as_alice: Api, cluster: Any, quiet: Any
+    alice: User, as_alice: Api, cluster: Any
 ) -> None:
     job = services.submit_job(
         alice, services.JobRequest(name="big", command="x", workdir="/tmp")

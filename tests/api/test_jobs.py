@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db
 JOB = {"name": "resnet", "command": "python train.py", "workdir": "/home/alice"}
 
 
-def test_alice_submits_a_job(as_alice: Api, cluster: list[Node], quiet: Any) -> None:
+def test_alice_submits_a_job(as_alice: Api, cluster: list[Node]) -> None:
     got = as_alice.post("/api/v1/jobs/", {**JOB, "gpus": 2, "time_limit_s": 3600})
     assert got.status_code == 201, got.json()
     body = got.json()
@@ -36,7 +36,7 @@ def test_alice_submits_a_job(as_alice: Api, cluster: list[Node], quiet: Any) -> 
 
 
 def test_bad_input_names_every_field_and_stores_nothing(
-    as_alice: Api, cluster: list[Node], quiet: Any
+    as_alice: Api, cluster: list[Node]
 ) -> None:
     got = as_alice.post(
         "/api/v1/jobs/",
@@ -150,7 +150,7 @@ def test_each_persona_sees_what_the_web_ui_shows(
 
 
 def test_cancel_by_persona_and_twice(
-    job: Job, as_alice: Api, as_bob: Api, as_charlie: Api, quiet: Any
+    job: Job, as_alice: Api, as_bob: Api, as_charlie: Api
 ) -> None:
     path = f"/api/v1/jobs/{job.pk}/cancel/"
     assert as_bob.post(path).status_code == 404
@@ -167,7 +167,7 @@ def test_cancel_by_persona_and_twice(
 
 
 def test_cancelling_another_users_job_needs_cancel_any_job(
-    job: Job, as_admin: Api, admin_user: User, quiet: Any
+    job: Job, as_admin: Api, admin_user: User
 ) -> None:
     from django.contrib.auth.models import Permission
 
@@ -185,7 +185,7 @@ def test_cancelling_another_users_job_needs_cancel_any_job(
 
 
 def test_a_leader_sees_the_groups_jobs_but_cannot_cancel_them(
-    job: Job, bob: User, as_alice: Api, cluster: list[Node], quiet: Any
+    job: Job, bob: User, as_alice: Api, cluster: list[Node]
 ) -> None:
     """Leaders see their group's jobs read only (issue 6): a job and an array of
     alice's are visible to bob as leader, and neither cancel changes anything."""
@@ -205,7 +205,7 @@ def test_a_leader_sees_the_groups_jobs_but_cannot_cancel_them(
 
 
 def test_hold_and_release_follow_the_model_rules(
-    job: Job, as_alice: Api, as_admin: Api, admin_user: User, quiet: Any
+    job: Job, as_alice: Api, as_admin: Api, admin_user: User
 ) -> None:
     from django.contrib.auth.models import Permission
 
@@ -231,7 +231,6 @@ def test_requeue_needs_the_admin_permission(
     as_alice: Api,
     as_admin: Api,
     cluster: list[Node],
-    quiet: Any,
 ) -> None:
     from django.contrib.auth.models import Permission
 
@@ -298,7 +297,7 @@ def test_bad_filters_are_named(
 
 
 def test_logs_follow_by_offset_and_tail(
-    alice: User, as_alice: Api, as_bob: Api, cluster: list[Node], quiet: Any
+    alice: User, as_alice: Api, as_bob: Api, cluster: list[Node]
 ) -> None:
     job = services.submit_job(alice, services.JobRequest(**JOB))
     empty = as_alice.get(f"/api/v1/jobs/{job.pk}/logs/").json()
@@ -325,7 +324,7 @@ def test_logs_follow_by_offset_and_tail(
     assert as_alice.get(path, attempt=9).status_code == 404
 
 
-def test_events_are_the_jobs_history(job: Job, as_alice: Api, quiet: Any) -> None:
+def test_events_are_the_jobs_history(job: Job, as_alice: Api) -> None:
     services.cancel_job(job.pk, by=job.owner)
     events = as_alice.get(f"/api/v1/jobs/{job.pk}/events/").json()
     assert events[-1]["message"] == "cancelled by alice"
@@ -336,7 +335,7 @@ def test_events_are_the_jobs_history(job: Job, as_alice: Api, quiet: Any) -> Non
 
 
 def test_an_array_is_submitted_shown_and_cancelled(
-    as_alice: Api, as_charlie: Api, cluster: list[Node], quiet: Any
+    as_alice: Api, as_charlie: Api, cluster: list[Node]
 ) -> None:
     got = as_alice.post("/api/v1/arrays/", {**JOB, "array": "0-4%2"})
     assert got.status_code == 201, got.json()
@@ -364,7 +363,7 @@ def test_a_bad_array_spec_is_named(as_alice: Api, cluster: list[Node]) -> None:
 
 
 def test_dependencies_are_shown_with_their_state(
-    job: Job, as_alice: Api, cluster: list[Node], quiet: Any
+    job: Job, as_alice: Api, cluster: list[Node]
 ) -> None:
     got = as_alice.post("/api/v1/jobs/", {**JOB, "after": f"afterok:{job.pk}"})
     assert got.json()["dependencies"] == [

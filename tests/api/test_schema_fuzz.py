@@ -58,7 +58,7 @@ def secret(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-def test_no_input_breaks_the_api(case: Any, secret: str, quiet: Any) -> None:
+def test_no_input_breaks_the_api(case: Any, secret: str) -> None:
     # Not "schema-valid data is accepted": the schema gives types only; the rules
     # (a command is not empty, a class exists, ...) are the services', one copy,
     # and refuse such data with a 400 naming the field.

@@ -13,7 +13,6 @@ from click.testing import CliRunner, Result
 
 from portal.api import tokens
 from portal.cli.main import cli
-from tests.api.conftest import quiet  # noqa: F401 (a fixture the tests use)
 
 if TYPE_CHECKING:
     from pathlib import Path

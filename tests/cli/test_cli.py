@@ -194,7 +194,6 @@ def test_submit_maps_each_option_to_the_job(
     gpulab: Gpulab,
     alice: User,
     cluster: list[Node],
-    quiet: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -220,7 +219,7 @@ def test_submit_maps_each_option_to_the_job(
 
 
 def test_submit_without_dashes_keeps_the_commands_options(
-    gpulab: Gpulab, alice: User, cluster: list[Node], quiet: Any
+    gpulab: Gpulab, alice: User, cluster: list[Node]
 ) -> None:
     got = gpulab(
         "submit", "-q", "--name", "sweep", "--workdir", "/data/x", "sh", "-c",
@@ -285,7 +284,7 @@ def test_a_body_over_the_limit_is_a_usage_error(
 
 
 def test_an_array_and_a_dependency_on_it(
-    gpulab: Gpulab, alice: User, cluster: list[Node], quiet: Any
+    gpulab: Gpulab, alice: User, cluster: list[Node]
 ) -> None:
     got = gpulab("submit", "--array", "0-4%2", "-q", "--", "train", user=alice)
     assert got.exit_code == 0, got.output
@@ -324,7 +323,6 @@ def test_ls_is_mine_and_queue_is_everyones(
     charlie: User,
     admin_user: User,
     cluster: list[Node],
-    quiet: Any,
 ) -> None:
     mine = JobFactory(owner=admin_user, name="admins", queue_order=2)
     theirs = JobFactory(owner=charlie, name="charlies", queue_order=1)
@@ -364,7 +362,7 @@ def test_ls_is_mine_and_queue_is_everyones(
 
 
 def test_show_a_job_and_what_is_not_yours(
-    gpulab: Gpulab, alice: User, charlie: User, cluster: list[Node], quiet: Any
+    gpulab: Gpulab, alice: User, charlie: User, cluster: list[Node]
 ) -> None:
     first = JobFactory(owner=alice, status=Job.Status.COMPLETED)
     job = services.submit_job(
@@ -400,7 +398,7 @@ def test_show_a_job_and_what_is_not_yours(
 
 
 def test_cancel_jobs_and_an_array_each_reported(
-    gpulab: Gpulab, alice: User, cluster: list[Node], quiet: Any
+    gpulab: Gpulab, alice: User, cluster: list[Node]
 ) -> None:
     waiting = JobFactory(owner=alice)
     running = JobFactory(owner=alice)
@@ -437,7 +435,7 @@ def test_cancel_jobs_and_an_array_each_reported(
 
 
 @pytest.fixture
-def ran(alice: User, cluster: list[Node], quiet: Any) -> Attempt:
+def ran(alice: User, cluster: list[Node]) -> Attempt:
     """A job of alice's that started an hour ago and wrote three lines, still
     running."""
     job = services.submit_job(
@@ -493,7 +491,7 @@ def test_logs_of_a_job_that_never_ran(
 
 
 def test_top_once_draws_nodes_gpus_and_their_jobs(
-    gpulab: Gpulab, alice: User, cluster: list[Node], quiet: Any
+    gpulab: Gpulab, alice: User, cluster: list[Node]
 ) -> None:
     job = JobFactory(owner=alice, name="resnet")
     start_job(job, cluster[1])

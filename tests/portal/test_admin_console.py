@@ -5,7 +5,6 @@ leaders; users their primary group."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 from django.contrib import admin
@@ -21,20 +20,12 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
     from django.http import HttpResponse
 
+    from tests.capture import AgentFrames
+
 pytestmark = pytest.mark.django_db
 
 JOBS = reverse("admin:scheduler_job_changelist")
 NODES = reverse("admin:scheduler_node_changelist")
-
-
-@pytest.fixture(autouse=True)
-def _no_io() -> Any:
-    with (
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-        mock.patch("scheduler.events.send_to_agent", autospec=True) as send,
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-    ):
-        yield send
 
 
 def staff_with(user: User, *codenames: str) -> Client:
@@ -225,22 +216,35 @@ def test_hold_reports_each_job(alice: User, admin_user: User) -> None:
 
 
 def test_requeue_needs_its_permission_and_stops_the_job(
-    alice: User, admin_user: User, cluster: list[Node], _no_io: Any
+    alice: User,
+    admin_user: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
 ) -> None:
     job = JobFactory(owner=alice)
     attempt = start_job(job, cluster[0])
     without = staff_with(admin_user, "view_job", "hold_job")
 
-    act(without, JOBS, "requeue_jobs", job.pk)
+    with django_capture_on_commit_callbacks(execute=True):
+        act(without, JOBS, "requeue_jobs", job.pk)
     attempt.refresh_from_db()
     assert attempt.kill_reason == ""
+    assert sent.count() == 0
 
     client = staff_with(admin_user, "view_job", "requeue_job")
-    response = act(client, JOBS, "requeue_jobs", job.pk)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = act(client, JOBS, "requeue_jobs", job.pk)
 
     attempt.refresh_from_db()
     assert flash(response) == ["1 requeued"]
     assert attempt.kill_reason == "requeued"
+    [(node_id, kill)] = sent.calls()
+    assert (node_id, kill["type"]) == (cluster[0].pk, "job.kill")
+    assert (kill["data"]["attempt_id"], kill["data"]["reason"]) == (
+        attempt.pk,
+        "requeued",
+    )
 
 
 def test_requeue_skips_an_ended_job_with_the_reason(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 import time_machine
@@ -51,16 +50,6 @@ NOW = datetime(2026, 11, 15, 12, 0, tzinfo=UTC)
 
 def at(month: int, day: int, hour: int, minute: int = 0) -> datetime:
     return datetime(2026, month, day, hour, minute, tzinfo=UTC)
-
-
-@pytest.fixture(autouse=True)
-def _no_io() -> Any:
-    with (
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-        mock.patch("scheduler.events.send_to_agent", autospec=True),
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-    ):
-        yield
 
 
 def run(job: Job, node: Node, start: datetime, end: datetime | None) -> Attempt:

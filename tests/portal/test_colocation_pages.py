@@ -5,7 +5,6 @@ admitted."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-from unittest import mock
 
 import pytest
 from django.test import Client
@@ -16,24 +15,11 @@ from tests.conftest import make_node
 from tests.factories import JobFactory, shared_start, start_job
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from django.contrib.auth.models import User
 
     from scheduler.models import Job
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    """No broadcasts, agent frames or pass requests: only the pages are tested."""
-    with (
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.events.send_to_agent", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield
 
 
 def page(user: User, url: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 from channels.db import database_sync_to_async
@@ -32,13 +31,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.django_db(transaction=True)]
 
 TIMEOUT = 5
 GOOD_ORIGIN = (b"origin", b"http://localhost")
-
-
-@pytest.fixture(autouse=True)
-def _no_enqueue() -> Any:
-    """Starting a job asks for a pass: the Celery broker is not crossed here."""
-    with mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True) as delay:
-        yield delay
 
 
 @pytest.fixture(autouse=True)

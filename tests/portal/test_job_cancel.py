@@ -4,7 +4,6 @@ with cancel_any_job."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 from django.test import Client
@@ -17,6 +16,7 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
+    from tests.capture import AgentFrames
 
 pytestmark = pytest.mark.django_db
 
@@ -139,19 +139,18 @@ def test_it_asks_the_agent_to_stop_a_running_job(
     alice_job: Job,
     cluster: list[Node],
     django_capture_on_commit_callbacks: Any,
+    sent: AgentFrames,
 ) -> None:
-    with mock.patch("scheduler.events.send_to_agent", autospec=True) as send:
-        attempt = start_job(alice_job, cluster[0])
-        send.reset_mock()
-        with django_capture_on_commit_callbacks(execute=True):
-            response = client_for(alice).post(cancel_url(alice_job))
+    attempt = start_job(alice_job, cluster[0])
+    sent.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client_for(alice).post(cancel_url(alice_job))
 
     alice_job.refresh_from_db()
     assert response.status_code == 302
     assert alice_job.status == Job.Status.STARTING
     assert alice_job.cancel_requested_at is not None
-    [call] = send.call_args_list
-    node_id, command = call.args
+    [(node_id, command)] = sent.calls()
     assert node_id == cluster[0].pk
     assert command["type"] == "job.kill"
     assert command["data"]["attempt_id"] == attempt.pk

@@ -4,8 +4,7 @@ maintenance apart from draining."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-from unittest import mock
+from typing import TYPE_CHECKING
 
 import pytest
 from django.contrib.auth.models import Permission
@@ -20,15 +19,6 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _no_io() -> Any:
-    with (
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-    ):
-        yield
 
 
 def client_for(user: User) -> Client:

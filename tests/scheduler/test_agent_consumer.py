@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import anyio
 import pytest
@@ -44,13 +43,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.anyio, pytest.mark.django_db(transaction=True)]
 
 TIMEOUT = 5
-
-
-@pytest.fixture(autouse=True)
-def _no_enqueue() -> Any:
-    """The Celery broker is an I/O boundary these tests do not cross."""
-    with mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True) as delay:
-        yield delay
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
+    from tests.capture import AgentFrames
 
 pytestmark = pytest.mark.django_db
 
@@ -74,9 +75,7 @@ def test_it_names_what_is_wrong_in_an_array_spec(spec: str, says: str) -> None:
 # ------------------------------------------------------------------ submit
 
 
-def test_it_submits_an_array_of_tasks(
-    alice: User, cluster: list[Node], quiet: Any
-) -> None:
+def test_it_submits_an_array_of_tasks(alice: User, cluster: list[Node]) -> None:
     array = services.submit_array(alice, req(gpus=1), "0-4%2")
     assert (array.size, array.max_running, array.spec) == (5, 2, "0-4%2")
     tasks = list(array.tasks.order_by("array_index"))
@@ -88,7 +87,7 @@ def test_it_submits_an_array_of_tasks(
 
 
 def test_bad_input_to_an_array_is_refused_whole_and_stores_nothing(
-    alice: User, cluster: list[Node], quiet: Any
+    alice: User, cluster: list[Node]
 ) -> None:
     with pytest.raises(ValidationError) as err:
         services.submit_array(alice, req(gpus=0, after="afterok:999999"), "3-1")
@@ -101,14 +100,13 @@ def test_bad_input_to_an_array_is_refused_whole_and_stores_nothing(
 def test_an_array_task_gets_its_index_in_its_environment(
     alice: User,
     cluster: list[Node],
-    send: Any,
-    quiet: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     array = services.submit_array(alice, req(), "5,9")
     with django_capture_on_commit_callbacks(execute=True):
         run_one_pass()
-    launches = [parse_command(c.args[1]) for c in send.call_args_list]
+    launches = [parse_command(f) for f in sent.frames()]
     env = {
         m.data.job_id: m.data.env for m in launches if isinstance(m, protocol.JobLaunch)
     }
@@ -128,7 +126,7 @@ def _finish(job: Job, exit_code: int) -> None:
 
 
 def test_the_pass_runs_at_most_the_limit_of_an_array(
-    alice: User, cluster: list[Node], send: Any, quiet: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     array = services.submit_array(alice, req(), "0-4%2")
     run_one_pass()
@@ -143,7 +141,7 @@ def test_the_pass_runs_at_most_the_limit_of_an_array(
 
 
 def test_the_pass_waits_for_dependencies_and_names_one_never_met(
-    alice: User, cluster: list[Node], send: Any, quiet: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     first = services.submit_job(alice, req())
     run_one_pass()
@@ -171,7 +169,7 @@ def test_the_pass_waits_for_dependencies_and_names_one_never_met(
 
 
 def test_a_dependency_on_an_array_waits_for_every_task(
-    alice: User, cluster: list[Node], send: Any, quiet: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     array = services.submit_array(alice, req(), "0-1")
     after = services.submit_job(alice, req(after=f"afterok:a{array.pk}"))
@@ -191,7 +189,7 @@ def test_a_dependency_on_an_array_waits_for_every_task(
 
 
 def test_the_pass_loads_dependencies_in_a_fixed_number_of_queries(
-    alice: User, cluster: list[Node], quiet: Any
+    alice: User, cluster: list[Node]
 ) -> None:
     done = JobFactory(owner=alice, status=Job.Status.COMPLETED)
 
@@ -236,7 +234,7 @@ def test_it_names_what_is_wrong_in_a_dependency(
 
 
 def test_a_job_of_someone_else_cannot_be_a_dependency(
-    alice: User, bob: User, admin_user: User, cluster: list[Node], quiet: Any
+    alice: User, bob: User, admin_user: User, cluster: list[Node]
 ) -> None:
     theirs = JobFactory(owner=bob)
     with pytest.raises(ValidationError) as err:
@@ -250,7 +248,7 @@ def test_a_job_of_someone_else_cannot_be_a_dependency(
 
 
 def test_one_job_named_with_two_types_is_refused(
-    alice: User, cluster: list[Node], quiet: Any
+    alice: User, cluster: list[Node]
 ) -> None:
     mine = JobFactory(owner=alice)
     with pytest.raises(ValidationError) as err:
@@ -267,8 +265,7 @@ def test_one_job_named_with_two_types_is_refused(
 def test_cancelling_an_array_cancels_each_active_task_once(
     alice: User,
     cluster: list[Node],
-    send: Any,
-    quiet: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     array = services.submit_array(alice, req(), "0-3%1")
@@ -285,11 +282,7 @@ def test_cancelling_an_array_cancels_each_active_task_once(
     assert array.tasks.filter(status=Job.Status.CANCELLED).count() == 3
     running.refresh_from_db()
     assert running.cancel_requested_at is not None  # ends when its agent says so
-    kills = [
-        parse_command(c.args[1])
-        for c in send.call_args_list
-        if c.args[1]["type"] == "job.kill"
-    ]
+    kills = [parse_command(f) for _, f in sent.of_type("job.kill")]
     assert [k.data.job_id for k in kills] == [running.pk]
     assert services.cancel_array(array.pk, by=alice) == []
 
@@ -297,7 +290,6 @@ def test_cancelling_an_array_cancels_each_active_task_once(
 def test_cancelling_an_array_of_waiting_tasks_asks_for_one_pass(
     alice: User,
     cluster: list[Node],
-    quiet: Any,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     from scheduler.services.common import request_pass

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from django.contrib.auth.models import User
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 MIN = timedelta(minutes=1)
 GIB = 1024

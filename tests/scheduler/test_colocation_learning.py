@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
     from django.contrib.auth.models import User
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+    from tests.capture import AgentFrames
+
+pytestmark = pytest.mark.django_db
 
 MIN = timedelta(minutes=1)
 
@@ -148,7 +150,7 @@ def test_observations_merge_as_mean_and_variance() -> None:
 
 
 def test_a_pair_measured_over_its_cap_is_evicted_and_never_admitted_again(
-    sharing: tuple[Attempt, Attempt, Any, Any], alice: User, send: Any,
+    sharing: tuple[Attempt, Attempt, Any, Any], alice: User, sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:  # fmt: skip
     a, b, node, _t0 = sharing
@@ -159,8 +161,7 @@ def test_a_pair_measured_over_its_cap_is_evicted_and_never_admitted_again(
     with django_capture_on_commit_callbacks(execute=True):
         tasks.run_one_pass()
 
-    kills = [c.args[1]["data"] for c in send.call_args_list
-             if c.args[1]["type"] == "job.kill"]  # fmt: skip
+    kills = [frame["data"] for _, frame in sent.of_type("job.kill")]
     assert [(k["job_id"], k["reason"]) for k in kills] == [(b.job_id, "evicted")]
     services.finish_attempt(node.pk, exited_data(b, 143, reason="killed"))
     assert Job.objects.get(pk=b.job_id).status == Job.Status.PENDING

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from django.test import Client
 
     from scheduler.models import Node
+    from tests.capture import AgentFrames
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 GIB = 1024
 
@@ -168,7 +169,7 @@ def shared_pair(alice: User, bob: User, **second: Any) -> tuple[Job, Job, Node]:
 
 
 def test_an_eviction_stops_the_later_job_requeues_it_and_bans_the_pair(
-    alice: User, bob: User, send: Any, django_capture_on_commit_callbacks: Any
+    alice: User, bob: User, sent: AgentFrames, django_capture_on_commit_callbacks: Any
 ) -> None:
     first, later, node = shared_pair(alice, bob)
     attempt = Attempt.objects.get(job=later)
@@ -179,7 +180,7 @@ def test_an_eviction_stops_the_later_job_requeues_it_and_bans_the_pair(
         result = services.apply_decisions([evict])
 
     assert result.evicted == 1
-    frame = send.call_args.args[1]
+    frame = sent.calls()[-1][1]
     assert (frame["type"], frame["data"]["reason"]) == ("job.kill", "evicted")
     knowledge, _ = services.load_knowledge(timezone.now())
     assert frozenset(("lm", "rn18")) in knowledge.harmful
@@ -276,7 +277,7 @@ def sample(gpu: Any, procs: list[tuple[int, int]]) -> protocol.MetricsData:
     ],
 )
 def test_on_a_shared_gpu_the_job_over_its_declared_memory_is_stopped(
-    alice: User, bob: User, send: Any, django_capture_on_commit_callbacks: Any,
+    alice: User, bob: User, sent: AgentFrames, django_capture_on_commit_callbacks: Any,
     first_uses: int, later_uses: int, stopped: str | None,
 ) -> None:  # fmt: skip
     first, later, node = shared_pair(alice, bob)
@@ -290,16 +291,14 @@ def test_on_a_shared_gpu_the_job_over_its_declared_memory_is_stopped(
                                                       (b.pk, later_uses)]))  # fmt: skip
 
     kills = {
-        c.args[1]["data"]["job_id"]: c.args[1]["data"]["reason"]
-        for c in send.call_args_list
-        if c.args[1]["type"] == "job.kill"
+        f["data"]["job_id"]: f["data"]["reason"] for _, f in sent.of_type("job.kill")
     }
     expected = {"first": first.pk, "later": later.pk}.get(stopped or "")
     assert kills == ({expected: "memory_overrun"} if expected else {})
 
 
 def test_a_job_alone_on_its_gpu_may_use_more_than_it_declared(
-    alice: User, send: Any
+    alice: User, sent: AgentFrames
 ) -> None:
     node, _ = make_node("node-a", 1)
     job = JobFactory(owner=alice, shareable=True, gpu_memory_mib=1024)
@@ -313,7 +312,7 @@ def test_a_job_alone_on_its_gpu_may_use_more_than_it_declared(
 
 
 def test_a_job_stopped_for_its_memory_fails_with_that_reason(
-    alice: User, bob: User, send: Any
+    alice: User, bob: User, sent: AgentFrames
 ) -> None:
     first, later, node = shared_pair(alice, bob)
     Job.objects.filter(pk=later.pk).update(gpu_memory_mib=1024)

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection
 
-from scheduler import pass_requests, pass_runner, tasks
+from scheduler import pass_requests, pass_runner
 from scheduler.models import Allocation, Attempt, Gpu, Job
 from scheduler.services import starts
 from tests.conftest import make_node
@@ -22,18 +22,9 @@ from tests.factories import JobFactory
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
+    from tests.capture import Broker
+
 THREADS = 4
-
-
-@pytest.fixture(autouse=True)
-def _no_io() -> Any:
-    """The broker and the channel layer are the I/O boundaries of a pass."""
-    with (
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-        mock.patch("scheduler.events.send_to_agent", autospec=True),
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-    ):
-        yield
 
 
 def _race(target: Any, n: int) -> tuple[list[Any], list[BaseException]]:
@@ -257,7 +248,7 @@ def test_a_rerun_waits_for_the_spacing_and_a_first_pass_never_does(
 
 @pytest.mark.django_db(transaction=True)
 def test_pass_requests_while_one_is_queued_enqueue_it_once(
-    redis_flags: Any, monkeypatch: pytest.MonkeyPatch
+    redis_flags: Any, monkeypatch: pytest.MonkeyPatch, passes: Broker
 ) -> None:
     """A burst of submissions enqueues one pass, not one each; once that pass
     begins (before it loads anything) the next request enqueues another."""
@@ -272,11 +263,9 @@ def test_pass_requests_while_one_is_queued_enqueue_it_once(
         return {"started": 0}
 
     monkeypatch.setattr(pass_runner, "run_one_pass", one_pass)
-    delay = tasks.schedule_pass.delay  # mocked (_no_io)
-    delay.reset_mock()  # type: ignore[attr-defined]
     for _ in range(5):
         request_pass()
-    assert delay.call_count == 1
+    assert passes.passes() == 1
     # if its task were lost, requests would enqueue again within the TTL
     assert (
         0 < redis_flags.ttl(pass_requests._queued_key()) <= pass_requests.QUEUED_TTL_S
@@ -286,7 +275,7 @@ def test_pass_requests_while_one_is_queued_enqueue_it_once(
     request_pass()
     request_pass()
 
-    assert delay.call_count == 2
+    assert passes.passes() == 2
     # the mark was cleared before the pass loaded the state
     assert queued_when_a_pass_ran == [False]
 
@@ -309,15 +298,13 @@ def test_a_long_pass_is_followed_by_a_rest_as_long_as_itself(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_task_that_finds_a_pass_running_leaves_it_marked_queued(
-    redis_flags: Any, other_session: Any
+    redis_flags: Any, other_session: Any, passes: Broker
 ) -> None:
     """Under a burst, the tasks that found the lock taken each cleared the mark,
     so every next submission enqueued one more: the running pass's next round
     covers them, and it clears the mark itself before it loads the state."""
     from scheduler.services.common import request_pass
 
-    delay = tasks.schedule_pass.delay  # mocked (_no_io)
-    delay.reset_mock()  # type: ignore[attr-defined]
     other_session.execute(
         "SELECT pg_advisory_lock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
     )
@@ -326,11 +313,11 @@ def test_a_task_that_finds_a_pass_running_leaves_it_marked_queued(
     assert pass_runner.schedule_pass_body()["skipped"] == "another pass is running"
     request_pass()
 
-    assert delay.call_count == 1
+    assert passes.passes() == 1
     assert redis_flags.exists(pass_requests._rerun_key())
     other_session.execute(
         "SELECT pg_advisory_unlock(%s)", [pass_runner.SCHEDULE_LOCK_KEY]
     )
     pass_runner.schedule_pass_body()  # the holder's next round
     request_pass()
-    assert delay.call_count == 2
+    assert passes.passes() == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 from django.contrib.auth.models import Permission
@@ -22,17 +21,9 @@ if TYPE_CHECKING:
 
     from django.contrib.auth.models import User
 
+    from tests.capture import AgentFrames
+
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _no_io() -> Any:
-    with (
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-        mock.patch("scheduler.events.send_to_agent", autospec=True) as send,
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-    ):
-        yield send
 
 
 @pytest.fixture
@@ -139,13 +130,13 @@ def test_a_release_racing_a_cancel_loses(
 
 
 def test_two_admins_requeueing_at_once_send_one_kill(
-    alice: User, admins: tuple[User, User], _no_io: Any
+    alice: User, admins: tuple[User, User], sent: AgentFrames
 ) -> None:
     ann, ben = admins
     node, _ = make_node("node-a", 2)
     job = JobFactory(owner=alice)
     start_job(job, node)
-    _no_io.reset_mock()
+    sent.clear()
 
     _, error = second_while_first_holds_the_lock(
         job.pk,
@@ -155,5 +146,4 @@ def test_two_admins_requeueing_at_once_send_one_kill(
 
     assert isinstance(error, services.JobStateError)
     assert str(error) == f"Job #{job.pk} is already being stopped (requeued)."
-    kills = [c for c in _no_io.call_args_list if c.args[1]["type"] == "job.kill"]
-    assert len(kills) == 1
+    assert [node for node, _ in sent.of_type("job.kill")] == [node.pk]

@@ -17,6 +17,8 @@ from tests.factories import JobFactory, exited_data, start_job, started_data
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
+    from tests.capture import AgentFrames, Broker
+
 pytestmark = pytest.mark.django_db
 
 
@@ -35,20 +37,16 @@ def last_event(job: Job) -> JobEvent:
     return job.events.order_by("-at", "-id")[0]
 
 
-def kills(send: Any) -> list[tuple[int, str]]:
+def kills(sent: AgentFrames) -> list[tuple[int, str]]:
     """(node id, reason) of every job.kill sent."""
-    return [
-        (c.args[0], c.args[1]["data"]["reason"])
-        for c in send.call_args_list
-        if c.args[1]["type"] == "job.kill"
-    ]
+    return [(node, frame["data"]["reason"]) for node, frame in sent.of_type("job.kill")]
 
 
 # ------------------------------------------------------------------ hold / release
 
 
 def test_it_holds_a_pending_job(
-    alice: User, admin: User, quiet: None, django_capture_on_commit_callbacks: Any
+    alice: User, admin: User, django_capture_on_commit_callbacks: Any
 ) -> None:
     job = JobFactory(owner=alice, queue_order=3)
 
@@ -68,7 +66,7 @@ def test_it_holds_a_pending_job(
     assert event.message == "held by root"
 
 
-def test_the_owner_may_hold_and_release_their_own_job(alice: User, quiet: None) -> None:
+def test_the_owner_may_hold_and_release_their_own_job(alice: User) -> None:
     job = JobFactory(owner=alice)
     submitted = job.submitted_at
 
@@ -83,18 +81,18 @@ def test_the_owner_may_hold_and_release_their_own_job(alice: User, quiet: None) 
 
 
 def test_release_asks_for_a_pass(
-    alice: User, admin: User, quiet: None, django_capture_on_commit_callbacks: Any
+    alice: User, admin: User, django_capture_on_commit_callbacks: Any, passes: Broker
 ) -> None:
     job = JobFactory(owner=alice, status=Job.Status.HELD, held_by=admin)
 
     with django_capture_on_commit_callbacks(execute=True):
         services.release_job(job.pk, by=admin)
 
-    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+    assert passes.passes() == 1
 
 
 def test_hold_asks_for_a_pass(
-    alice: User, admin: User, quiet: None, django_capture_on_commit_callbacks: Any
+    alice: User, admin: User, django_capture_on_commit_callbacks: Any, passes: Broker
 ) -> None:
     """A held job leaves the queue: the jobs behind it may start now (it may have
     held the reservation), so a pass runs now rather than at beat's next one."""
@@ -103,21 +101,21 @@ def test_hold_asks_for_a_pass(
     with django_capture_on_commit_callbacks(execute=True):
         services.hold_job(job.pk, by=admin)
 
-    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+    assert passes.passes() == 1
 
 
 @pytest.mark.parametrize("status", ["pending", "held"])
 def test_cancelling_a_waiting_job_asks_for_a_pass(
     alice: User,
     admin: User,
-    quiet: None,
     django_capture_on_commit_callbacks: Any,
     status: str,
+    passes: Broker,
 ) -> None:
     job = JobFactory(owner=alice)
     if status == "held":
         services.hold_job(job.pk, by=admin)
-        tasks.schedule_pass.delay.reset_mock()  # type: ignore[attr-defined]
+        passes.purge()
         pass_requests._redis_client().delete(
             pass_requests._queued_key()
         )  # the hold's pass
@@ -125,12 +123,10 @@ def test_cancelling_a_waiting_job_asks_for_a_pass(
     with django_capture_on_commit_callbacks(execute=True):
         services.cancel_job(job.pk, by=alice)
 
-    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+    assert passes.passes() == 1
 
 
-def test_the_owner_may_not_release_an_admins_hold(
-    alice: User, admin: User, quiet: None
-) -> None:
+def test_the_owner_may_not_release_an_admins_hold(alice: User, admin: User) -> None:
     job = JobFactory(owner=alice)
     services.hold_job(job.pk, by=admin)
 
@@ -143,7 +139,7 @@ def test_the_owner_may_not_release_an_admins_hold(
 
 @pytest.mark.parametrize("persona", ["bob", "charlie"])
 def test_others_may_not_hold_a_job(
-    request: pytest.FixtureRequest, alice: User, persona: str, quiet: None
+    request: pytest.FixtureRequest, alice: User, persona: str
 ) -> None:
     job = JobFactory(owner=alice)
 
@@ -155,7 +151,7 @@ def test_others_may_not_hold_a_job(
 
 
 def test_staff_without_the_permission_may_not_hold_anothers_job(
-    alice: User, admin_user: User, quiet: None
+    alice: User, admin_user: User
 ) -> None:
     job = JobFactory(owner=alice)
 
@@ -194,7 +190,7 @@ def test_it_refuses_to_release_a_job_not_held(
         services.release_job(job.pk, by=admin)
 
 
-def test_a_held_job_can_be_cancelled(alice: User, admin: User, quiet: None) -> None:
+def test_a_held_job_can_be_cancelled(alice: User, admin: User) -> None:
     job = JobFactory(owner=alice)
     services.hold_job(job.pk, by=admin)
 
@@ -208,7 +204,7 @@ def test_a_held_job_can_be_cancelled(alice: User, admin: User, quiet: None) -> N
 
 
 def test_the_pass_never_starts_a_held_job(
-    alice: User, admin: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, admin: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     held = JobFactory(owner=alice)
     services.hold_job(held.pk, by=admin)
@@ -227,7 +223,7 @@ def test_the_pass_never_starts_a_held_job(
 
 
 def test_a_start_decided_before_the_hold_is_skipped(
-    alice: User, admin: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, admin: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     snapshot = services.snapshot()
@@ -250,22 +246,21 @@ def test_it_requeues_a_running_job_through_the_kill_path(
     alice: User,
     admin: User,
     cluster: list[Node],
-    quiet: None,
-    send: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     job = JobFactory(owner=alice)
     submitted = job.submitted_at
     attempt = start_job(job, cluster[0])
     services.mark_started(cluster[0].pk, started_data(attempt))
-    send.reset_mock()
+    sent.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
         services.requeue_job(job.pk, by=admin)
 
     attempt.refresh_from_db()
     assert attempt.kill_reason == "requeued"
-    assert kills(send) == [(cluster[0].pk, "requeued")]
+    assert kills(sent) == [(cluster[0].pk, "requeued")]
     assert last_event(job).actor == admin
     assert last_event(job).message == "requeue asked by root; stopping the process"
     job.refresh_from_db()
@@ -306,7 +301,7 @@ def test_it_refuses_to_requeue_a_job_not_on_a_node(
 
 
 def test_it_refuses_to_requeue_a_job_being_stopped(
-    alice: User, admin: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, admin: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     attempt = start_job(job, cluster[0])
@@ -317,7 +312,7 @@ def test_it_refuses_to_requeue_a_job_being_stopped(
 
 
 def test_it_refuses_to_requeue_a_job_being_cancelled(
-    alice: User, admin: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, admin: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     start_job(job, cluster[0])
@@ -328,7 +323,7 @@ def test_it_refuses_to_requeue_a_job_being_cancelled(
 
 
 def test_requeue_and_node_modes_need_their_permissions_in_the_service(
-    alice: User, bob: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, bob: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     """The rule lives in the service, so the console and the API share it:
     staff without the permission (bob here) are refused, nothing changes."""
@@ -355,8 +350,8 @@ def test_it_changes_a_waiting_jobs_class(
     alice: User,
     admin: User,
     status: str,
-    quiet: None,
     django_capture_on_commit_callbacks: Any,
+    passes: Broker,
 ) -> None:
     job = JobFactory(owner=alice, status=status)
 
@@ -369,12 +364,10 @@ def test_it_changes_a_waiting_jobs_class(
     assert (
         last_event(job).message == "priority class changed from normal to high by root"
     )
-    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+    assert passes.passes() == 1
 
 
-def test_the_new_class_weighs_in_the_next_pass(
-    alice: User, admin: User, quiet: None
-) -> None:
+def test_the_new_class_weighs_in_the_next_pass(alice: User, admin: User) -> None:
     job = JobFactory(owner=alice)
 
     services.set_priority_class(job.pk, "high", by=admin)
@@ -427,7 +420,7 @@ def test_it_refuses_the_class_a_job_already_has(alice: User, admin: User) -> Non
 
 @pytest.mark.parametrize("mode", ["drain", "maintenance"])
 def test_a_node_drained_or_in_maintenance_takes_no_new_jobs(
-    alice: User, cluster: list[Node], mode: Any, quiet: None, send: Any
+    alice: User, cluster: list[Node], mode: Any, sent: AgentFrames
 ) -> None:
     node_a, node_b = cluster
     services.set_node_mode(node_a.pk, mode, by=None)
@@ -444,7 +437,7 @@ def test_a_node_drained_or_in_maintenance_takes_no_new_jobs(
 
 
 def test_a_start_decided_before_maintenance_is_skipped(
-    alice: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     snapshot = services.snapshot()
@@ -460,7 +453,7 @@ def test_a_start_decided_before_maintenance_is_skipped(
 
 
 def test_resume_clears_drain_and_maintenance_and_asks_for_a_pass(
-    cluster: list[Node], quiet: None, django_capture_on_commit_callbacks: Any
+    cluster: list[Node], django_capture_on_commit_callbacks: Any, passes: Broker
 ) -> None:
     node = cluster[0]
     services.set_node_mode(node.pk, "drain", by=None)
@@ -472,12 +465,10 @@ def test_resume_clears_drain_and_maintenance_and_asks_for_a_pass(
     node.refresh_from_db()
     assert changed is True
     assert (node.draining, node.maintenance, node.takes_jobs) == (False, False, True)
-    tasks.schedule_pass.delay.assert_called_once_with()  # type: ignore[attr-defined]
+    assert passes.passes() == 1
 
 
-def test_node_modes_report_whether_they_changed_anything(
-    cluster: list[Node], quiet: None
-) -> None:
+def test_node_modes_report_whether_they_changed_anything(cluster: list[Node]) -> None:
     node = cluster[0]
 
     assert services.set_node_mode(node.pk, "maintenance", by=None) is True
@@ -489,14 +480,14 @@ def test_node_modes_report_whether_they_changed_anything(
 
 
 def test_running_jobs_keep_running_on_a_node_put_in_maintenance(
-    alice: User, cluster: list[Node], quiet: None, send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     start_job(job, cluster[0])
-    send.reset_mock()
+    sent.clear()
 
     services.set_node_mode(cluster[0].pk, "maintenance", by=None)
 
     job.refresh_from_db()
     assert job.status == Job.Status.STARTING
-    assert kills(send) == []
+    assert kills(sent) == []

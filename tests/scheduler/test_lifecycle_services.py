@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 import time_machine
@@ -36,27 +35,11 @@ from tests.factories import (
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
+    from tests.capture import AgentFrames
+
 pytestmark = pytest.mark.django_db
 
 T0 = 1_800_000_000.0  # an agent clock far from the test's wall clock
-
-
-@pytest.fixture
-def send() -> Any:
-    with mock.patch("scheduler.events.send_to_agent", autospec=True) as send:
-        yield send
-
-
-@pytest.fixture(autouse=True)
-def _no_broadcast() -> Any:
-    with mock.patch("scheduler.events.broadcast_job_status", autospec=True) as b:
-        yield b
-
-
-@pytest.fixture(autouse=True)
-def _no_enqueue() -> Any:
-    with mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True) as delay:
-        yield delay
 
 
 def running(job: Job, node: Node) -> Attempt:
@@ -69,7 +52,10 @@ def running(job: Job, node: Node) -> Attempt:
 
 
 def test_it_starts_a_job_with_one_allocation_per_gpu_slot(
-    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+    alice: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice, gpus=2)
@@ -79,7 +65,7 @@ def test_it_starts_a_job_with_one_allocation_per_gpu_slot(
         result = services.apply_decisions(
             [policy.Start.on(job.pk, node.pk, tuple(g.pk for g in gpus))]
         )
-        send.assert_not_called()
+        assert sent.count() == 0
 
     job.refresh_from_db()
     assert (result.started, result.skipped) == (1, 0)
@@ -96,7 +82,10 @@ def test_it_starts_a_job_with_one_allocation_per_gpu_slot(
 
 
 def test_it_sends_one_launch_to_the_node_after_commit(
-    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+    alice: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice, gpus=2, env={"SEED": "1"})
@@ -108,8 +97,7 @@ def test_it_sends_one_launch_to_the_node_after_commit(
         )
 
     attempt = Attempt.objects.get(job=job)
-    send.assert_called_once()
-    node_id, command = send.call_args.args
+    node_id, command = sent.only()
     assert node_id == node.pk
     launch = parse_command(command)
     assert isinstance(launch, protocol.JobLaunch)
@@ -123,7 +111,7 @@ def test_it_sends_one_launch_to_the_node_after_commit(
 
 
 def test_it_skips_a_start_for_a_job_no_longer_pending(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -140,7 +128,7 @@ def test_it_skips_a_start_for_a_job_no_longer_pending(
 
 
 def test_it_skips_a_start_whose_gpu_is_taken(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     gpu = free_gpus(node, 1)[0]
@@ -179,7 +167,7 @@ def test_it_records_the_reason_a_job_waits(alice: User, cluster: list[Node]) -> 
 
 
 def test_it_marks_a_starting_job_running(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -197,7 +185,7 @@ def test_it_marks_a_starting_job_running(
 
 
 def test_it_ignores_a_replayed_started(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -214,7 +202,7 @@ def test_it_ignores_a_replayed_started(
 
 
 def test_it_rejects_a_started_from_another_node(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node_a, node_b = cluster
     job = JobFactory(owner=alice)
@@ -233,7 +221,7 @@ def test_it_rejects_a_started_from_another_node(
 
 
 def test_it_ends_a_job_stopped_at_its_time_limit_as_timeout(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice, time_limit_s=5400)
@@ -250,7 +238,7 @@ def test_it_ends_a_job_stopped_at_its_time_limit_as_timeout(
 
 
 def test_it_requeues_a_job_the_agent_stopped_on_its_own(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     """An agent cut off from the portal may stop its jobs: a node problem, so the
     job goes back to the queue instead of failing."""
@@ -281,7 +269,7 @@ def test_it_requeues_a_job_the_agent_stopped_on_its_own(
 def test_it_ends_a_job_by_its_exit(
     alice: User,
     cluster: list[Node],
-    send: Any,
+    sent: AgentFrames,
     exit_code: int,
     reason: str,
     status: str,
@@ -308,7 +296,7 @@ def test_it_ends_a_job_by_its_exit(
 
 
 def test_it_fails_a_job_that_could_not_be_launched(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -332,7 +320,7 @@ def test_it_fails_a_job_that_could_not_be_launched(
 
 
 def test_it_requeues_a_job_whose_process_was_lost(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -347,7 +335,7 @@ def test_it_requeues_a_job_whose_process_was_lost(
 
 
 def test_it_ignores_a_duplicate_exit(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -366,7 +354,7 @@ def test_it_ignores_a_duplicate_exit(
 
 
 def test_it_ignores_an_exit_reported_by_another_node(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node_a, node_b = cluster
     job = JobFactory(owner=alice)
@@ -382,7 +370,7 @@ def test_it_ignores_an_exit_reported_by_another_node(
 
 
 def test_it_cancels_a_job_whose_cancel_was_requested(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -397,7 +385,7 @@ def test_it_cancels_a_job_whose_cancel_was_requested(
 
 
 def test_it_releases_allocations_and_charges_agent_reported_time(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice, gpus=2)
@@ -419,7 +407,7 @@ def test_it_releases_allocations_and_charges_agent_reported_time(
 
 
 def test_a_job_alone_on_its_gpu_pays_all_of_it_whatever_slots_it_held(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     attempt = running(JobFactory(owner=alice), node)
@@ -433,7 +421,7 @@ def test_a_job_alone_on_its_gpu_pays_all_of_it_whatever_slots_it_held(
 
 
 def test_two_jobs_sharing_a_gpu_pay_half_of_it_while_they_share(
-    alice: User, bob: User, cluster: list[Node], send: Any
+    alice: User, bob: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     first = running(JobFactory(owner=alice), node)
@@ -461,7 +449,7 @@ def test_two_jobs_sharing_a_gpu_pay_half_of_it_while_they_share(
 
 
 def test_it_never_charges_negative_time_for_a_skewed_clock(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -488,24 +476,26 @@ def test_it_cancels_a_pending_job_at_once(alice: User, cluster: list[Node]) -> N
 
 
 def test_it_asks_the_node_to_kill_a_running_job_after_commit(
-    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+    alice: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice, kill_grace_s=12)
     attempt = running(job, node)
-    send.reset_mock()
+    sent.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
         services.cancel_job(job.pk, by=alice)
-        send.assert_not_called()
+        assert sent.count() == 0
 
     job.refresh_from_db()
     attempt.refresh_from_db()
     assert job.status == Job.Status.RUNNING
     assert job.cancel_requested_at is not None
     assert attempt.kill_reason == "cancelled"
-    send.assert_called_once()
-    node_id, command = send.call_args.args
+    node_id, command = sent.only()
     kill = parse_command(command)
     assert node_id == node.pk
     assert isinstance(kill, protocol.JobKill)
@@ -530,7 +520,7 @@ def test_it_refuses_to_cancel_an_ended_job(
 
 
 def test_it_refuses_a_second_cancel(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     running(job, cluster[0])
@@ -544,7 +534,7 @@ def test_it_refuses_a_second_cancel(
 
 
 def test_it_relaunches_a_never_started_attempt_on_hello(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -561,7 +551,7 @@ def test_it_relaunches_a_never_started_attempt_on_hello(
 
 
 def test_it_does_not_relaunch_an_attempt_the_agent_runs(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -576,7 +566,7 @@ def test_it_does_not_relaunch_an_attempt_the_agent_runs(
 
 
 def test_it_kills_an_attempt_the_portal_has_ended_as_stale(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -639,7 +629,7 @@ def _after_lost_timeout() -> Any:
 
 
 def test_it_marks_a_silent_node_lost_and_requeues_its_job(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node_a, node_b = cluster
     job = JobFactory(owner=alice)
@@ -662,7 +652,7 @@ def test_it_marks_a_silent_node_lost_and_requeues_its_job(
 
 
 def test_it_fails_a_job_that_must_not_requeue_when_its_node_is_lost(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice, requeue_on_node_loss=False)
     running(job, cluster[0])
@@ -677,7 +667,7 @@ def test_it_fails_a_job_that_must_not_requeue_when_its_node_is_lost(
 
 
 def test_it_cancels_a_job_being_cancelled_when_its_node_is_lost(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     running(job, cluster[0])
@@ -691,7 +681,7 @@ def test_it_cancels_a_job_being_cancelled_when_its_node_is_lost(
 
 
 def test_it_handles_a_lost_node_exactly_once(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     job = JobFactory(owner=alice)
     running(job, cluster[0])
@@ -725,7 +715,7 @@ def _log(attempt: Attempt, offset: int, data: str) -> protocol.JobLogData:
 
 
 def test_it_stores_log_chunks_once_per_offset(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice)
@@ -740,7 +730,7 @@ def test_it_stores_log_chunks_once_per_offset(
 
 
 def test_it_refuses_log_of_another_nodes_attempt(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node_a, node_b = cluster
     attempt = running(JobFactory(owner=alice), node_a)
@@ -752,7 +742,7 @@ def test_it_refuses_log_of_another_nodes_attempt(
 
 
 def test_it_caps_the_stored_log(
-    alice: User, cluster: list[Node], send: Any, settings: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, settings: Any
 ) -> None:
     settings.GPULAB_LOG_MAX_BYTES = 10
     node = cluster[0]
@@ -768,7 +758,7 @@ def test_it_caps_the_stored_log(
 
 
 def test_it_caps_the_stored_log_in_bytes(
-    alice: User, cluster: list[Node], send: Any, settings: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, settings: Any
 ) -> None:
     settings.GPULAB_LOG_MAX_BYTES = 10
     node = cluster[0]
@@ -783,7 +773,7 @@ def test_it_caps_the_stored_log_in_bytes(
 def test_it_can_launch_the_longest_command_it_accepts(
     alice: User,
     cluster: list[Node],
-    send: Any,
+    sent: AgentFrames,
     settings: Any,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
@@ -796,6 +786,6 @@ def test_it_can_launch_the_longest_command_it_accepts(
     with django_capture_on_commit_callbacks(execute=True):
         start_job(job, cluster[0])
 
-    launch = parse_command(send.call_args.args[1])
+    launch = parse_command(sent.calls()[-1][1])
     assert isinstance(launch, protocol.JobLaunch)
     assert launch.data.command == command

@@ -20,7 +20,9 @@ from tests.factories import JobFactory, exited_data, start_job, started_data
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet")]
+    from tests.capture import AgentFrames
+
+pytestmark = pytest.mark.django_db
 
 T0 = 1_800_000_000.0
 DELAY = 30  # GPULAB_LAUNCH_RESEND_AFTER in these tests
@@ -54,7 +56,7 @@ def span(job: Job, a: Node, b: Node) -> Attempt:
 
 @pytest.fixture
 def spanning(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> tuple[Job, Attempt, Node, Node]:
     """A 6-GPU job across node-a (4 GPUs, rank 0) and node-b (2, rank 1); rank 0
     has started, rank 1's launch was lost."""
@@ -64,7 +66,7 @@ def spanning(
         attempt = span(job, a, b)
     started = attempt.created_at.timestamp() + 1
     assert services.mark_started(a.pk, started_data(attempt, started))
-    send.reset_mock()
+    sent.clear()
     return job, attempt, a, b
 
 
@@ -72,11 +74,9 @@ def after(attempt: Attempt, seconds: float) -> datetime:
     return attempt.created_at + timedelta(seconds=seconds)
 
 
-def sent(send: Any) -> list[tuple[int, str, dict[str, Any]]]:
+def frames(sent: AgentFrames) -> list[tuple[int, str, dict[str, Any]]]:
     """(node id, frame type, data) of every frame sent to an agent."""
-    return [
-        (c.args[0], c.args[1]["type"], c.args[1]["data"]) for c in send.call_args_list
-    ]
+    return [(node, f["type"], f["data"]) for node, f in sent.calls()]
 
 
 def messages(job: Job) -> list[str]:
@@ -92,18 +92,18 @@ def messages(job: Job) -> list[str]:
 
 
 def test_a_rank_not_started_after_the_delay_gets_its_launch_again_once_per_period(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     job, attempt, _, b = spanning
 
     with commit():
         assert services.resend_launches(after(attempt, DELAY - 1)) == []
-    assert send.call_count == 0
+    assert sent.count() == 0
 
     with commit():
         assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
 
-    [(node, kind, data)] = sent(send)
+    [(node, kind, data)] = frames(sent)
     assert (node, kind) == (b.pk, "job.launch")
     attempt.refresh_from_db()
     assert attempt.launch_resends == 1
@@ -120,14 +120,14 @@ def test_a_rank_not_started_after_the_delay_gets_its_launch_again_once_per_perio
     with commit():
         for seconds in (DELAY + 10, DELAY + 20, 2 * DELAY - 1):
             assert services.resend_launches(after(attempt, seconds)) == []
-    assert send.call_count == 1
+    assert sent.count() == 1
 
     attempt.refresh_from_db()
     assert attempt.launch_resends == 1
 
     with commit():
         assert services.resend_launches(after(attempt, 2 * DELAY)) == [attempt.pk]
-    assert send.call_count == 2
+    assert sent.count() == 2
     assert "re-send 2 of 3" in messages(job)[-1]
     attempt.refresh_from_db()
     assert attempt.launch_resends == 2
@@ -135,12 +135,12 @@ def test_a_rank_not_started_after_the_delay_gets_its_launch_again_once_per_perio
 
 
 def test_a_rank_that_started_or_exited_gets_nothing(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     job, attempt, _, b = spanning
     with commit():
         services.resend_launches(after(attempt, DELAY))
-    assert send.call_count == 1
+    assert sent.count() == 1
 
     assert services.mark_started(b.pk, started_data(attempt, T0 + 40))
 
@@ -148,12 +148,12 @@ def test_a_rank_that_started_or_exited_gets_nothing(
     assert attempt.rank_starts[str(b.pk)] == {"started_at": T0 + 40, "pid": 4242}
     with commit():
         assert services.resend_launches(after(attempt, 10 * DELAY)) == []
-    assert send.call_count == 1
+    assert sent.count() == 1
     assert "attempt 1 rank 1: running on node-b (pid 4242)" in messages(job)
 
 
 def test_a_rank_that_exited_is_not_launched_again(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> None:
     a, b = cluster
     job = JobFactory(owner=alice, gpus=6)
@@ -161,12 +161,12 @@ def test_a_rank_that_exited_is_not_launched_again(
         attempt = span(job, a, b)
     # Rank 1 ran and ended cleanly; rank 0 never reported anything.
     assert services.finish_attempt(b.pk, exited_data(attempt, 0, at=T0))
-    send.reset_mock()
+    sent.clear()
 
     with commit():
         assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
 
-    assert [(n, k) for n, k, _ in sent(send)] == [(a.pk, "job.launch")]
+    assert [(n, k) for n, k, _ in frames(sent)] == [(a.pk, "job.launch")]
 
 
 def test_a_replayed_rank_start_is_recorded_once(
@@ -196,7 +196,7 @@ def test_a_replayed_rank_start_is_recorded_once(
 
 
 def test_a_disconnected_node_gets_no_launch_and_its_wait_does_not_count(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     _, attempt, _, b = spanning
     services.record_disconnect(b.pk)
@@ -204,49 +204,52 @@ def test_a_disconnected_node_gets_no_launch_and_its_wait_does_not_count(
     with commit():
         for k in range(1, 10):
             assert services.resend_launches(after(attempt, k * DELAY)) == []
-    assert send.call_count == 0
+    assert sent.count() == 0
     assert Attempt.objects.get(pk=attempt.pk).ended_at is None
 
     # Back (a heartbeat; its hello would re-send the launch itself): resent now.
     services.record_heartbeat(b.pk)
     with commit():
         assert services.resend_launches(after(attempt, 10 * DELAY)) == [attempt.pk]
-    assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+    assert [(n, k) for n, k, _ in frames(sent)] == [(b.pk, "job.launch")]
 
 
 def test_a_lost_node_gets_no_launch(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     _, attempt, _, b = spanning
     Node.objects.filter(pk=b.pk).update(status=Node.Status.LOST)
 
     with commit():
         assert services.resend_launches(after(attempt, DELAY)) == []
-    assert send.call_count == 0
+    assert sent.count() == 0
 
 
 def test_an_attempt_being_stopped_or_cancelled_gets_no_launch(
-    spanning: tuple[Job, Attempt, Node, Node], alice: User, send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node],
+    alice: User,
+    sent: AgentFrames,
+    commit: Any,
 ) -> None:
     job, attempt, _, _ = spanning
     with commit():
         services.cancel_job(job.pk, by=alice)
-    send.reset_mock()
+    sent.clear()
 
     with commit():
         assert services.resend_launches(after(attempt, 5 * DELAY)) == []
-    assert send.call_count == 0
+    assert sent.count() == 0
 
 
 def test_after_its_resends_the_attempt_is_given_up_and_the_job_relaunched(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     job, attempt, a, b = spanning
     with commit():
         for k in range(1, 4):
             assert services.resend_launches(after(attempt, k * DELAY)) == [attempt.pk]
-    assert send.call_count == 3
-    send.reset_mock()
+    assert sent.count() == 3
+    sent.clear()
 
     with commit():
         assert services.resend_launches(after(attempt, 4 * DELAY - 1)) == []
@@ -260,17 +263,17 @@ def test_after_its_resends_the_attempt_is_given_up_and_the_job_relaunched(
     assert job.status == Job.Status.PENDING
     assert not Allocation.objects.filter(attempt=attempt, released_at__isnull=True)
     # Every rank that may run is told to stop; no launch goes out any more.
-    assert sorted((n, k, d["reason"]) for n, k, d in sent(send)) == sorted(
+    assert sorted((n, k, d["reason"]) for n, k, d in frames(sent)) == sorted(
         [(a.pk, "job.kill", "stale"), (b.pk, "job.kill", "stale")]
     )
     assert messages(job)[-1] == (
         "rank 1 of attempt 1 on node-b reported no start after 3 re-sent launches; "
         "relaunching (relaunch 1 of at most 3)"
     )
-    send.reset_mock()
+    sent.clear()
     with commit():
         assert services.resend_launches(after(attempt, 100 * DELAY)) == []
-    assert send.call_count == 0
+    assert sent.count() == 0
     # The ranks' late exits change nothing.
     assert not services.finish_attempt(a.pk, exited_data(attempt, 143, reason="killed"))
     job.refresh_from_db()
@@ -278,7 +281,7 @@ def test_after_its_resends_the_attempt_is_given_up_and_the_job_relaunched(
 
 
 def test_a_job_whose_attempts_keep_losing_their_launch_fails_after_the_bound(
-    alice: User, cluster: list[Node], send: Any, commit: Any, settings: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any, settings: Any
 ) -> None:
     settings.GPULAB_LAUNCH_RESENDS = 0
     settings.GPULAB_RELAUNCH_MAX = 1
@@ -305,7 +308,7 @@ def test_a_job_whose_attempts_keep_losing_their_launch_fails_after_the_bound(
 
 
 def test_a_single_node_attempt_never_started_gets_its_launch_again(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> None:
     node = cluster[1]
     job = JobFactory(owner=alice, gpus=2)
@@ -314,7 +317,7 @@ def test_a_single_node_attempt_never_started_gets_its_launch_again(
     with commit():
         assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
 
-    [(to, kind, data)] = sent(send)
+    [(to, kind, data)] = frames(sent)
     assert (to, kind, data["attempt_id"]) == (node.pk, "job.launch", attempt.pk)
     assert "PET_NODE_RANK" not in data["env"]
     assert messages(job)[-1].startswith("attempt 1: launch re-sent to node-b (")
@@ -325,11 +328,11 @@ def test_a_single_node_attempt_never_started_gets_its_launch_again(
     assert attempt.started_at == datetime.fromtimestamp(T0, tz=UTC)
     with commit():
         assert services.resend_launches(after(attempt, 10 * DELAY)) == []
-    assert send.call_count == 1
+    assert sent.count() == 1
 
 
 def test_the_node_check_task_resends_launches(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     _, attempt, _, b = spanning
     Attempt.objects.filter(pk=attempt.pk).update(
@@ -340,7 +343,7 @@ def test_the_node_check_task_resends_launches(
         result = tasks.check_nodes()
 
     assert result["launches_resent"] == [attempt.pk]
-    assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+    assert [(n, k) for n, k, _ in frames(sent)] == [(b.pk, "job.launch")]
 
 
 # ------------------------------------------------------------------ state in the attempt
@@ -354,7 +357,7 @@ def fake_events(job: Job, *messages: str) -> None:
 
 
 def test_a_rank_start_in_the_attempt_alone_stops_its_resends(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     """No job event at all: the decisions come from ``rank_starts``."""
     job, attempt, a, b = spanning
@@ -363,7 +366,7 @@ def test_a_rank_start_in_the_attempt_alone_stops_its_resends(
     with commit():
         assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
     # Only rank 1: rank 0's start is in the attempt, though its event is gone.
-    assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+    assert [(n, k) for n, k, _ in frames(sent)] == [(b.pk, "job.launch")]
 
     attempt.refresh_from_db()
     Attempt.objects.filter(pk=attempt.pk).update(
@@ -374,14 +377,14 @@ def test_a_rank_start_in_the_attempt_alone_stops_its_resends(
     )
     with commit():
         assert services.resend_launches(after(attempt, 10 * DELAY)) == []
-    assert send.call_count == 1
+    assert sent.count() == 1
     # ... and a start reported again is a replay, events or not.
     assert not services.mark_started(b.pk, started_data(attempt, T0 + 5))
     assert not services.mark_started(a.pk, started_data(attempt, T0 + 5))
 
 
 def test_the_resend_count_in_the_attempt_alone_decides_when_to_give_up(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     job, attempt, _, _ = spanning
     JobEvent.objects.filter(job=job).delete()
@@ -396,14 +399,14 @@ def test_the_resend_count_in_the_attempt_alone_decides_when_to_give_up(
 
     attempt.refresh_from_db()
     assert attempt.outcome == Attempt.Outcome.LAUNCH_LOST
-    assert "job.launch" not in {k for _, k, _ in sent(send)}
+    assert "job.launch" not in {k for _, k, _ in frames(sent)}
     assert messages(job)[-1].startswith(
         "rank 1 of attempt 1 on node-b reported no start after 3 re-sent launches; "
     )
 
 
 def test_job_event_text_cannot_change_a_decision(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any, commit: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames, commit: Any
 ) -> None:
     """Events that say rank 1 started and was re-sent three times (what the job
     timeline would show) neither stop its re-send nor give the attempt up, nor make
@@ -419,7 +422,7 @@ def test_job_event_text_cannot_change_a_decision(
     with commit():
         assert services.resend_launches(after(attempt, DELAY)) == [attempt.pk]
 
-    assert [(n, k) for n, k, _ in sent(send)] == [(b.pk, "job.launch")]
+    assert [(n, k) for n, k, _ in frames(sent)] == [(b.pk, "job.launch")]
     attempt.refresh_from_db()
     assert (attempt.ended_at, attempt.launch_resends) == (None, 1)
     assert services.mark_started(b.pk, started_data(attempt, T0 + 40))
@@ -442,7 +445,7 @@ def test_every_way_an_attempt_ends_is_an_outcome_choice() -> None:
 
 
 def test_the_migration_gives_single_node_attempts_their_start_and_leaves_spans_empty(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> None:
     """Attempts live at deploy (0007): a single-node attempt's ``started_at`` is its
     one rank's start; a spanning attempt's is only its first rank's (which one is
@@ -465,7 +468,7 @@ def test_the_migration_gives_single_node_attempts_their_start_and_leaves_spans_e
     spans = Attempt.objects.get(job=spans_job, ended_at__isnull=True)
     assert services.mark_started(b.pk, started_data(spans, T0))  # rank 1 first
     Attempt.objects.update(rank_starts={})  # as they were before 0007
-    send.reset_mock()
+    sent.clear()
 
     migration = importlib.import_module(
         "scheduler.migrations.0007_attempt_launch_state"
@@ -478,7 +481,7 @@ def test_the_migration_gives_single_node_attempts_their_start_and_leaves_spans_e
     assert spans.rank_starts == {}
     with commit():
         assert services.resend_launches(after(spans, DELAY)) == [spans.pk]
-    assert sorted((n, k) for n, k, _ in sent(send)) == [
+    assert sorted((n, k) for n, k, _ in frames(sent)) == [
         (a.pk, "job.launch"),
         (b.pk, "job.launch"),
     ]
@@ -506,21 +509,21 @@ def busy(attempt: Attempt, port: int) -> protocol.JobExitedData:
 
 
 def test_a_busy_rendezvous_port_relaunches_the_job_with_a_new_attempt_and_port(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> None:
     a, b = cluster
     job = JobFactory(owner=alice, gpus=6)
     with commit():
         attempt = span(job, a, b)
-    port = {d["env"]["MASTER_PORT"] for _, _, d in sent(send)}.pop()
+    port = {d["env"]["MASTER_PORT"] for _, _, d in frames(sent)}.pop()
     services.mark_started(b.pk, started_data(attempt, T0 - 1))  # rank 1 waits
-    send.reset_mock()
+    sent.clear()
 
     # Rank 0's agent found the port taken and launched nothing.
     with commit():
         assert services.finish_attempt(a.pk, busy(attempt, int(port)))
 
-    assert [(n, k, d["reason"]) for n, k, d in sent(send)] == [
+    assert [(n, k, d["reason"]) for n, k, d in frames(sent)] == [
         (b.pk, "job.kill", "peer_failed")
     ]
     assert messages(job)[-1] == (
@@ -544,17 +547,17 @@ def test_a_busy_rendezvous_port_relaunches_the_job_with_a_new_attempt_and_port(
     assert not Allocation.objects.filter(attempt=attempt, released_at__isnull=True)
 
     # The next pass starts a new attempt, whose rendezvous port is another.
-    send.reset_mock()
+    sent.clear()
     with commit():
         again = span(job, a, b)
     assert (again.number, again.pk != attempt.pk) == (2, True)
-    ports = {d["env"]["MASTER_PORT"] for _, _, d in sent(send)}
+    ports = {d["env"]["MASTER_PORT"] for _, _, d in frames(sent)}
     assert len(ports) == 1
     assert ports != {port}
 
 
 def test_a_job_whose_port_keeps_being_busy_fails_after_the_bound(
-    alice: User, cluster: list[Node], send: Any, commit: Any, settings: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any, settings: Any
 ) -> None:
     settings.GPULAB_RELAUNCH_MAX = 1
     a, b = cluster
@@ -578,7 +581,7 @@ def test_a_job_whose_port_keeps_being_busy_fails_after_the_bound(
 
 
 def test_a_cancel_wins_over_a_busy_port(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> None:
     a, b = cluster
     job = JobFactory(owner=alice, gpus=6)
@@ -594,7 +597,7 @@ def test_a_cancel_wins_over_a_busy_port(
 
 
 def test_a_rank_node_reconnecting_while_its_attempt_is_stopped_gets_a_kill(
-    alice: User, cluster: list[Node], send: Any, commit: Any
+    alice: User, cluster: list[Node], sent: AgentFrames, commit: Any
 ) -> None:
     """Rank 1's node was away when rank 0 reported the busy port (so it missed its
     kill); at its hello it must not be launched into a dead attempt but told to

@@ -18,7 +18,7 @@ from tests.factories import JobFactory, start_job, started_data
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 # The agent's clock, an hour behind the portal's (a report more than an hour ahead
 # is refused); whole seconds, so stored times compare exactly.

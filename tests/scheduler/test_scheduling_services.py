@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
-
-pytestmark = pytest.mark.usefixtures("quiet")
+    from tests.capture import AgentFrames
 
 
 def running(job: Job, node: Node, at: float) -> Attempt:
@@ -48,7 +47,7 @@ def exited(attempt: Attempt, at: float, code: int, reason: str = "killed") -> An
 def test_it_preempts_a_victim_and_requeues_it_with_its_age_kept(
     alice: User,
     cluster: list[Node],
-    send: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     node = cluster[0]
@@ -62,8 +61,8 @@ def test_it_preempts_a_victim_and_requeues_it_with_its_age_kept(
         )
 
     assert result.preempted == 1
-    [call] = send.call_args_list
-    frame = protocol.parse_server_message(json.dumps(call.args[1]))
+    [(_, command)] = sent.calls()
+    frame = protocol.parse_server_message(json.dumps(command))
     assert frame.type == "job.kill"
     assert frame.data.reason == "preempted"
     attempt.refresh_from_db()
@@ -87,7 +86,7 @@ def test_it_preempts_a_victim_and_requeues_it_with_its_age_kept(
 
 
 def test_it_does_not_preempt_a_job_already_being_stopped(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     victim = JobFactory(owner=alice, priority_class="best-effort")
     running(victim, cluster[0], at=1_800_000_000.0)
@@ -99,7 +98,7 @@ def test_it_does_not_preempt_a_job_already_being_stopped(
 
 
 def test_a_victim_being_stopped_is_no_preemption_candidate(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     victim = JobFactory(owner=alice, priority_class="best-effort")
     running(victim, cluster[0], at=1_800_000_000.0)
@@ -245,7 +244,7 @@ def _completed(user: User, node: Node, workload: str, seconds: float) -> Job:
 
 
 def test_it_predicts_run_time_from_the_same_workload_then_any(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     node = cluster[0]
     for seconds in (100, 200, 300):
@@ -259,7 +258,7 @@ def test_it_predicts_run_time_from_the_same_workload_then_any(
 
 
 def test_backfill_plans_with_the_smaller_of_limit_and_prediction(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     _completed(alice, cluster[0], "resnet", 600)
 
@@ -301,7 +300,7 @@ def test_a_gpu_model_constraint_must_exist_and_counts_only_that_model(
 
 
 def test_the_state_carries_models_topology_and_usage(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     _completed(alice, cluster[0], "w", 3600)
 
@@ -317,7 +316,10 @@ def test_the_state_carries_models_topology_and_usage(
 
 
 def test_the_portal_stops_a_job_its_agent_let_run_past_its_limit(
-    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+    alice: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
 ) -> None:
     node = cluster[0]
     job = JobFactory(owner=alice, time_limit_s=60, kill_grace_s=5)
@@ -333,8 +335,8 @@ def test_the_portal_stops_a_job_its_agent_let_run_past_its_limit(
         assert services.enforce_time_limits() == [job.pk]
         assert services.enforce_time_limits() == []  # asked once only
 
-    [call] = send.call_args_list
-    assert call.args[1]["data"]["reason"] == "timeout"
+    [(_, kill)] = sent.calls()
+    assert kill["data"]["reason"] == "timeout"
     services.finish_attempt(
         node.pk, exited(attempt, start.timestamp() + 190, 143, reason="killed")
     )
@@ -343,7 +345,7 @@ def test_the_portal_stops_a_job_its_agent_let_run_past_its_limit(
 
 
 def test_a_victim_being_stopped_counts_as_stopping_for_the_policy(
-    alice: User, cluster: list[Node], send: Any
+    alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
     victim = JobFactory(owner=alice, priority_class="best-effort")
     running(victim, cluster[0], at=1_800_000_000.0)
@@ -359,7 +361,10 @@ def test_a_victim_being_stopped_counts_as_stopping_for_the_policy(
 
 @pytest.fixture
 def spanning(
-    alice: User, cluster: list[Node], send: Any, django_capture_on_commit_callbacks: Any
+    alice: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
 ) -> tuple[Job, Attempt, Node, Node]:
     """A 6-GPU job started across node-a (4 GPUs, rank 0) and node-b (2, rank 1)."""
     a, b = cluster
@@ -377,11 +382,11 @@ def spanning(
 
 
 def test_a_job_spanning_nodes_gets_one_launch_per_node_with_torchrun_ranks(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames
 ) -> None:
     _, attempt, a, b = spanning
 
-    launches = {c.args[0]: c.args[1]["data"] for c in send.call_args_list}
+    launches = {node: f["data"] for node, f in sent.calls()}
 
     assert attempt.node_id == a.pk
     assert attempt.ranks == [a.pk, b.pk]
@@ -397,7 +402,7 @@ def test_a_job_spanning_nodes_gets_one_launch_per_node_with_torchrun_ranks(
 
 
 def test_every_rank_may_report_and_the_job_ends_when_all_have(
-    spanning: tuple[Job, Attempt, Node, Node], send: Any
+    spanning: tuple[Job, Attempt, Node, Node], sent: AgentFrames
 ) -> None:
     job, attempt, a, b = spanning
     t0 = 1_800_000_000.0
@@ -418,20 +423,20 @@ def test_every_rank_may_report_and_the_job_ends_when_all_have(
 
 def test_a_failed_rank_stops_the_others_and_fails_the_job_with_its_code(
     spanning: tuple[Job, Attempt, Node, Node],
-    send: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     job, attempt, a, b = spanning
     t0 = 1_800_000_000.0
     services.mark_started(a.pk, started_data(attempt, t0))
-    send.reset_mock()
+    sent.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
         services.finish_attempt(a.pk, exited(attempt, t0 + 10, 3, "exited"))
 
-    [kill] = send.call_args_list
-    assert kill.args[0] == b.pk
-    assert kill.args[1]["data"]["reason"] == "peer_failed"
+    [(node_id, kill)] = sent.calls()
+    assert node_id == b.pk
+    assert kill["data"]["reason"] == "peer_failed"
     services.finish_attempt(b.pk, exited(attempt, t0 + 12, 143, "killed"))
     job.refresh_from_db()
     assert job.status == Job.Status.FAILED
@@ -451,22 +456,22 @@ def test_a_node_that_is_not_a_rank_cannot_report_for_the_job(
 def test_cancelling_a_spanning_job_stops_every_rank(
     spanning: tuple[Job, Attempt, Node, Node],
     alice: User,
-    send: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     job, attempt, a, b = spanning
     services.mark_started(a.pk, started_data(attempt, 1_800_000_000.0))
-    send.reset_mock()
+    sent.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
         services.cancel_job(job.pk, by=alice)
 
-    assert {c.args[0] for c in send.call_args_list} == {a.pk, b.pk}
+    assert {node for node, _ in sent.calls()} == {a.pk, b.pk}
 
 
 def test_losing_one_node_of_a_spanning_job_requeues_it_and_stops_the_other_rank(
     spanning: tuple[Job, Attempt, Node, Node],
-    send: Any,
+    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
     settings: Any,
 ) -> None:
@@ -474,7 +479,7 @@ def test_losing_one_node_of_a_spanning_job_requeues_it_and_stops_the_other_rank(
     services.mark_started(a.pk, started_data(attempt, 1_800_000_000.0))
     stale = timezone.now() - timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER + 5)
     type(b).objects.filter(pk=b.pk).update(last_seen_at=stale)
-    send.reset_mock()
+    sent.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
         assert services.mark_lost_nodes() == [b.pk]
@@ -483,8 +488,8 @@ def test_losing_one_node_of_a_spanning_job_requeues_it_and_stops_the_other_rank(
     attempt.refresh_from_db()
     assert job.status == Job.Status.PENDING
     assert attempt.ended_at is not None
-    [kill] = send.call_args_list
-    assert (kill.args[0], kill.args[1]["data"]["reason"]) == (a.pk, "node_lost")
+    [(node_id, kill)] = sent.calls()
+    assert (node_id, kill["data"]["reason"]) == (a.pk, "node_lost")
 
 
 def test_a_reconnecting_rank_node_gets_its_own_launch_again(

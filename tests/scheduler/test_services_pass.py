@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from scheduler.models import Node
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 
 def test_the_snapshot_lists_jobs_and_gpus_in_the_models_orders(

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
+    from tests.capture import AgentFrames
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet")]
+pytestmark = pytest.mark.django_db
 
 
 def assert_consistent() -> None:
@@ -56,7 +57,7 @@ def queries_of_a_pass() -> tuple[int, dict[str, Any]]:
 
 
 @pytest.fixture
-def busy_cluster(alice: User, send: Any) -> None:
+def busy_cluster(alice: User, sent: AgentFrames) -> None:
     """A node whose one GPU runs a job (so every pass measured has running jobs)."""
     make_node("node-0", 1)
     JobFactory(owner=alice)
@@ -104,7 +105,7 @@ def test_a_pass_costs_the_same_queries_for_2_or_12_starts(
 
 
 def test_it_starts_every_job_of_the_batch_with_its_attempt_allocations_and_event(
-    alice: User, send: Any, django_capture_on_commit_callbacks: Any
+    alice: User, sent: AgentFrames, django_capture_on_commit_callbacks: Any
 ) -> None:
     node, _ = make_node("node-a", 8)
     jobs = [JobFactory(owner=alice) for _ in range(5)]
@@ -120,14 +121,14 @@ def test_it_starts_every_job_of_the_batch_with_its_attempt_allocations_and_event
         assert (attempt.number, attempt.node_id) == (1, node.pk)
         assert attempt.allocations.count() == 2  # both slots of its GPU
         assert JobEvent.objects.filter(job=job, to_status="starting").count() == 1
-    assert sorted(c.args[1]["data"]["job_id"] for c in send.call_args_list) == sorted(
+    assert sorted(f["data"]["job_id"] for f in sent.frames()) == sorted(
         j.pk for j in jobs
     )
     assert_consistent()
 
 
 def test_it_skips_the_starts_whose_job_or_gpu_changed_and_starts_the_rest(
-    alice: User, send: Any
+    alice: User, sent: AgentFrames
 ) -> None:
     node, _ = make_node("node-a", 4)
     gpus = free_gpus(node, 4)
@@ -162,7 +163,9 @@ def test_it_skips_the_starts_whose_job_or_gpu_changed_and_starts_the_rest(
     assert_consistent()
 
 
-def test_it_starts_a_job_spanning_nodes_in_a_batch(alice: User, send: Any) -> None:
+def test_it_starts_a_job_spanning_nodes_in_a_batch(
+    alice: User, sent: AgentFrames
+) -> None:
     a, _ = make_node("node-a", 4)
     b, _ = make_node("node-b", 2)
     wide = JobFactory(owner=alice, gpus=5)
@@ -193,7 +196,7 @@ def test_it_starts_a_job_spanning_nodes_in_a_batch(alice: User, send: Any) -> No
 
 
 def test_a_batch_that_breaks_a_constraint_starts_its_jobs_one_at_a_time(
-    alice: User, send: Any
+    alice: User, sent: AgentFrames
 ) -> None:
     node, _ = make_node("node-a", 4)
     jobs = [JobFactory(owner=alice) for _ in range(4)]
@@ -215,7 +218,7 @@ def test_a_batch_that_breaks_a_constraint_starts_its_jobs_one_at_a_time(
 
 
 def test_an_unlaunchable_job_fails_alone_and_the_others_of_its_batch_start(
-    alice: User, send: Any, django_capture_on_commit_callbacks: Any
+    alice: User, sent: AgentFrames, django_capture_on_commit_callbacks: Any
 ) -> None:
     node, _ = make_node("node-a", 4)
     jobs = [JobFactory(owner=alice) for _ in range(3)]
@@ -230,7 +233,7 @@ def test_an_unlaunchable_job_fails_alone_and_the_others_of_its_batch_start(
     assert failed.status == Job.Status.FAILED
     assert failed.end_reason.startswith("cannot be launched")
     assert not Attempt.objects.filter(job=failed).exists()
-    assert {c.args[1]["data"]["job_id"] for c in send.call_args_list} == {
+    assert {f["data"]["job_id"] for f in sent.frames()} == {
         jobs[1].pk,
         jobs[2].pk,
     }

@@ -3,8 +3,7 @@ good input stores a PENDING job and asks for a scheduling pass after commit."""
 
 from __future__ import annotations
 
-from typing import Any
-from unittest import mock
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from django.conf import settings
@@ -14,6 +13,9 @@ from django.core.exceptions import ValidationError
 from scheduler import services
 from scheduler.models import Job, JobEvent, Membership, Profile
 from scheduler.services import JobRequest
+
+if TYPE_CHECKING:
+    from tests.capture import Broker
 
 pytestmark = pytest.mark.django_db
 
@@ -251,17 +253,16 @@ def test_it_puts_a_user_without_group_in_the_default_group(
 
 
 def test_it_enqueues_a_schedule_pass_only_on_commit(
-    alice: User, cluster: list[Any], django_capture_on_commit_callbacks: Any
+    alice: User,
+    cluster: list[Any],
+    django_capture_on_commit_callbacks: Any,
+    passes: Broker,
 ) -> None:
-    with (
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True) as delay,
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-    ):
-        with django_capture_on_commit_callbacks(execute=True):
-            services.submit_job(alice, request())
-            delay.assert_not_called()
+    with django_capture_on_commit_callbacks(execute=True):
+        services.submit_job(alice, request())
+        assert passes.tasks() == []
 
-        delay.assert_called_once_with()
+    assert passes.tasks() == ["scheduler.tasks.schedule_pass"]
 
 
 def test_it_enqueues_nothing_for_bad_input(

@@ -1,6 +1,6 @@
 """The e2e ``stack`` fixture (real uvicorn, Celery worker, agents) for the
 security tests that need real processes, and the group-leader persona of the
-permission tables; ``quiet`` (no broadcasts, no queued pass) from tests/api."""
+permission tables."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.api.conftest import quiet
 from tests.conftest import _user
 from tests.e2e.conftest import stack
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
-__all__ = ["leader", "quiet", "stack"]
+__all__ = ["leader", "stack"]
 
 
 @pytest.fixture

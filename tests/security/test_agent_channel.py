@@ -53,12 +53,6 @@ TIMEOUT = 5
 
 
 @pytest.fixture(autouse=True)
-def _no_enqueue() -> Any:
-    with mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True) as delay:
-        yield delay
-
-
-@pytest.fixture(autouse=True)
 async def _close_db_connections() -> Any:
     yield
     await database_sync_to_async(connections.close_all)()

@@ -513,7 +513,7 @@ def alice_request(name: str) -> services.JobRequest:
 
 @pytest.fixture
 def world(
-    alice: User, bob: User, charlie: User, admin_user: User, leader: User, quiet: Any
+    alice: User, bob: User, charlie: User, admin_user: User, leader: User
 ) -> World:
     sam = _user("sam", None, staff=True)
     users = {

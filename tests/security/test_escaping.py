@@ -118,12 +118,6 @@ def run_hostile_job(user: User, group: str) -> Job:
     return job
 
 
-@pytest.fixture(autouse=True)
-def _no_broker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("scheduler.tasks.schedule_pass.delay", lambda: None)
-    monkeypatch.setattr("scheduler.events.broadcast_job_status", lambda *a: None)
-
-
 @pytest.fixture
 def hostile_job(alice: User) -> Job:
     return run_hostile_job(alice, "vision")

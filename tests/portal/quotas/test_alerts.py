@@ -26,7 +26,6 @@ def record(now: datetime = NOW) -> list[QuotaAlert]:
     return record_alerts(quota_states(now))
 
 
-@pytest.mark.usefixtures("quiet", "send")
 @pytest.mark.parametrize(
     ("used_h", "thresholds"),
     [(7.9, []), (8.0, [80]), (9.5, [80]), (10.0, [80, 100]), (25.0, [80, 100])],
@@ -48,7 +47,6 @@ def test_it_alerts_at_80_and_100_percent(
     hook.assert_not_called()
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_each_threshold_once_per_period_and_again_after_the_reset(
     cluster: Any, alice: Any, groups: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
@@ -82,7 +80,6 @@ def test_each_threshold_once_per_period_and_again_after_the_reset(
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.usefixtures("quiet", "send")
 def test_two_passes_at_once_alert_once(cluster: Any, alice: Any, groups: Any) -> None:
     q = quota(group=groups["vision"], gpu_hours=10)
     run(alice, cluster[0], NOW - 11 * H, NOW - H)
@@ -116,7 +113,6 @@ def test_on_alert_writes_a_log_line(
     ]
 
 
-@pytest.mark.usefixtures("send")
 def test_an_alert_notifies_every_member_of_the_quotas_group(
     groups: Any, alice: Any, bob: Any, charlie: Any
 ) -> None:
@@ -127,8 +123,7 @@ def test_an_alert_notifies_every_member_of_the_quotas_group(
         used_gpu_hours=10.5, limit_gpu_hours=10.0,
     )  # fmt: skip
 
-    with mock.patch("portal.notifications.services.enqueue"):
-        alerts.on_alert(alert)
+    alerts.on_alert(alert)
 
     sent = list(Delivery.objects.values_list("user__username", "kind", "subject"))
     assert sent == [("alice", "quota_warning", "Quota used up: group vision")]

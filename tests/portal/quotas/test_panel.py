@@ -16,7 +16,7 @@ from scheduler import tasks
 from tests.factories import JobFactory
 from tests.portal.quotas.helpers import quota, run
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet", "send")]
+pytestmark = pytest.mark.django_db
 
 
 def page(user: Any, url: str = "/jobs/") -> str:

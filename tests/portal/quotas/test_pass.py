@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import pytest
@@ -20,13 +20,16 @@ from scheduler.models import Job, JobEvent
 from tests.factories import JobFactory, exited_data
 from tests.portal.quotas.helpers import quota, run
 
+if TYPE_CHECKING:
+    from tests.capture import AgentFrames
+
 H = timedelta(hours=1)
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet")]
+pytestmark = pytest.mark.django_db
 
 
 def test_the_snapshot_carries_each_quota_with_its_use(
-    cluster: Any, alice: Any, groups: Any, send: Any
+    cluster: Any, alice: Any, groups: Any, sent: AgentFrames
 ) -> None:
     now = timezone.now()
     q = quota(group=groups["vision"], gpu_hours=10, max_gpus=4, hard=False)
@@ -48,7 +51,7 @@ def test_the_snapshot_carries_each_quota_with_its_use(
 
 
 def test_a_job_over_its_hard_quota_waits_with_the_reason_and_others_start(
-    cluster: Any, alice: Any, charlie: Any, groups: Any, send: Any
+    cluster: Any, alice: Any, charlie: Any, groups: Any, sent: AgentFrames
 ) -> None:
     now = timezone.now()
     quota(group=groups["vision"], gpu_hours=2)
@@ -73,7 +76,7 @@ def test_a_job_over_its_hard_quota_waits_with_the_reason_and_others_start(
 
 
 def test_the_cap_holds_a_job_while_the_group_holds_its_gpus(
-    cluster: Any, alice: Any, bob: Any, groups: Any, send: Any
+    cluster: Any, alice: Any, bob: Any, groups: Any, sent: AgentFrames
 ) -> None:
     quota(group=groups["vision"], max_gpus=2)
     run(alice, cluster[0], timezone.now() - H, gpus=2)
@@ -92,7 +95,7 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
     cluster: Any,
     alice: Any,
     groups: Any,
-    send: Any,
+    sent: AgentFrames,
     settings: Any,
     overrun: str,
     django_capture_on_commit_callbacks: Any,
@@ -101,7 +104,7 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
     now = timezone.now()
     quota(group=groups["vision"], gpu_hours=3)
     attempt = run(alice, cluster[0], now - 4 * H)  # running, 4 GPU-h so far
-    send.reset_mock()
+    sent.clear()
     with (
         mock.patch.object(alerts, "on_alert", autospec=True),
         django_capture_on_commit_callbacks(execute=True),
@@ -110,12 +113,12 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
     job = Job.objects.get(pk=attempt.job_id)
     if overrun == "finish":
         assert result["quota_stopped"] == 0
-        assert send.call_args_list == []
+        assert sent.calls() == []
         assert job.status == Job.Status.RUNNING
         return
     assert result["quota_stopped"] == 1
-    [call] = send.call_args_list
-    frame = protocol.parse_server_message(json.dumps(call.args[1]))
+    [(_, command)] = sent.calls()
+    frame = protocol.parse_server_message(json.dumps(command))
     assert frame.type == "job.kill"
     assert frame.data.reason == "quota"
     event = JobEvent.objects.filter(job=job).latest("id")
@@ -123,10 +126,10 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
         "stopped: group vision used 4.0 of its 3.0 GPU-hours this month"
     )
     # a second pass does not stop it twice (it is already being stopped)
-    send.reset_mock()
+    sent.clear()
     with mock.patch.object(alerts, "on_alert", autospec=True):
         assert tasks.run_one_pass()["quota_stopped"] == 0
-    assert send.call_args_list == []
+    assert sent.calls() == []
 
     attempt.refresh_from_db()
     services.finish_attempt(cluster[0].pk, exited_data(attempt, 143))

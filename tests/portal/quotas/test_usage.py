@@ -23,7 +23,6 @@ def states(now: datetime = NOW) -> dict[str, Any]:
     return {s.quota.target: s for s in quota_states(now)}
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_it_counts_the_period_part_of_ended_records_by_group_and_user(
     cluster: Any, alice: Any, bob: Any, charlie: Any, groups: Any
 ) -> None:
@@ -48,7 +47,6 @@ def test_it_counts_the_period_part_of_ended_records_by_group_and_user(
     assert all(s.running_gpus == 0 for s in got.values())
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_a_user_quota_counts_their_jobs_in_every_group(
     cluster: Any, alice: Any, groups: Any
 ) -> None:
@@ -64,7 +62,6 @@ def test_a_user_quota_counts_their_jobs_in_every_group(
     assert got["group vision"].used_gpu_hours == pytest.approx(1.0)
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_running_jobs_count_live_and_their_gpus_count_against_caps(
     cluster: Any, alice: Any, bob: Any, groups: Any
 ) -> None:
@@ -87,7 +84,6 @@ def test_running_jobs_count_live_and_their_gpus_count_against_caps(
     ].used_gpu_hours == pytest.approx(4.0)
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_a_running_job_across_the_period_start_counts_from_the_start(
     cluster: Any, alice: Any, groups: Any
 ) -> None:
@@ -107,7 +103,6 @@ def test_a_running_job_across_the_period_start_counts_from_the_start(
     ].used_gpu_hours == pytest.approx(0.5)
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_a_shared_gpu_charges_each_job_its_share(
     cluster: Any, alice: Any, charlie: Any, groups: Any
 ) -> None:
@@ -131,7 +126,6 @@ def test_a_shared_gpu_charges_each_job_its_share(
     assert got["group vision"].running_gpus == 1
 
 
-@pytest.mark.usefixtures("quiet", "send")
 def test_running_jobs_on_a_shared_gpu_count_as_their_records_will(
     cluster: Any, alice: Any, charlie: Any, groups: Any
 ) -> None:
