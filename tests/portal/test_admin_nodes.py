@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from celery import current_app
+from django.contrib import admin
 from django.contrib.admin.models import ADDITION, LogEntry
 from django.contrib.auth.models import Permission
 from django.contrib.messages import get_messages
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.test import Client
+from django.test import Client, RequestFactory
 from django.urls import reverse
 
 from scheduler import pass_requests, policy, services, tasks
@@ -253,6 +254,46 @@ def test_slots_below_what_a_running_job_holds_are_refused_in_the_console(
     gpu.refresh_from_db()
     assert gpu.slots == 2
     assert history(gpu) == []
+
+
+def test_a_job_that_took_a_slot_after_the_forms_check_makes_the_save_refused(
+    alice: User, admin_user: User, cluster: list[Node]
+) -> None:
+    """The form checks without a lock; the service checks again under the GPU's
+    lock, and the console answers 403 with its reason, nothing changed."""
+    gpu = first_gpu(cluster[0])
+    gpu_admin = admin.site._registry[Gpu]
+    request = RequestFactory().post("/")
+    request.user = admin_user
+    admin_user.user_permissions.set(Permission.objects.filter(codename="change_gpu"))
+    form = gpu_admin.get_form(request, gpu)({"slots": "1"}, instance=gpu)
+    assert form.is_valid(), form.errors
+    job = JobFactory(owner=alice, shareable=False)
+    start_job(job, cluster[0], [gpu])  # holds slots 0 and 1
+
+    with pytest.raises(PermissionDenied, match=f"slot 1 by job #{job.pk}"):
+        gpu_admin.save_model(request, form.save(commit=False), form, change=True)
+
+    gpu.refresh_from_db()
+    assert (gpu.slots, history(gpu)) == (2, [])
+
+
+def test_a_node_name_taken_after_the_forms_check_makes_the_add_refused(
+    admin_user: User,
+) -> None:
+    node_admin = admin.site._registry[Node]
+    request = RequestFactory().post("/")
+    request.user = admin_user
+    form = node_admin.get_form(request, None)({"name": "gpu-09"})
+    assert form.is_valid(), form.errors
+    first, _ = services.create_node("gpu-09")
+
+    with pytest.raises(PermissionDenied, match=r"A node named .gpu-09. exists\."):
+        node_admin.save_model(request, form.save(commit=False), form, change=False)
+
+    assert list(Node.objects.values_list("pk", "token_hash")) == [
+        (first.pk, first.token_hash)
+    ]
 
 
 # ------------------------------------------------------------------ the service
