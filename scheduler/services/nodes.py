@@ -103,7 +103,7 @@ def set_gpu_slots(gpu_id: int, slots: int, *, by: User | None) -> bool:
     """Set how many jobs the GPU may run at once (``Gpu.slots``). Returns whether
     it changed.
 
-    1. ``by`` (the console, the API) needs ``scheduler.change_gpu``
+    1. ``by`` (the admin in the console) needs ``scheduler.change_gpu``
        (``PermissionDenied`` else); None: gpulab itself.
     2. Lock the GPU: a start locks the GPUs it takes, so no slot is allocated
        while this checks and writes. Check the value (``check_gpu_slots``:
