@@ -58,6 +58,10 @@ class Config:
     spool_max_bytes: int = 64 * 1024 * 1024
     # Stop every job once the link has been down this long (None: never).
     kill_after_disconnect_s: float | None = None
+    # A portal unreachable this long (from the first failed try, or from the
+    # loss of a link) is worth a warning; a shorter wait, such as the web server
+    # still starting, is logged at INFO once and each retry at DEBUG.
+    warn_unreachable_after_s: float = 60.0
 
 
 class AgentCore(abc.ABC):

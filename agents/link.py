@@ -1,6 +1,11 @@
 """The agent's connection to the portal: ``hello``, then the spool replayed and
 live frames in seq order, the server's commands handed on, and a reconnect with
-exponential backoff and full jitter whenever the link drops."""
+exponential backoff and full jitter whenever the link drops.
+
+What it logs is what a person needs, one line each, without tracebacks for the
+network's expected errors (``Reachability``): the wait for a portal that is not
+up yet, a link lost, a portal unreachable for long, each connection, and a
+refused token."""
 
 from __future__ import annotations
 
@@ -24,6 +29,82 @@ LINK_STABLE_S = 30.0  # a link up this long resets the backoff
 def backoff_delay(attempt: int, base: float, cap: float) -> float:
     """Exponential backoff with full jitter: uniform(0, min(cap, base * 2**attempt))."""
     return random.uniform(0, min(cap, base * 2 ** min(attempt, 32)))
+
+
+def describe(exc: BaseException) -> str:
+    """A network error in a few words, for a log line (no traceback: refused
+    connections, timeouts and closed links are expected, not bugs)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, InvalidStatus):
+        return f"HTTP {exc.response.status_code}"
+    if isinstance(exc, ConnectionClosed):
+        if exc.rcvd is None:
+            return "connection closed without a close frame"
+        return f"connection closed, code {exc.rcvd.code}"
+    return str(exc) or type(exc).__name__
+
+
+class Reachability:
+    """Whether the portal can be reached, as the log tells it:
+
+    - before the first connection, the first failed try says "waiting for the
+      portal at URL" (INFO) and each retry is DEBUG: an agent started with (or
+      before) the web server says nothing alarming while it comes up;
+    - a link that was up and went down: one WARNING naming why;
+    - a portal still unreachable ``warn_after_s`` after the first failed try
+      (or after the loss): one WARNING per outage;
+    - each connection: INFO, with how long the portal was unreachable after a
+      warning.
+    """
+
+    def __init__(self, url: str, warn_after_s: float) -> None:
+        self.url = url
+        self.warn_after_s = warn_after_s
+        self.ever_connected = False
+        self.down_since: float | None = None  # first failed try, or the loss
+        self.warned = False
+
+    def connected(self) -> None:
+        if self.warned and self.down_since is not None:
+            log.info(
+                "connected to %s (unreachable for %.0f s)",
+                self.url,
+                time.monotonic() - self.down_since,
+            )
+        else:
+            log.info("connected to %s", self.url)
+        self.ever_connected = True
+        self.down_since = None
+        self.warned = False
+
+    def lost(self, why: str) -> None:
+        """A link that was up went down."""
+        log.warning("link to %s down (%s); reconnecting", self.url, why)
+        self.down_since = time.monotonic()
+        self.warned = False
+
+    def failed(self, why: str, delay: float) -> None:
+        """A try to connect failed with an expected network error; the next is
+        in ``delay`` seconds."""
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            if not self.ever_connected:
+                log.info("waiting for the portal at %s (%s)", self.url, why)
+                return
+        elif not self.warned and now - self.down_since >= self.warn_after_s:
+            self.warned = True
+            log.warning(
+                "portal at %s unreachable for %.0f s (%s); still retrying",
+                self.url,
+                now - self.down_since,
+                why,
+            )
+            return
+        log.debug("no connection to %s (%s); retrying in %.1f s", self.url, why, delay)
 
 
 class Link(AgentCore):
@@ -116,9 +197,11 @@ class Link(AgentCore):
 
     async def link(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.token}"}
+        reach = Reachability(self.config.server, self.config.warn_unreachable_after_s)
         attempt = 0
         while True:
             up_since: float | None = None
+            failure: str | None = None  # why a try to connect failed, if it did
             try:
                 async with connect(
                     self.config.server,
@@ -129,7 +212,7 @@ class Link(AgentCore):
                     compression=p.WS_COMPRESSION,
                 ) as ws:
                     up_since = time.monotonic()
-                    log.info("connected to %s", self.config.server)
+                    reach.connected()
                     try:
                         await self._session(ws)
                     except asyncio.CancelledError:
@@ -144,7 +227,7 @@ class Link(AgentCore):
                         "server rejected the token (close code %s); retrying", code
                     )
                 else:
-                    log.warning("server closed the connection (code %s)", code)
+                    reach.lost(f"closed by the server, code {code}")
             except InvalidStatus as exc:
                 status = exc.response.status_code
                 if status in (401, 403):
@@ -153,6 +236,8 @@ class Link(AgentCore):
                         " retrying",
                         status,
                     )
+                elif status >= 500:  # a proxy in front of a portal not up yet
+                    failure = describe(exc)
                 else:
                     log.warning("server refused the websocket: HTTP %s", status)
             except (OSError, TimeoutError, WebSocketException) as exc:
@@ -165,13 +250,18 @@ class Link(AgentCore):
                         "server rejected the token (close code %s); retrying",
                         exc.rcvd.code,
                     )
+                elif up_since is not None:
+                    reach.lost(describe(exc))
                 else:
-                    log.warning("link to %s down: %r", self.config.server, exc)
+                    failure = describe(exc)
             if up_since is not None and time.monotonic() - up_since >= LINK_STABLE_S:
                 attempt = 0
             delay = backoff_delay(
                 attempt, self.config.backoff_base_s, self.config.backoff_cap_s
             )
             attempt += 1
-            log.info("reconnecting in %.1f s", delay)
+            if failure is not None:
+                reach.failed(failure, delay)
+            else:
+                log.debug("reconnecting in %.1f s", delay)
             await asyncio.sleep(delay)

@@ -26,26 +26,45 @@ class MembershipInline(admin.TabularInline[Membership, Group]):
 
 @admin.register(Group)
 class GroupAdmin(admin.ModelAdmin[Group]):
-    """Lab groups with their memberships inline (shares, leader flag)."""
+    """Lab groups with their memberships inline (shares, leader flag). The list
+    names each group's members (the first ``SHOWN_MEMBERS`` by username, then
+    how many more) and leaders, with one query each for the whole page.
 
-    list_display = ("name", "description", "shares", "members", "leaders")
+    The members column is ``member_names``, not ``members``: a list column named
+    after the model's many-to-many field is rendered from the field (the
+    manager's text, "auth.User.None"), whatever method the admin defines."""
+
+    SHOWN_MEMBERS = 10
+
+    list_display = ("name", "description", "shares", "member_names", "leaders")
     search_fields = ("name",)
     inlines = (MembershipInline,)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Group]:
         leaders = Membership.objects.filter(is_leader=True).select_related("user")
+        first = Membership.objects.select_related("user").order_by("user__username")
         return (
             super()
             .get_queryset(request)
             .annotate(member_count=Count("membership"))
             .prefetch_related(
-                Prefetch("membership_set", queryset=leaders, to_attr="leader_rows")
+                Prefetch("membership_set", queryset=leaders, to_attr="leader_rows"),
+                Prefetch(
+                    "membership_set",
+                    queryset=first[: self.SHOWN_MEMBERS],
+                    to_attr="first_members",
+                ),
             )
         )
 
     @admin.display(description="members", ordering="member_count")
-    def members(self, obj: Group) -> int:
-        return int(getattr(obj, "member_count", 0))
+    def member_names(self, obj: Group) -> str:
+        rows = getattr(obj, "first_members", [])
+        names = ", ".join(m.user.get_username() for m in rows)
+        more = int(getattr(obj, "member_count", 0)) - len(rows)
+        if more > 0:
+            names += f" and {more} more"
+        return names or "\u2013"
 
     @admin.display(description="leaders")
     def leaders(self, obj: Group) -> str:

@@ -88,7 +88,13 @@ from scheduler.services.liveness import (
     resend_launches,
 )
 from scheduler.services.logs import append_log, log_tail
-from scheduler.services.nodes import create_node, rotate_node_token
+from scheduler.services.nodes import (
+    check_gpu_slots,
+    check_node_name,
+    create_node,
+    rotate_node_token,
+    set_gpu_slots,
+)
 from scheduler.services.presence import (
     HelloResult,
     authenticate_node,
@@ -151,6 +157,8 @@ __all__ = [
     "cancel_array",
     "cancel_job",
     "change_job_request",
+    "check_gpu_slots",
+    "check_node_name",
     "class_specs",
     "cluster_capacity",
     "cluster_state",
@@ -188,6 +196,7 @@ __all__ = [
     "reset_interference_pairs",
     "resolve_dependencies",
     "rotate_node_token",
+    "set_gpu_slots",
     "set_node_mode",
     "set_node_status",
     "set_priority_class",

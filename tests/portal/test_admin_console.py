@@ -469,6 +469,37 @@ def test_groups_show_members_and_leaders_and_edit_the_leader_flag(
     assert 'name="membership_set-0-is_leader"' in change.content.decode()
 
 
+def test_the_groups_list_names_the_members_in_one_query_for_the_page(
+    alice: User, bob: User, admin_user: User, groups: dict[str, Group]
+) -> None:
+    """The members column shows usernames (the first ten, then how many more),
+    never the many-to-many manager's text, and the page's query count does not
+    grow with the groups or their members."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.conftest import _user
+
+    nlp = groups["nlp"]
+    client = staff_with(admin_user, "view_group")
+    url = reverse("admin:scheduler_group_changelist")
+    with CaptureQueriesContext(connection) as few:
+        client.get(url)
+    for i in range(12):
+        _user(f"student{i:02d}", nlp)
+    Group.objects.create(name="robotics")
+
+    with CaptureQueriesContext(connection) as many:
+        body = client.get(url).content.decode()
+
+    assert "auth.User.None" not in body
+    assert 'class="field-member_names">alice, bob, root<' in body
+    first_ten = ", ".join(f"student{i:02d}" for i in range(10))
+    assert f'class="field-member_names">{first_ten} and 2 more<' in body
+    assert 'class="field-member_names">\u2013<' in body  # robotics has none
+    assert len(many) == len(few)
+
+
 def test_users_show_their_primary_group(
     alice: User, admin_user: User, groups: dict[str, Group]
 ) -> None:
