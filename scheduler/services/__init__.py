@@ -25,7 +25,7 @@ and management commands are adapters around these functions: they call
 - ``liveness``: lost nodes, time limits and lost launches (beat);
 - ``reconcile``: what agents say they hold against the database, drift repaired
   (beat);
-- ``nodes``: admin verbs on nodes (register, rotate the token);
+- ``nodes``: admin verbs on nodes (register, rotate the token) and GPUs (their slots);
 - ``console``: the admin console's verbs: hold / release, requeue, priority
   class, a waiting job's request, node drain / maintenance / resume;
 - ``interference``: co-location measured in production (rates, sharing
