@@ -313,7 +313,6 @@ class Reason(StrEnum):
     DEPENDENCY = "dependency"  # waits for other jobs to end (``policy.dependency``)
     DEPENDENCY_NEVER = "dependency_never"  # a dependency can never be met
     ARRAY_LIMIT = "array_limit"  # its array runs its %N tasks at once
-    INTERFERENCE = "interference"  # co-location refused (``policy.colocate``)
     WAITING_FOR_PREEMPTION = "preempting"  # victims are being stopped for it
     NOT_TESTED = "not_tested"  # a pass cap stopped before this job
 
