@@ -318,9 +318,12 @@ async def hear_agents() -> None:
     ``pulse_hearing`` every ``hearing_pulse_every`` s until cancelled. A pulse
     that fails (PostgreSQL down) is logged once per failing run and retried: the
     gap it leaves is the point."""
-    from channels.db import database_sync_to_async
+    from channels.db import DatabaseSyncToAsync
 
-    pulse = database_sync_to_async(pulse_hearing)
+    # A thread of its own (not the one the consumers' database calls share):
+    # with PostgreSQL down a pulse waits for a pooled connection, and must not
+    # hold up the agents' frames meanwhile.
+    pulse = DatabaseSyncToAsync(pulse_hearing, thread_sensitive=False)
     failing = False
     while True:
         try:
