@@ -244,11 +244,12 @@ class AgentSighting(models.Model):
 
 class PortalHearing(models.Model):
     """Whether the portal can hear its agents: one row, pulsed every few seconds
-    by every web process (``services.pulse_hearing``) while it serves.
+    by every web process (``services.presence.pulse_hearing``) while it serves.
 
     ``heard_at`` is the last pulse; ``hearing_since`` the start of the current
     unbroken run of pulses (a pulse after a gap longer than
-    ``services.HEARING_GAP`` starts a new run). A node is judged lost only on
+    ``presence.hearing_gap``, half of ``GPULAB_NODE_LOST_AFTER``, starts a new
+    run). A node is judged lost only on
     time the portal could hear it: ``services.mark_lost_nodes`` counts a node's
     silence from the later of its last heartbeat and ``hearing_since``, and
     judges nobody while the pulse is older than the gap."""
