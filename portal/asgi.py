@@ -1,7 +1,10 @@
-"""ASGI entry point: HTTP (Django), browser websockets and agent websockets."""
+"""ASGI entry point: HTTP (Django), browser websockets and agent websockets; the
+lifespan runs the process's hearing pulse (``presence.hear_agents``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 
 from django.core.asgi import get_asgi_application
@@ -26,6 +29,7 @@ from portal.api.middleware import BodyLimit  # noqa: E402
 from portal.consumers import DashboardConsumer  # noqa: E402
 from portal.gate import ConcurrencyGate  # noqa: E402
 from scheduler.consumers import AgentConsumer  # noqa: E402
+from scheduler.services.presence import hear_agents  # noqa: E402
 
 # Agents send no Origin header: the Origin check stays off their route (they
 # authenticate by token) and on the browsers' route (session cookies).
@@ -43,11 +47,29 @@ async def _websocket_router(scope, receive, send):  # type: ignore[no-untyped-de
     return await browser_routes(scope, receive, send)
 
 
+async def _lifespan(scope, receive, send):  # type: ignore[no-untyped-def]
+    """While the server serves, pulse that the portal hears its agents."""
+    pulse: asyncio.Task[None] | None = None
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            pulse = asyncio.create_task(hear_agents())
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if pulse is not None:
+                pulse.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pulse
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 application = ProtocolTypeRouter(
     # The API's body limit holds before Django's handler reads the body, and
     # before the request waits for its turn (a slow body holds no slot).
     {
         "http": BodyLimit(ConcurrencyGate(django_asgi_app)),
         "websocket": _websocket_router,
+        "lifespan": _lifespan,
     }
 )

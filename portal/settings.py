@@ -515,7 +515,8 @@ GPULAB_SHARED_CHARGE = envchoice("GPULAB_SHARED_CHARGE", "memory", ("memory", "e
 GPULAB_GPU_JOB_LIMIT = envint("GPULAB_GPU_JOB_LIMIT", 2, minimum=1)
 # Group that users without any group are put in when they first submit.
 GPULAB_DEFAULT_GROUP = envstr("GPULAB_DEFAULT_GROUP", "lab")
-# Seconds without a heartbeat after which a node is LOST and its jobs requeued.
+# Seconds without a heartbeat after which a node is LOST and its jobs requeued;
+# only time the portal could hear counts (services.presence.hearing_since).
 GPULAB_NODE_LOST_AFTER = envint("GPULAB_NODE_LOST_AFTER", 60, minimum=5)
 # The reconciler (services.reconcile, beat every GPULAB_RECONCILE_INTERVAL s)
 # compares what each agent says it holds (heartbeats, hello) with the database: an
@@ -550,6 +551,10 @@ GPULAB_LAUNCH_RESENDS = envint("GPULAB_LAUNCH_RESENDS", 3, minimum=0)
 GPULAB_RELAUNCH_MAX = envint("GPULAB_RELAUNCH_MAX", 3, minimum=0)
 # Default SIGTERM -> SIGKILL grace for a job, seconds.
 GPULAB_KILL_GRACE = envint("GPULAB_KILL_GRACE", 30, minimum=0)
+# A kill (cancel, requeue, preemption, ...) whose exit has not come back this many
+# seconds after the job's kill grace ran out is sent again to its node, if
+# connected, until the agent reports the end (services.resend_kills).
+GPULAB_KILL_RESEND_AFTER = envint("GPULAB_KILL_RESEND_AFTER", 30, minimum=1)
 # Largest command accepted, bytes.
 GPULAB_MAX_COMMAND_BYTES = envint(
     "GPULAB_MAX_COMMAND_BYTES", 16 * 1024, minimum=256, maximum=MAX_COMMAND_CHARS

@@ -36,11 +36,12 @@ def schedule_pass() -> dict[str, Any]:
 def check_nodes() -> dict[str, list[int]]:
     """Mark nodes without heartbeat as lost and requeue their jobs; stop jobs past
     their time limit that their agent did not stop; re-send launches that never
-    arrived (beat)."""
+    arrived and kills no exit answered (beat)."""
     return {
         "lost_nodes": services.mark_lost_nodes(),
         "overdue_jobs": services.enforce_time_limits(),
         "launches_resent": services.resend_launches(),
+        "kills_resent": services.resend_kills(),
     }
 
 

@@ -57,6 +57,10 @@ class Attempt(models.Model):
     pid = models.IntegerField(null=True, blank=True)
     # Why the server asked the agent to stop it (cancelled, timeout, stale, ...).
     kill_reason = models.CharField(max_length=16, blank=True)
+    # When its ``job.kill`` was last sent (set with ``kill_reason``), and how many
+    # times ``services.resend_kills`` sent it again because no exit came back.
+    kill_sent_at = models.DateTimeField(null=True, blank=True)
+    kill_resends = models.PositiveIntegerField(default=0)
     # A job spanning nodes: the node ids in rank order (rank 0 is ``node``), and
     # each rank's exit {"<node id>": {"exit_code", "ended_at", "reason", "message"}}.
     # The attempt ends when every rank has exited. Empty for single-node attempts.

@@ -240,3 +240,30 @@ class AgentSighting(models.Model):
 
     def __str__(self) -> str:
         return f"attempt {self.attempt_id} on node {self.node_id}"
+
+
+class PortalHearing(models.Model):
+    """Whether the portal can hear its agents: one row, pulsed every few seconds
+    by every web process (``services.presence.pulse_hearing``) while it serves.
+
+    ``heard_at`` is the last pulse; ``hearing_since`` the start of the current
+    unbroken run of pulses (a pulse after a gap longer than
+    ``presence.hearing_gap``, half of ``GPULAB_NODE_LOST_AFTER``, starts a new
+    run). A node is judged lost only on
+    time the portal could hear it: ``services.mark_lost_nodes`` counts a node's
+    silence from the later of its last heartbeat and ``hearing_since``, and
+    judges nobody while the pulse is older than the gap."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    heard_at = models.DateTimeField()
+    hearing_since = models.DateTimeField()
+
+    class Meta:
+        constraints: ClassVar = [
+            models.CheckConstraint(
+                condition=Q(id=1), name="%(app_label)s_%(class)s_singleton"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"hearing since {self.hearing_since} (last pulse {self.heard_at})"

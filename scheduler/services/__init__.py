@@ -85,6 +85,7 @@ from scheduler.services.liveness import (
     TIME_LIMIT_MARGIN,
     enforce_time_limits,
     mark_lost_nodes,
+    resend_kills,
     resend_launches,
 )
 from scheduler.services.logs import append_log, log_tail
@@ -192,6 +193,7 @@ __all__ = [
     "record_report",
     "release_job",
     "requeue_job",
+    "resend_kills",
     "resend_launches",
     "reset_interference_pairs",
     "resolve_dependencies",

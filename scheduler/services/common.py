@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 from django.db import transaction
 from django.utils import timezone
@@ -19,6 +19,8 @@ from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from django.contrib.auth.models import User
 
 log = logging.getLogger(__name__)
@@ -96,17 +98,33 @@ def kill_frame(
     )
 
 
+def stored_kill_reason(value: str) -> protocol.KillReason:
+    """An attempt's stored ``kill_reason`` as the protocol's (``stale`` if unknown)."""
+    if value in get_args(protocol.KillReason):
+        return cast("protocol.KillReason", value)
+    return "stale"
+
+
 def _send_kill_on_commit(
     attempt: Attempt,
     reason: protocol.KillReason,
     grace_s: int,
     *,
     skip: int | None = None,
+    nodes: Iterable[int] | None = None,
 ) -> None:
     """After commit, ask every node of the attempt whose rank has not exited (but
-    ``skip``) to stop it."""
+    ``skip``; only ``nodes`` if given) to stop it, and record when
+    (``kill_sent_at``): ``services.resend_kills`` sends the kill again if no exit
+    comes back (the send may be lost: a process dying between the commit and the
+    send, an agent not connected at that moment)."""
     command = kill_frame(attempt.pk, attempt.job_id, reason, grace_s)
+    only = None if nodes is None else set(nodes)
     for node_id in attempt.node_ids:
         if node_id == skip or str(node_id) in attempt.rank_exits:
             continue
+        if only is not None and node_id not in only:
+            continue
         transaction.on_commit(partial(events.send_to_agent, node_id, command))
+    attempt.kill_sent_at = timezone.now()
+    attempt.save(update_fields=["kill_sent_at"])

@@ -1,6 +1,7 @@
 """The portal's backstops, run by beat: nodes silent too long are lost (their jobs
 requeued or failed exactly once), attempts past their time limit are stopped,
-launches that never arrived are sent again (and given up after a bound).
+launches that never arrived are sent again (and given up after a bound), kills
+no exit answered are sent again.
 """
 
 from __future__ import annotations
@@ -18,19 +19,40 @@ from scheduler import events
 from scheduler.lifecycle import node_lost, relaunch
 from scheduler.models import Attempt, Job, JobEvent, Node
 from scheduler.services.attempts import launch_resent_message
-from scheduler.services.common import _event, _pass_after_commit, _send_kill_on_commit
+from scheduler.services.common import (
+    _event,
+    _pass_after_commit,
+    _send_kill_on_commit,
+    stored_kill_reason,
+)
 from scheduler.services.lifecycle import end_attempt, transition, unlaunched_attempts
-from scheduler.services.presence import set_node_status
+from scheduler.services.presence import hearing_since, set_node_status
 from scheduler.services.starts import rank_launch
 
 log = logging.getLogger(__name__)
 
 
 def mark_lost_nodes(now: datetime | None = None) -> list[int]:
-    """Mark UP nodes without a heartbeat for ``GPULAB_NODE_LOST_AFTER`` as LOST and
-    requeue (or fail) their jobs, exactly once per node (row lock + status check)."""
+    """Mark UP nodes the portal has not heard for ``GPULAB_NODE_LOST_AFTER`` s as
+    LOST and requeue (or fail) their jobs, exactly once per node (row lock +
+    status check).
+
+    Only time the portal could hear counts (``presence.hearing_since``): while no
+    web process pulses, nobody is judged; after such a gap every node's silence
+    is counted from the end of the gap, so a portal outage (web, PostgreSQL, or
+    all of it) longer than the timeout requeues nothing that kept running."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER)
+    since = hearing_since(now)
+    if since is not None and since > cutoff:
+        if Node.objects.filter(status=Node.Status.UP, last_seen_at__lt=cutoff).exists():
+            log.warning(
+                "nodes silent for %d s are not judged lost: the portal has heard "
+                "its agents only since %s",
+                settings.GPULAB_NODE_LOST_AFTER,
+                since,
+            )
+        return []
     lost = []
     candidates = Node.objects.filter(
         status=Node.Status.UP, last_seen_at__lt=cutoff
@@ -279,3 +301,87 @@ def _give_up(attempt: Attempt, job: Job, rank: int, node: Node, now: datetime) -
         at=now,
     )
     log.warning("job %d: %s", job.pk, verdict.message)
+
+
+def resend_kills(now: datetime | None = None) -> list[int]:
+    """Re-send lost kills: the portal's backstop for a ``job.kill`` that never
+    reached the agent (the web or worker process died between the commit that
+    asked for it and the send, the agent was reconnecting), which would leave a
+    job being stopped (cancelled, requeued, preempted, evicted, at its quota or
+    time limit, stale) running on its GPU.
+
+    A live attempt being stopped (``kill_reason``) whose kill went out
+    ``kill_grace_s + GPULAB_KILL_RESEND_AFTER`` s ago (its exit is overdue) gets
+    it again, under its row lock, on each of its nodes that is UP and connected
+    and whose rank has not exited; ``kill_sent_at`` and ``kill_resends`` record
+    it, a job event says so the first time, a log line every time. Unbounded:
+    the agent answers a kill of an attempt it has finished or never had with its
+    exit (``never_started``), and its shim signals the job's processes once
+    whatever the number of kills, so a repeat is harmless, while giving up would
+    leave the GPU held. An attempt with no such node waits: a node's hello
+    re-sends the kill of what its agent still runs. Returns the attempt ids."""
+    now = now or timezone.now()
+    delay = timedelta(seconds=settings.GPULAB_KILL_RESEND_AFTER)
+    candidates = list(
+        Attempt.objects.filter(ended_at__isnull=True)
+        .exclude(kill_reason="")
+        .filter(Q(kill_sent_at__isnull=True) | Q(kill_sent_at__lte=now - delay))
+        .values_list("pk", flat=True)
+    )
+    return [pk for pk in candidates if _resend_kill(pk, now, delay)]
+
+
+def _resend_kill(attempt_id: int, now: datetime, delay: timedelta) -> bool:
+    """Re-check the attempt under its lock (its exit may have come in, another
+    check may have re-sent), then re-send its kill. True if it did."""
+    with transaction.atomic():
+        attempt = (
+            Attempt.objects.select_for_update()
+            .filter(pk=attempt_id, ended_at__isnull=True)
+            .exclude(kill_reason="")
+            .select_related("job")
+            .first()
+        )
+        if attempt is None:
+            return False
+        job = attempt.job
+        sent = attempt.kill_sent_at
+        if sent is not None and now - sent < delay + timedelta(
+            seconds=job.kill_grace_s
+        ):
+            return False
+        waiting = [n for n in attempt.node_ids if str(n) not in attempt.rank_exits]
+        nodes = list(
+            Node.objects.filter(
+                pk__in=waiting, status=Node.Status.UP, connected=True
+            ).order_by("name")
+        )
+        if not nodes:
+            return False
+        reason = stored_kill_reason(attempt.kill_reason)
+        _send_kill_on_commit(
+            attempt, reason, job.kill_grace_s, nodes=[n.pk for n in nodes]
+        )
+        attempt.kill_sent_at = now
+        attempt.kill_resends += 1
+        attempt.save(update_fields=["kill_sent_at", "kill_resends"])
+        names = ", ".join(n.name for n in nodes)
+        if attempt.kill_resends == 1:
+            waited = "" if sent is None else f" {int((now - sent).total_seconds())} s"
+            _event(
+                job,
+                f"attempt {attempt.number}: no exit reported{waited} after its kill"
+                f" ({attempt.kill_reason}); kill re-sent to {names}",
+                source=JobEvent.Source.SYSTEM,
+                at=now,
+            )
+        log.warning(
+            "attempt %d of job %d: no exit after its kill (%s); kill re-sent to %s"
+            " (%d)",
+            attempt.pk,
+            job.pk,
+            attempt.kill_reason,
+            names,
+            attempt.kill_resends,
+        )
+    return True

@@ -1,12 +1,16 @@
 """Node presence: an agent's authentication, its hello (the node's facts and the
 reconciliation of its jobs), heartbeats and what they say the agent holds, its
-disconnection; and ``set_node_status``, the only writer of a node's state.
+disconnection; ``set_node_status``, the only writer of a node's state; and the
+web tier's pulse (``pulse_hearing``), the record of when the portal could hear
+its agents at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple, cast, get_args
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -14,8 +18,12 @@ from django.db.models import Q
 from django.utils import timezone
 
 from agents import protocol
-from scheduler.models import Attempt, Gpu, Node, hash_token
-from scheduler.services.common import _pass_after_commit, kill_frame
+from scheduler.models import Attempt, Gpu, Node, PortalHearing, hash_token
+from scheduler.services.common import (
+    _pass_after_commit,
+    kill_frame,
+    stored_kill_reason,
+)
 from scheduler.services.starts import rank_launch
 
 if TYPE_CHECKING:
@@ -72,8 +80,10 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
     2. Upsert its GPUs by index; GPUs missing from the hello are marked not present.
     3. Reconcile: a live attempt of this node that the agent does not run and that
        never started is launched again (``job.launch`` is idempotent by attempt id);
-       an attempt the agent runs that the portal has ended (or never made) is killed
-       as stale, so a job never runs twice.
+       an attempt the agent runs that is being stopped (``kill_reason``) gets its
+       kill again (it may have been sent while the agent was away); an attempt the
+       agent runs that the portal has ended (or never made) is killed as stale, so
+       a job never runs twice.
     """
     commands: list[dict[str, Any]] = []
     rejected: list[str] = []
@@ -135,8 +145,24 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
             .filter(Q(node=node) | Q(ranks__contains=[node.pk]))
             .select_related("job")
         )
+        stopping = []
         for attempt in live:
-            if attempt.pk in running or str(node.pk) in attempt.rank_exits:
+            if str(node.pk) in attempt.rank_exits:
+                continue
+            if attempt.pk in running:
+                if attempt.kill_reason:
+                    # Being stopped, yet running: its kill may have been lost
+                    # (sent while the agent was away); the agent signals a job
+                    # once, so a repeat is harmless.
+                    stopping.append(attempt.pk)
+                    commands.append(
+                        kill_frame(
+                            attempt.pk,
+                            attempt.job_id,
+                            stored_kill_reason(attempt.kill_reason),
+                            attempt.job.kill_grace_s,
+                        )
+                    )
                 continue
             spans = len(attempt.node_ids) > 1
             if (attempt.started_at is None or spans) and (
@@ -150,7 +176,7 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
                         kill_frame(
                             attempt.pk,
                             attempt.job_id,
-                            _kill_reason(attempt.kill_reason),
+                            stored_kill_reason(attempt.kill_reason),
                             attempt.job.kill_grace_s,
                         )
                     )
@@ -167,6 +193,9 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
                         attempt.job.kill_grace_s,
                     )
                 )
+        if stopping:
+            Attempt.objects.filter(pk__in=stopping).update(kill_sent_at=now)
+            log.info("node %s hello: kill re-sent for attempts %s", node.name, stopping)
         record_report(node.pk, running, now)
         live_ids = {a.pk for a in live}
         for job in hello.running:
@@ -180,13 +209,6 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
     for problem in rejected:
         log.error("node %s hello: %s", node.name, problem)
     return HelloResult(commands, rejected)
-
-
-def _kill_reason(value: str) -> protocol.KillReason:
-    """An attempt's stored ``kill_reason`` as the protocol's (``stale`` if unknown)."""
-    if value in get_args(protocol.KillReason):
-        return cast("protocol.KillReason", value)
-    return "stale"
 
 
 def record_heartbeat(node_id: int, held: Iterable[int] | None = None) -> str | None:
@@ -232,3 +254,84 @@ def record_report(node_id: int, held: Iterable[int], now: datetime) -> None:
 
 def record_disconnect(node_id: int) -> None:
     Node.objects.filter(pk=node_id).update(connected=False)
+
+
+# ------------------------------------------------------------------ hearing
+
+
+def hearing_gap() -> timedelta:
+    """Pulses further apart than this mean the portal could not hear its agents
+    in between (no web process serving, PostgreSQL unreachable): half of
+    ``GPULAB_NODE_LOST_AFTER``, so an outage short enough to go unnoticed can
+    never alone make a node look lost."""
+    return timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER / 2)
+
+
+def hearing_pulse_every() -> float:
+    """Seconds between a web process's pulses: three per gap, at most 5 s."""
+    return min(5.0, hearing_gap().total_seconds() / 3)
+
+
+_PULSE_SQL = """
+INSERT INTO scheduler_portalhearing AS h (id, heard_at, hearing_since)
+VALUES (1, %(now)s, %(now)s)
+ON CONFLICT (id) DO UPDATE SET
+    hearing_since = CASE WHEN h.heard_at < %(now)s - make_interval(secs => %(gap)s)
+                         THEN EXCLUDED.hearing_since ELSE h.hearing_since END,
+    heard_at = GREATEST(h.heard_at, EXCLUDED.heard_at)
+RETURNING hearing_since = %(now)s
+"""
+
+
+def pulse_hearing(now: datetime | None = None) -> bool:
+    """A web process serving agents says the portal hears them (``PortalHearing``):
+    ``heard_at`` is now; after a gap longer than ``hearing_gap`` (or at the first
+    pulse ever) a new run of hearing starts now (``hearing_since``), so the
+    silence of nodes during the gap is not counted against them. One statement:
+    several web processes pulse the one row. True if a new run started."""
+    now = now or timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(_PULSE_SQL, {"now": now, "gap": hearing_gap().total_seconds()})
+        row = cursor.fetchone()
+    started = bool(row and row[0])
+    if started:
+        log.info("the portal hears its agents again (pulse after a gap)")
+    return started
+
+
+def hearing_since(now: datetime) -> datetime | None:
+    """Since when the portal has heard its agents without a gap, as of ``now``:
+    the start of the current run of pulses; ``now`` itself (nothing heard yet)
+    while the last pulse is older than ``hearing_gap``; None if no web process
+    ever pulsed (a server without the ASGI lifespan): then heartbeats alone
+    decide."""
+    hearing = PortalHearing.objects.filter(pk=1).first()
+    if hearing is None:
+        return None
+    if now - hearing.heard_at > hearing_gap():
+        return now
+    return hearing.hearing_since
+
+
+async def hear_agents() -> None:
+    """A web process's pulse loop (started by the ASGI lifespan, ``portal.asgi``):
+    ``pulse_hearing`` every ``hearing_pulse_every`` s until cancelled. A pulse
+    that fails (PostgreSQL down) is logged once per failing run and retried: the
+    gap it leaves is the point."""
+    from channels.db import DatabaseSyncToAsync
+
+    # A thread of its own (not the one the consumers' database calls share):
+    # with PostgreSQL down a pulse waits for a pooled connection, and must not
+    # hold up the agents' frames meanwhile.
+    pulse = DatabaseSyncToAsync(pulse_hearing, thread_sensitive=False)
+    failing = False
+    while True:
+        try:
+            await pulse()
+        except Exception as exc:  # any failure is a missed pulse
+            if not failing:
+                log.error("hearing pulse failed (retrying): %r", exc)
+            failing = True
+        else:
+            failing = False
+        await asyncio.sleep(hearing_pulse_every())
