@@ -231,11 +231,6 @@ class NodeFeed:
 
     async def log_chunk(self, data: protocol.JobLogData, text: str) -> None:
         """A stored chunk of a job's output, to its page if someone watches it."""
-        group = events.job_group(data.job_id)
-        if group not in await Hub.current().watched():
-            return
-        layer = get_channel_layer()
-        assert layer is not None
         event: events.JobLogEvent = {
             "type": "job.log",
             "job": data.job_id,
@@ -244,16 +239,11 @@ class NodeFeed:
             "offset": data.offset,
             "data": text,
         }
-        await layer.group_send(group, dict(event))
+        await _to_job_page(data.job_id, dict(event))
 
     async def progress(self, data: protocol.JobProgressData) -> None:
         """A stored progress report: its job's page, if someone watches it,
         fetches the progress line again."""
-        group = events.job_group(data.job_id)
-        if group not in await Hub.current().watched():
-            return
-        layer = get_channel_layer()
-        assert layer is not None
         event: events.JobProgressEvent = {
             "type": "job.progress",
             "job": data.job_id,
@@ -261,7 +251,18 @@ class NodeFeed:
             "total": data.total,
             "at": data.at,
         }
-        await layer.group_send(group, dict(event))
+        await _to_job_page(data.job_id, dict(event))
+
+
+async def _to_job_page(job_id: int, event: dict[str, object]) -> None:
+    """Send ``event`` to the job's group, only when someone watches it (a
+    ``group_send`` costs two Redis round trips even to an empty group)."""
+    group = events.job_group(job_id)
+    if group not in await Hub.current().watched():
+        return
+    layer = get_channel_layer()
+    assert layer is not None
+    await layer.group_send(group, event)
 
 
 def readings_json(metrics: protocol.MetricsData) -> str:
