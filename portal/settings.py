@@ -8,6 +8,7 @@ Everything environment-specific comes from environment variables (documented in
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +369,16 @@ _TASK_LOG_LEVEL = envchoice(
 )
 
 
+def _no_due_task_lines(record: Any) -> bool:
+    """celery.beat says "Sending due task" at INFO for every periodic task (a pass
+    every few seconds): kept only when GPULAB_TASK_LOG_LEVEL asks for task runs;
+    its other lines ("beat: Starting...", failures) stay."""
+    return not (
+        record.levelno < logging.getLevelName(_TASK_LOG_LEVEL)
+        and str(record.msg).startswith("Scheduler: Sending due task")
+    )
+
+
 def _client_errors_in_one_line(record: Any) -> bool:
     """django.request logs a 4xx with the exception that caused it (a 403's
     PermissionDenied): the request was the client's fault, so one line says it;
@@ -388,6 +399,7 @@ LOGGING = {
     "filters": {
         "redact": {"()": "portal.redact.RedactSecrets"},
         "client_errors": {"()": lambda: _client_errors_in_one_line},
+        "due_tasks": {"()": lambda: _no_due_task_lines},
     },
     "handlers": {
         "console": {
@@ -407,8 +419,9 @@ LOGGING = {
         # Each periodic task (the pass every few seconds, node checks) would log
         # "Sending due task", "received" and "succeeded" at INFO: by default only
         # their warnings and failures, the events a person needs
-        # (GPULAB_TASK_LOG_LEVEL=INFO shows every task run).
-        "celery.beat": {"level": _TASK_LOG_LEVEL},
+        # (GPULAB_TASK_LOG_LEVEL=INFO shows every task run). Beat's start and
+        # its errors stay.
+        "celery.beat": {"filters": ["due_tasks"]},
         "celery.worker.strategy": {"level": _TASK_LOG_LEVEL},
         "celery.app.trace": {"level": _TASK_LOG_LEVEL},
         # uvicorn's own handlers are not ours: filter at its logger, where the
