@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import pytest
 from django.db import connection
@@ -18,13 +17,14 @@ from django.utils import timezone
 from scheduler import services
 from scheduler.models import AgentSighting, Attempt, Job, JobEvent, UsageRecord
 from tests.conftest import make_node
-from tests.factories import JobFactory, exited_data, parse_command, start_job
+from tests.factories import JobFactory, exited_data, start_job
 from tests.factories import started_data as started
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
     from scheduler.models import Node
+    from tests.capture import AgentFrames
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,16 +34,6 @@ GRACE = timedelta(seconds=60)
 @pytest.fixture(autouse=True)
 def _grace(settings: Any) -> None:
     settings.GPULAB_RECONCILE_GRACE = int(GRACE.total_seconds())
-
-
-@pytest.fixture
-def send() -> Any:
-    with (
-        mock.patch("scheduler.events.send_to_agent", autospec=True) as send,
-        mock.patch("scheduler.events.broadcast_job_status", autospec=True),
-        mock.patch("scheduler.tasks.schedule_pass.delay", autospec=True),
-    ):
-        yield send
 
 
 @pytest.fixture
@@ -65,22 +55,20 @@ def reconciler_events(job_id: int) -> list[str]:
     )
 
 
-def kills(send: Any) -> list[tuple[int, int, str]]:
-    """(node, attempt, reason) of every job.kill sent."""
-    out = []
-    for call in send.call_args_list:
-        node_id, frame = call.args
-        msg = parse_command(frame)
-        if msg.type == "job.kill":
-            out.append((node_id, msg.data.attempt_id, msg.data.reason))
-    return out
+def kills(sent: AgentFrames) -> list[tuple[int, int, str]]:
+    """(node, attempt, reason) of every job.kill sent, read back from the real
+    channel layer."""
+    return [
+        (node_id, frame["data"]["attempt_id"], frame["data"]["reason"])
+        for node_id, frame in sent.of_type("job.kill")
+    ]
 
 
 # ------------------------------------------------------------------ stale
 
 
 def test_an_attempt_held_after_it_ended_is_killed_once_with_an_event(
-    alice: User, nodes: dict[str, Node], send: Any
+    alice: User, nodes: dict[str, Node], sent: AgentFrames
 ) -> None:
     a = nodes["a"]
     t0 = timezone.now()
@@ -97,7 +85,7 @@ def test_an_attempt_held_after_it_ended_is_killed_once_with_an_event(
     assert first["stale"] == []  # noticed only: it may be an exit on its way
     assert second["stale"] == [attempt.pk]
     assert third["stale"] == []  # told already, within a grace
-    assert kills(send) == [(a.pk, attempt.pk, "stale")]
+    assert kills(sent) == [(a.pk, attempt.pk, "stale")]
     assert reconciler_events(attempt.job_id) == [
         "reconciler: node node-a still runs attempt 1, which ended (exited);"
         " told to stop it (stale)"
@@ -108,12 +96,12 @@ def test_an_attempt_held_after_it_ended_is_killed_once_with_an_event(
     later = t0 + 2 * GRACE + timedelta(seconds=1)
     services.record_report(a.pk, [attempt.pk], later)
     assert services.reconcile(later)["stale"] == [attempt.pk]
-    assert len(kills(send)) == 2
+    assert len(kills(sent)) == 2
     assert len(reconciler_events(attempt.job_id)) == 1
 
 
 def test_an_exit_on_its_way_is_not_mistaken_for_a_stale_attempt(
-    alice: User, nodes: dict[str, Node], send: Any
+    alice: User, nodes: dict[str, Node], sent: AgentFrames
 ) -> None:
     a = nodes["a"]
     t0 = timezone.now()
@@ -126,12 +114,12 @@ def test_an_exit_on_its_way_is_not_mistaken_for_a_stale_attempt(
     result = services.reconcile(t0 + GRACE)
 
     assert result == {"stale": [], "lost": []}
-    assert kills(send) == []
+    assert kills(sent) == []
     assert reconciler_events(attempt.job_id) == []
 
 
 def test_another_nodes_attempt_is_stopped_on_the_node_that_holds_it(
-    alice: User, nodes: dict[str, Node], send: Any
+    alice: User, nodes: dict[str, Node], sent: AgentFrames
 ) -> None:
     a, b = nodes["a"], nodes["b"]
     t0 = timezone.now()
@@ -142,7 +130,7 @@ def test_another_nodes_attempt_is_stopped_on_the_node_that_holds_it(
         services.record_report(b.pk, [attempt.pk], at)
         services.reconcile(at)
 
-    assert kills(send) == [(b.pk, attempt.pk, "stale")]
+    assert kills(sent) == [(b.pk, attempt.pk, "stale")]
     assert reconciler_events(attempt.job_id) == [
         "reconciler: node node-b still runs attempt 1, which is not allocated to it;"
         " told to stop it (stale)"
@@ -159,7 +147,11 @@ def test_another_nodes_attempt_is_stopped_on_the_node_that_holds_it(
     [("requeue", Job.Status.PENDING), ("fail", Job.Status.FAILED)],
 )
 def test_a_started_attempt_its_agent_no_longer_holds_is_ended_as_lost_once(
-    alice: User, nodes: dict[str, Node], send: Any, on_node_loss: str, status: str
+    alice: User,
+    nodes: dict[str, Node],
+    sent: AgentFrames,
+    on_node_loss: str,
+    status: str,
 ) -> None:
     a = nodes["a"]
     t0 = timezone.now().replace(microsecond=0)
@@ -190,7 +182,7 @@ def test_a_started_attempt_its_agent_no_longer_holds_is_ended_as_lost_once(
 
 
 def test_lost_waits_a_grace_after_the_attempt_was_last_listed(
-    alice: User, nodes: dict[str, Node], send: Any
+    alice: User, nodes: dict[str, Node], sent: AgentFrames
 ) -> None:
     a = nodes["a"]
     t0 = timezone.now()
@@ -206,7 +198,7 @@ def test_lost_waits_a_grace_after_the_attempt_was_last_listed(
 
 @pytest.mark.parametrize("why", ["disconnected", "silent", "never started"])
 def test_lost_needs_a_started_attempt_and_a_node_that_reports(
-    alice: User, nodes: dict[str, Node], send: Any, why: str
+    alice: User, nodes: dict[str, Node], sent: AgentFrames, why: str
 ) -> None:
     a = nodes["a"]
     t0 = timezone.now()
@@ -270,7 +262,7 @@ def _race(target: Any, n: int = 4) -> list[BaseException]:
 
 
 def test_reconcilers_running_at_once_repair_each_drift_once(
-    alice: User, nodes: dict[str, Node], send: Any
+    alice: User, nodes: dict[str, Node], sent: AgentFrames
 ) -> None:
     a = nodes["a"]
     t0 = timezone.now()
@@ -285,7 +277,7 @@ def test_reconcilers_running_at_once_repair_each_drift_once(
     errors = _race(lambda: services.reconcile(now))
 
     assert errors == []
-    assert kills(send) == [(a.pk, ended.pk, "stale")]
+    assert kills(sent) == [(a.pk, ended.pk, "stale")]
     assert len(reconciler_events(ended.job_id)) == 1
     assert len(reconciler_events(vanished.job_id)) == 1
     assert Attempt.objects.filter(job_id=vanished.job_id).count() == 1
