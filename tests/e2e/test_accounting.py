@@ -62,9 +62,17 @@ def test_a_job_that_ends_while_its_node_is_lost_is_charged_to_its_real_exit(
     from datetime import timedelta
 
     from django.conf import settings
+    from django.db.models import F
 
     from scheduler import services
-    from scheduler.models import Attempt, Job, JobEvent, Node, UsageRecord
+    from scheduler.models import (
+        Attempt,
+        Job,
+        JobEvent,
+        Node,
+        PortalHearing,
+        UsageRecord,
+    )
     from tests.e2e.conftest import submit, wait_until
     from tests.e2e.test_job_lifecycle import statuses
 
@@ -84,11 +92,15 @@ def test_a_job_that_ends_while_its_node_is_lost_is_charged_to_its_real_exit(
     agent.popen.send_signal(signal.SIGKILL)
     agent.popen.wait(10)
     stack.procs["web"].wait_for(r"agent of node e2e-lost disconnected")
-    # Beat's check, once the node has been silent for GPULAB_NODE_LOST_AFTER.
+    # Beat's check, once the node has been silent for GPULAB_NODE_LOST_AFTER
+    # while the portal heard (its web process pulsing all along): both moved
+    # back in time, as if that long had passed.
     silent = Node.objects.get(pk=node.pk).last_seen_at
     assert silent is not None
-    Node.objects.filter(pk=node.pk).update(
-        last_seen_at=silent - timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER + 1)
+    back = timedelta(seconds=settings.GPULAB_NODE_LOST_AFTER + 1)
+    Node.objects.filter(pk=node.pk).update(last_seen_at=silent - back)
+    assert PortalHearing.objects.filter(pk=1).update(
+        hearing_since=F("hearing_since") - 2 * back
     )
     assert services.mark_lost_nodes() == [node.pk]
     assert wait_for_job(job_id, {"failed"}) == "failed"

@@ -54,10 +54,11 @@ def test_a_portal_outage_longer_than_the_timeout_requeues_nothing(
     attempt = Attempt.objects.get(job_id=job)
     group = job_pgid(stack, "node-a", attempt.pk)
 
-    # The whole portal stops; the agent keeps its job running and keeps trying.
+    # The whole portal stops; the agent keeps its job running and keeps trying
+    # (its one line for the lost link may come before stop() returns).
+    seen = len(agent.lines)
     for name in ("beat", "worker", "web"):
         stack.procs[name].stop()
-    seen = len(agent.lines)
     agent.wait_for(r"link to .* down|server closed the connection", start=seen)
     # The outage itself: twice the timeout (a duration, no event to wait for).
     time.sleep(2 * LOST_AFTER)
