@@ -2,7 +2,8 @@
 # in portal/stack/ (embedded PostgreSQL/Redis, the `make up` supervisor).
 #
 #   make up          portal, worker, beat, simulated agents on http://127.0.0.1:8000 (PORT=)
-#   make test        the whole pytest suite (PYTEST_ARGS="-k foo -x" to narrow it);
+#   make test        the whole pytest suite, a worker per core (PYTEST_ARGS="-k foo -x"
+#                    to narrow it, TEST_WORKERS=0 for one process);
 #                    installs Debian's Chromium for the browser tests when root
 #   make bench       every bench/*.py, results under bench/results/
 #   make lint        ruff check + ruff format --check + the layer contracts
@@ -22,12 +23,14 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: one per core; TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= auto
 export PORT
 
 .PHONY: help up test bench lint typecheck migrate clean venv chromium
 
 help:
-	@sed -n '3,14p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,15p' Makefile | sed 's/^# \{0,1\}//'
 
 $(VPY):
 	@if [ -z "$(PYTHON)" ]; then \
@@ -51,7 +54,7 @@ up: $(STAMP)
 	$(VPY) -m portal.stack.up
 
 test: $(STAMP) chromium
-	$(VPY) -m portal.stack.run -- $(VPY) -m pytest $(PYTEST_ARGS)
+	$(VPY) -m portal.stack.run -- $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The browser tests drive Debian's Chromium through Playwright (which never
 # downloads a browser here). Installed with apt when we are root (as .ci/run

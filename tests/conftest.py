@@ -69,6 +69,26 @@ def django_db_modify_db_settings() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _samples_flushed(
+    request: pytest.FixtureRequest, django_db_blocker: Any
+) -> Iterator[None]:
+    """After a test that commits (``transaction=True``, the e2e stack), empty the
+    GPU samples: Django's flush after it empties the tables of managed models
+    only, and ``scheduler_gpusample`` (day partitions, ``managed = False``) would
+    carry its samples into whichever test runs next."""
+    yield
+    marker = request.node.get_closest_marker("django_db")
+    commits = "transactional_db" in request.fixturenames or (
+        marker is not None and marker.kwargs.get("transaction", False)
+    )
+    if commits:
+        from django.db import connection
+
+        with django_db_blocker.unblock(), connection.cursor() as cursor:
+            cursor.execute("TRUNCATE scheduler_gpusample")
+
+
+@pytest.fixture(autouse=True)
 def _fast_passwords(request: pytest.FixtureRequest) -> None:
     """Personas' passwords are hashed at creation: a fast hasher saves ~1 s each.
     Not in e2e tests: the real server processes they log in to use the default

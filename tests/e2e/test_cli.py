@@ -76,6 +76,9 @@ def shell(stack: Stack, alice: User, tmp_path: Path) -> Shell:
         if not k.startswith(("DJANGO", "DATABASE", "REDIS", "GPULAB"))
     }
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    # A terminal as wide as a laptop's: without one (no tty) rich wraps at 80,
+    # whatever the process running the tests had.
+    env["COLUMNS"] = "160"
     work = tmp_path / "work"
     work.mkdir()
     sh = Shell(env, work)
