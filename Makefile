@@ -24,6 +24,8 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: one per core; TEST_WORKERS=0 runs in-process.
+# Tests go to workers one by one (--dist load): schemathesis gives its operations
+# one node id, which the by-file modes would run only once.
 TEST_WORKERS ?= auto
 export PORT
 
@@ -54,7 +56,7 @@ up: $(STAMP)
 	$(VPY) -m portal.stack.up
 
 test: $(STAMP) chromium
-	$(VPY) -m portal.stack.run -- $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VPY) -m portal.stack.run -- $(VPY) -m pytest -n $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 # The browser tests drive Debian's Chromium through Playwright (which never
 # downloads a browser here). Installed with apt when we are root (as .ci/run
