@@ -1,7 +1,7 @@
 """Cost of one full scheduling pass against PostgreSQL, at several sizes.
 
 For each size (pending jobs on GPUs): a fresh database, nodes of 8 GPUs, all GPUs
-but 100 held by running jobs, then ``scheduler.tasks.run_one_pass()`` (load the state
+but 100 held by running jobs, then ``scheduler.pass_runner.run_one_pass()`` (load the state
 in a fixed number of queries, one ``decide``, one transaction to apply, which starts
 up to 100 jobs) timed over a few repetitions, the started jobs being put back to
 pending between repetitions. A first, separately reported pass stores every job's
@@ -178,7 +178,7 @@ def measure(pending: int, gpus: int, repeats: int) -> dict[str, Any]:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from scheduler import services, tasks
+    from scheduler import pass_runner, services
 
     populate(pending, gpus)
     passes: list[dict[str, Any]] = []
@@ -189,12 +189,12 @@ def measure(pending: int, gpus: int, repeats: int) -> dict[str, Any]:
     ):
         # The first pass stores every job's reason (all new); later ones only
         # what changed. Timed apart: the steady state is what the goal is about.
-        first = tasks.run_one_pass()
+        first = pass_runner.run_one_pass()
         reset_started(set())
         for _ in range(repeats):
             with CaptureQueriesContext(connection) as ctx:
                 cpu = time.process_time()
-                result = tasks.run_one_pass()
+                result = pass_runner.run_one_pass()
                 result["cpu_ms"] = (time.process_time() - cpu) * 1000
             result["queries"] = len(ctx.captured_queries)
             result["slowest"] = sorted(

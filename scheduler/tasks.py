@@ -9,18 +9,7 @@ from typing import Any
 from celery import shared_task
 
 from scheduler import metrics, services
-from scheduler.pass_runner import run_one_pass, schedule_pass_body
-
-# ``run_one_pass`` and ``schedule_pass_body`` are the runner's entry points that
-# tests and bench/pass_scaling.py drive without Celery; named here too.
-__all__ = [
-    "check_nodes",
-    "maintain_metrics",
-    "reconcile",
-    "run_one_pass",
-    "schedule_pass",
-    "schedule_pass_body",
-]
+from scheduler.pass_runner import schedule_pass_body
 
 log = logging.getLogger(__name__)
 

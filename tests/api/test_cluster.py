@@ -11,7 +11,7 @@ from django.contrib.auth.models import Permission
 
 from scheduler import services
 from scheduler.models import Attempt, Job, Membership, Node
-from scheduler.tasks import run_one_pass
+from scheduler.pass_runner import run_one_pass
 from tests.factories import JobFactory, exited_data, start_job, started_data
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler import services
 from scheduler.models import Attempt, Job, JobLogChunk
-from scheduler.tasks import run_one_pass
+from scheduler.pass_runner import run_one_pass
 from tests.api.conftest import api_for
 from tests.factories import JobFactory, exited_data, started_data
 

@@ -22,7 +22,7 @@ from portal.cli.errors import Exit
 from portal.cli.main import cli
 from scheduler import services
 from scheduler.models import Attempt, Gpu, Job, JobArray, JobDependency, JobLogChunk
-from scheduler.tasks import run_one_pass
+from scheduler.pass_runner import run_one_pass
 from tests.e2e.conftest import free_port
 from tests.factories import JobFactory, exited_data, start_job, started_data
 

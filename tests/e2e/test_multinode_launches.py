@@ -128,7 +128,7 @@ def test_a_lost_launch_of_one_rank_is_sent_again(
     from django.db import connection
     from django.utils import timezone
 
-    from scheduler import events, pass_runner, services, tasks
+    from scheduler import events, pass_runner, services
     from scheduler.models import Attempt, Job, JobEvent
     from tests.factories import JobFactory
 
@@ -153,7 +153,7 @@ def test_a_lost_launch_of_one_rank_is_sent_again(
     try:
         job = JobFactory(owner=alice, gpus=4, command=COMMAND, workdir="/tmp")
         with mock.patch("scheduler.events.send_to_agent", lossy):
-            result = tasks.schedule_pass_body()
+            result = pass_runner.schedule_pass_body()
     finally:
         with connection.cursor() as cursor:
             cursor.execute(

@@ -247,7 +247,7 @@ def test_a_hanging_webhook_does_not_hold_up_scheduling(
         assert receiver.arrived.wait(10)  # the send is in progress and hangs
         node, _ = make_node("n-hang", 1)
         job = JobFactory(owner=alice)
-        from scheduler.tasks import schedule_pass_body
+        from scheduler.pass_runner import schedule_pass_body
 
         schedule_pass_body()
         job.refresh_from_db()

@@ -520,8 +520,8 @@ def test_no_attempt_is_made_for_a_held_job_by_the_admin_actions(
     client = staff_with(admin_user, "view_job", "hold_job")
     act(client, JOBS, "hold_jobs", job.pk)
 
-    from scheduler import tasks
+    from scheduler import pass_runner
 
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
 
     assert not Attempt.objects.filter(job=job).exists()

@@ -14,8 +14,8 @@ from django.test.utils import CaptureQueriesContext
 from agents import protocol
 from scheduler import services
 from scheduler.models import Attempt, Job, JobArray, JobDependency, JobEvent
+from scheduler.pass_runner import run_one_pass
 from scheduler.services import JobRequest
-from scheduler.tasks import run_one_pass
 from tests.factories import JobFactory, exited_data, parse_command, started_data
 
 if TYPE_CHECKING:

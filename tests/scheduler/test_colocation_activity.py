@@ -13,7 +13,7 @@ import pytest
 from django.utils import timezone
 
 from agents import protocol
-from scheduler import metrics, policy, services, tasks
+from scheduler import metrics, pass_runner, policy, services
 from scheduler.models import Attempt, InterferencePair, Job
 from scheduler.policy.interference import WEAK_WEIGHT, Model, Profile
 from scheduler.services import interference
@@ -115,7 +115,7 @@ def test_a_job_that_peaked_over_its_declaration_keeps_newcomers_off_its_gpu(
     Attempt.objects.filter(pk=attempt.pk).update(peak_memory_mib=peak)
     later = JobFactory(owner=bob, shareable=True, gpu_memory_mib=4 * GIB)
 
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
 
     later.refresh_from_db()
     if outcome == "shares":

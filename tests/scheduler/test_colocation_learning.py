@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from django.utils import timezone
 
-from scheduler import services, tasks
+from scheduler import pass_runner, services
 from scheduler.models import Attempt, InterferencePair, Job, ProgressSample
 from scheduler.services import interference
 from tests.conftest import make_node
@@ -159,7 +159,7 @@ def test_a_pair_measured_over_its_cap_is_evicted_and_never_admitted_again(
     assert running[a.job_id].measured_for_s == pytest.approx(600.0)
 
     with django_capture_on_commit_callbacks(execute=True):
-        tasks.run_one_pass()
+        pass_runner.run_one_pass()
 
     kills = [frame["data"] for _, frame in sent.of_type("job.kill")]
     assert [(k["job_id"], k["reason"]) for k in kills] == [(b.job_id, "evicted")]
@@ -167,7 +167,7 @@ def test_a_pair_measured_over_its_cap_is_evicted_and_never_admitted_again(
     assert Job.objects.get(pk=b.job_id).status == Job.Status.PENDING
 
     # the evicted job (and any other lm job) is not put beside rn18 again
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
     waiting = Job.objects.get(pk=b.job_id)
     assert waiting.status == Job.Status.PENDING
     assert "not admitted again until an admin resets it" in waiting.pending_message

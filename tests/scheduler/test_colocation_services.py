@@ -11,7 +11,7 @@ from django.contrib.admin.models import LogEntry
 from django.utils import timezone
 
 from agents import protocol
-from scheduler import policy, services, tasks
+from scheduler import pass_runner, policy, services
 from scheduler.models import Allocation, Attempt, InterferencePair, Job
 from tests.conftest import make_node
 from tests.factories import (
@@ -125,7 +125,7 @@ def test_a_pass_puts_two_shareable_jobs_on_one_gpu_and_records_why(
     b = JobFactory(owner=bob, shareable=True, gpu_memory_mib=4 * GIB,
                    workload="LM (batch size 20)")  # fmt: skip
 
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
 
     first, second = (Attempt.objects.get(job=j) for j in (a, b))
     gpus = {x.allocations.get().gpu_id for x in (first, second)}
@@ -144,7 +144,7 @@ def test_a_job_without_declared_memory_is_not_put_beside_another(
     a = JobFactory(owner=alice, shareable=True, gpu_memory_mib=4 * GIB)
     b = JobFactory(owner=bob, shareable=True, gpu_memory_mib=None)
 
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
 
     a.refresh_from_db()
     b.refresh_from_db()

@@ -10,7 +10,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.core.exceptions import PermissionDenied
 
-from scheduler import pass_requests, policy, services, tasks
+from scheduler import pass_requests, pass_runner, policy, services
 from scheduler.models import Attempt, Job, JobEvent, Node
 from tests.factories import JobFactory, exited_data, start_job, started_data
 
@@ -211,7 +211,7 @@ def test_the_pass_never_starts_a_held_job(
     other = JobFactory(owner=alice)
 
     state = services.snapshot().cluster
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
 
     assert [j.id for j in state.pending] == [other.pk]
     held.refresh_from_db()
@@ -428,7 +428,7 @@ def test_a_node_drained_or_in_maintenance_takes_no_new_jobs(
     job = JobFactory(owner=alice)
 
     views = {n.id: n.schedulable for n in services.snapshot().cluster.nodes}
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
 
     job.refresh_from_db()
     assert views == {node_a.pk: False, node_b.pk: False}

@@ -29,6 +29,7 @@ from scheduler.lifecycle import (
 from scheduler.models import Job, JobEvent
 from scheduler.services.common import request_pass
 from scheduler.services.lifecycle import start_many
+from tests.e2e.conftest import wait_until
 from tests.factories import JobFactory, exited_data, start_job, started_data
 
 if TYPE_CHECKING:
@@ -575,10 +576,10 @@ def test_a_cancelled_script_that_checkpoints_on_sigterm_and_exits_0_ends_cancell
             grace_s=10,
         )
     )
-    _wait_for(lambda: (tmp_path / "ready").exists())
+    wait_until(lambda: (tmp_path / "ready").exists(), timeout=15, what="ready")
 
     launcher.kill(run, 10, "cancelled")
-    outcome = _wait_for(lambda: launcher.poll(run))
+    outcome = wait_until(lambda: launcher.poll(run), timeout=15, what="the exit")
 
     assert (outcome.exit_code, outcome.reason) == (0, "killed")
     assert (tmp_path / "checkpoint").read_text() == "saved\n"
@@ -595,17 +596,3 @@ def test_a_cancelled_script_that_checkpoints_on_sigterm_and_exits_0_ends_cancell
     )
     job.refresh_from_db()
     assert (job.status, job.exit_code) == (S.CANCELLED, 0)
-
-
-def _wait_for(probe: Any, timeout: float = 15.0) -> Any:
-    """The first true value of ``probe()``: the process's own progress (a file it
-    writes, its exit code the launcher reads), polled until it comes."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{probe} not true within {timeout} s")

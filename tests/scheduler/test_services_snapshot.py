@@ -12,7 +12,7 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from scheduler import policy, services, tasks
+from scheduler import pass_runner, policy, services
 from scheduler.models import Gpu, Job
 from tests.conftest import make_node
 from tests.factories import JobFactory, shared_start, start_job, started_data
@@ -114,10 +114,10 @@ def test_a_pass_stores_only_the_reasons_that_changed(
     waiting = [JobFactory(owner=alice, gpus=6) for _ in range(3)]  # never fit now
     start_job(JobFactory(owner=alice), cluster[0])
 
-    first = tasks.run_one_pass()
-    again = tasks.run_one_pass()
+    first = pass_runner.run_one_pass()
+    again = pass_runner.run_one_pass()
     Job.objects.filter(pk=waiting[1].pk).update(pending_message="stale")
-    third = tasks.run_one_pass()
+    third = pass_runner.run_one_pass()
 
     assert (first["reasons_updated"], again["reasons_updated"]) == (3, 0)
     assert third["reasons_updated"] == 1

@@ -12,7 +12,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from scheduler import policy, services, tasks
+from scheduler import pass_runner, policy, services
 from scheduler.models import Allocation, Attempt, Job, JobEvent
 from tests.conftest import make_node
 from tests.factories import JobFactory, free_gpus
@@ -52,7 +52,7 @@ def one_gpu_starts(jobs: list[Job], node: Node) -> list[policy.Start]:
 
 def queries_of_a_pass() -> tuple[int, dict[str, Any]]:
     with CaptureQueriesContext(connection) as ctx:
-        result = tasks.run_one_pass()
+        result = pass_runner.run_one_pass()
     return len(ctx.captured_queries), result
 
 
@@ -61,7 +61,7 @@ def busy_cluster(alice: User, sent: AgentFrames) -> None:
     """A node whose one GPU runs a job (so every pass measured has running jobs)."""
     make_node("node-0", 1)
     JobFactory(owner=alice)
-    assert tasks.run_one_pass()["started"] == 1
+    assert pass_runner.run_one_pass()["started"] == 1
 
 
 # ------------------------------------------------------------------ query counts

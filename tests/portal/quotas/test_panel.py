@@ -12,7 +12,7 @@ from django.test import Client
 from django.utils import timezone
 
 from portal.quotas import alerts
-from scheduler import tasks
+from scheduler import pass_runner
 from tests.factories import JobFactory
 from tests.portal.quotas.helpers import quota, run
 
@@ -58,7 +58,7 @@ def test_a_held_job_page_says_quota_exhausted(
     quota(group=groups["vision"], gpu_hours=0)
     job = JobFactory(owner=alice)
     with mock.patch.object(alerts, "on_alert", autospec=True):
-        tasks.run_one_pass()
+        pass_runner.run_one_pass()
     html = page(alice, f"/jobs/{job.pk}/")
     assert "quota exhausted: group vision used 0.0 of its 0.0 GPU-hours this month" in (
         html

@@ -15,7 +15,7 @@ from django.utils import timezone
 from agents import protocol
 from portal.quotas import alerts
 from portal.quotas.models import QuotaAlert
-from scheduler import policy, services, tasks
+from scheduler import pass_runner, policy, services
 from scheduler.models import Job, JobEvent
 from tests.factories import JobFactory, exited_data
 from tests.portal.quotas.helpers import quota, run
@@ -59,7 +59,7 @@ def test_a_job_over_its_hard_quota_waits_with_the_reason_and_others_start(
     held = JobFactory(owner=alice)
     other = JobFactory(owner=charlie)
     with mock.patch.object(alerts, "on_alert", autospec=True):
-        result = tasks.run_one_pass()
+        result = pass_runner.run_one_pass()
     assert result["started"] == 1
     held.refresh_from_db()
     other.refresh_from_db()
@@ -81,7 +81,7 @@ def test_the_cap_holds_a_job_while_the_group_holds_its_gpus(
     quota(group=groups["vision"], max_gpus=2)
     run(alice, cluster[0], timezone.now() - H, gpus=2)
     job = JobFactory(owner=bob)
-    tasks.run_one_pass()
+    pass_runner.run_one_pass()
     job.refresh_from_db()
     assert job.status == Job.Status.PENDING
     assert job.pending_reason == "quota"
@@ -109,7 +109,7 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
         mock.patch.object(alerts, "on_alert", autospec=True),
         django_capture_on_commit_callbacks(execute=True),
     ):
-        result = tasks.run_one_pass()
+        result = pass_runner.run_one_pass()
     job = Job.objects.get(pk=attempt.job_id)
     if overrun == "finish":
         assert result["quota_stopped"] == 0
@@ -128,7 +128,7 @@ def test_a_running_job_over_a_hard_quota_is_stopped_only_when_set(
     # a second pass does not stop it twice (it is already being stopped)
     sent.clear()
     with mock.patch.object(alerts, "on_alert", autospec=True):
-        assert tasks.run_one_pass()["quota_stopped"] == 0
+        assert pass_runner.run_one_pass()["quota_stopped"] == 0
     assert sent.calls() == []
 
     attempt.refresh_from_db()
