@@ -4,6 +4,7 @@ logs, events."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -80,26 +81,11 @@ def _submission(
 
 
 # What a field with the wrong type stands in for while the others are checked
-# (its own error is the serializer's; the service's word on it is dropped).
+# (its own error is the serializer's; the service's word on it is dropped): the
+# request's own defaults, and a harmless name and command.
 _PLACEHOLDERS: dict[str, Any] = {
-    "name": "job",
-    "command": "true",
-    "workdir": "",
-    "env": {},
-    "gpus": 1,
-    "gpu_memory_mib": None,
-    "time_limit_s": None,
-    "priority_class": "",
-    "shareable": False,
-    "workload": "",
-    "group": "",
-    "kill_grace_s": None,
-    "requeue_on_node_loss": True,
-    "gpu_model": "",
-    "slowdown_cap": None,
-    "evictable": True,
-    "after": "",
-}
+    f.name: f.default for f in fields(services.JobRequest) if f.default is not MISSING
+} | {"name": "job", "command": "true"}
 
 
 def _job_response(request: Request, job_id: int, code: int = 200) -> Response:
