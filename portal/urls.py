@@ -39,6 +39,7 @@ urlpatterns = [
     path("notifications/test/", notifications.send_test, name="notifications-test"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("oidc/", include("portal.oidc.urls")),
     # Before the admin's own URLs, which would take every /admin/... path.
     path(
         "admin/overview/",
