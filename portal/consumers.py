@@ -18,6 +18,7 @@ Who sees what: every signed-in user sees the cluster, the queue and every node
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from typing import Any
@@ -26,6 +27,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from redis.exceptions import RedisError
 
+from portal.directory.identity import user_group
 from scheduler import events, live
 from scheduler.models import Job, Node
 from scheduler.throttle import TokenBucket
@@ -68,6 +70,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     """
 
     groups_joined: set[str]
+    own_group: str
     messages: TokenBucket
     refused: int
 
@@ -84,6 +87,9 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             return
         self.messages = TokenBucket(RATE, BURST / RATE, clock=self._now)
         self.refused = 0
+        # Closed when the directory removes the user (portal.directory).
+        self.own_group = user_group(user.pk)
+        await self.channel_layer.group_add(self.own_group, self.channel_name)
         await self.accept()
         live.Hub.current().add_member(self)
 
@@ -105,6 +111,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         hub.remove_member(self)
         groups: set[str] = getattr(self, "groups_joined", set())
         self.groups_joined = set()
+        if getattr(self, "own_group", None):
+            with contextlib.suppress(RedisError, OSError):
+                await self.channel_layer.group_discard(
+                    self.own_group, self.channel_name
+                )
         for group in groups:
             await hub.unwatch(group)
             try:
@@ -210,6 +221,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         ``lost``: Redis lost its data, so the page missed what was sent
         meanwhile: each group is acknowledged again (``subscribed``), on which
         pages re-sync as after a reconnect."""
+        await self.channel_layer.group_add(self.own_group, self.channel_name)
         for group in sorted(self.groups_joined):
             await self.channel_layer.group_add(group, self.channel_name)
             if group not in self.groups_joined:
@@ -240,6 +252,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         return Node.objects.filter(pk=node_id).exists()
 
     # -------------------------------------------------------------- to the tab
+
+    async def user_signed_out(self, event: dict[str, Any]) -> None:
+        """The user's account was deactivated: the tab is signed out (4401)."""
+        await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def _forward(self, event: dict[str, Any]) -> None:
         await self.send_json({k: v for k, v in event.items() if not k.startswith("_")})

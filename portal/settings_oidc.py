@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
 
+from portal import settings_directory as _directory
 from portal.settings_env import envbool, envchoice, envfloat, envsecret, envstr
 
 # The provider's discovery document, e.g.
@@ -86,8 +87,14 @@ LOGIN_REDIRECT_URL_FAILURE = "login"
 # end_session_endpoint) the provider's: portal.oidc.views.signed_out.
 LOGOUT_REDIRECT_URL = "oidc-signed-out"
 
+# The directory's backends (local passwords, LDAP: portal.settings_directory), then
+# this one.
 AUTHENTICATION_BACKENDS = [
-    "django.contrib.auth.backends.ModelBackend",
+    *getattr(
+        _directory,
+        "AUTHENTICATION_BACKENDS",
+        ["django.contrib.auth.backends.ModelBackend"],
+    ),
     # Answers only the provider's callback (a code and a state): harmless to a
     # password sign-in, and needed for the sessions it opens.
     "portal.oidc.backend.OIDCBackend",

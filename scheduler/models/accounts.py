@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.contrib.postgres.fields import ArrayField
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -51,8 +52,19 @@ class Membership(models.Model):
         return f"{self.user} in {self.group}"
 
 
+# Unix ids a job may run under: 1 .. 2^32 - 2 (0 is root, which agents refuse;
+# 2^32 - 1 is (uid_t) -1, "no change" to setuid).
+_UNIX_ID = [MinValueValidator(1), MaxValueValidator(2**32 - 2)]
+
+
 class Profile(models.Model):
-    """Per-user settings of the portal: the Unix account jobs run as on the nodes."""
+    """Per-user settings of the portal: the Unix account jobs run as on the nodes,
+    and where the account comes from (a directory keeps it in step)."""
+
+    class Directory(models.TextChoices):
+        NONE = "", "local account"
+        LDAP = "ldap", "LDAP"
+        OIDC = "oidc", "OpenID Connect"
 
     user = models.OneToOneField(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="gpulab"
@@ -69,6 +81,38 @@ class Profile(models.Model):
             )
         ],
     )
+    # The account's numbers (from the directory, or set by an admin): a job's
+    # launch carries them and an agent running as root switches to them, so the
+    # node need not know the account. None: the node resolves the name.
+    unix_uid = models.BigIntegerField(
+        null=True,
+        blank=True,
+        validators=_UNIX_ID,
+        help_text="The account's uid on the nodes; empty: the node looks the name up.",
+    )
+    unix_gid = models.BigIntegerField(
+        null=True,
+        blank=True,
+        validators=_UNIX_ID,
+        help_text="The account's primary gid (needed with a uid).",
+    )
+    unix_gids = ArrayField(
+        models.BigIntegerField(validators=_UNIX_ID),
+        default=list,
+        blank=True,
+        help_text="Supplementary gids.",
+    )
+    # The directory the account is kept in step with (signed in through it):
+    # its groups, staff flag and Unix account are refreshed at each sign-in and
+    # by the periodic refresh (portal.directory).
+    directory = models.CharField(
+        max_length=8, choices=Directory.choices, blank=True, default=""
+    )
+    directory_checked_at = models.DateTimeField(null=True, blank=True)
+    # Deactivated because the directory removed or disabled the account: the
+    # refresh reactivates it when the directory has it again (a hand-made
+    # deactivation stays).
+    directory_disabled = models.BooleanField(default=False)
     # The group a job is charged to unless its owner picks another at submit.
     primary_group = models.ForeignKey(
         Group,
