@@ -17,7 +17,9 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from mozilla_django_oidc.auth import OIDCAuthenticationBackend
+from mozilla_django_oidc.auth import (  # type: ignore[import-untyped]
+    OIDCAuthenticationBackend,
+)
 
 from portal.directory.identity import apply_identity
 from portal.oidc.claims import ClaimNames, identity_from_claims
@@ -52,6 +54,11 @@ class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
         self.OIDC_RP_SIGN_ALGO = settings.OIDC_RP_SIGN_ALGO
         self.OIDC_RP_IDP_SIGN_KEY = None
         return super().authenticate(request, **kwargs)
+
+    def get_user(self, user_id: Any) -> Any:
+        """The session's user, unless deactivated since (as Django's ModelBackend)."""
+        user = self.UserModel._default_manager.filter(pk=user_id).first()
+        return user if user is not None and self.user_can_authenticate(user) else None
 
     def get_userinfo(
         self, access_token: str, id_token: str, payload: dict[str, Any]

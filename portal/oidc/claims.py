@@ -6,13 +6,15 @@ wrong type refuses the sign-in with a message naming the claim.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
 from portal.directory.identity import DirectoryIdentity
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 # Django's own username rule (letters, digits and @.+-_), at most 150 characters.
 _USERNAME = re.compile(r"^[\w.@+-]{1,150}$")
@@ -129,7 +131,7 @@ def _id(name: str, value: Any) -> int:
         value = int(value.strip())
     if not 0 <= value <= _ID_MAX:
         raise ClaimError(name, f"is {value}, outside 0..{_ID_MAX}")
-    return value
+    return int(value)
 
 
 def _number(claims: Mapping[str, Any], name: str) -> int | None:

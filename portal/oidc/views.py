@@ -17,7 +17,7 @@ from django.core.exceptions import SuspiciousOperation
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import redirect
 from django.urls import reverse
-from mozilla_django_oidc.views import (
+from mozilla_django_oidc.views import (  # type: ignore[import-untyped]
     OIDCAuthenticationCallbackView,
     OIDCAuthenticationRequestView,
 )

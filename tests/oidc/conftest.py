@@ -69,6 +69,7 @@ class Provider:
         self,
         users: list[dict[str, Any]] | None = None,
         redirect_base: str | None = None,
+        *,
         consent: bool = True,
     ) -> None:
         spec: dict[str, Any] = {"users": users or []}

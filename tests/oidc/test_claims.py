@@ -60,9 +60,12 @@ def test_unnamed_claims_are_not_read() -> None:
     )
     assert identity.active is True
     # Groups not read at all ("-"): no claim needed.
-    assert identity_from_claims(
-        {"preferred_username": "ada"}, ClaimNames(groups="-")
-    ).groups == frozenset()
+    assert (
+        identity_from_claims(
+            {"preferred_username": "ada"}, ClaimNames(groups="-")
+        ).groups
+        == frozenset()
+    )
 
 
 def test_a_comma_separated_gids_string_and_a_false_active_string() -> None:

@@ -2,8 +2,8 @@
 process: the login page's button, the provider's own login page and consent, the
 callback, the user landing on the cluster page in the group, staff flag and Unix
 account the claims say; signing out ends the provider's session too. A provider
-that refuses (consent declined) or sends an unusable claim ends on the login page
-with a message naming the claim, never an error page."""
+that refuses (consent declined), sends an unusable claim, or names a local account
+ends on the login page with a message naming why, never an error page."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def sign_in_at_provider(
     stack: Stack,
     provider: Provider,
     username: str,
+    *,
     consent: bool = True,
     signed_in: bool = False,
 ) -> None:
@@ -128,9 +129,25 @@ def test_a_refused_sign_in_ends_on_the_login_page_naming_why(
     oidc_env: dict[str, str], stack: Stack, provider: Provider
 ) -> None:
     provider.seed(
-        [lab_user("linus", uid="twenty"), lab_user("ken", groups=...)],
+        [
+            lab_user("linus", uid="twenty"),
+            lab_user("ken", groups=...),
+            lab_user("dennis"),
+        ],
         redirect_base=stack.base_url,
     )
+    from django.contrib.auth.models import User
+
+    # A local account of the same name is not handed to the provider's user.
+    outside_the_loop(
+        lambda: User.objects.create_user("dennis", password="local-password")
+    )
+    with chromium() as browser:
+        page = browser.new_page()
+        sign_in_at_provider(page, stack, provider, "dennis")
+        page.wait_for_url(f"{stack.base_url}/accounts/login/", timeout=WAIT_MS)
+        assert "gpulab has a local account named 'dennis'" in page.inner_text("main")
+
     with chromium() as browser:
         page = browser.new_page()
         sign_in_at_provider(page, stack, provider, "linus")
@@ -149,8 +166,6 @@ def test_a_refused_sign_in_ends_on_the_login_page_naming_why(
         sign_in_at_provider(page, stack, provider, "ken", signed_in=True)
         page.wait_for_url(f"{stack.base_url}/accounts/login/", timeout=WAIT_MS)
         assert "claim 'groups' is missing" in page.inner_text("main")
-
-    from django.contrib.auth.models import User
 
     assert not outside_the_loop(
         lambda: User.objects.filter(username__in=["linus", "ken"]).exists()

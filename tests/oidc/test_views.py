@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from django.test import Client
 
 from portal.oidc import discovery
 from tests.e2e.conftest import free_port
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from django.contrib.auth.models import User
+    from django.test import Client
     from pytest_django.fixtures import SettingsWrapper
 
     from tests.oidc.conftest import Provider

@@ -9,3 +9,6 @@ class Claims(models.Model):
 
     user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     data = models.JSONField(default=dict)
+
+    def __str__(self) -> str:
+        return f"lab claims of {self.user}"
