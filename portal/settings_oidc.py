@@ -57,6 +57,15 @@ GPULAB_OIDC_UNIX_NAME_CLAIM = envstr("GPULAB_OIDC_UNIX_NAME_CLAIM", "")
 GPULAB_OIDC_UID_CLAIM = envstr("GPULAB_OIDC_UID_CLAIM", "")
 GPULAB_OIDC_GID_CLAIM = envstr("GPULAB_OIDC_GID_CLAIM", "")
 GPULAB_OIDC_GIDS_CLAIM = envstr("GPULAB_OIDC_GIDS_CLAIM", "")
+if bool(GPULAB_OIDC_UID_CLAIM) != bool(GPULAB_OIDC_GID_CLAIM):
+    raise ImproperlyConfigured(
+        "GPULAB_OIDC_UID_CLAIM and GPULAB_OIDC_GID_CLAIM go together: jobs run under"
+        " a uid and its primary gid (set both, or neither)"
+    )
+if GPULAB_OIDC_GIDS_CLAIM and not GPULAB_OIDC_UID_CLAIM:
+    raise ImproperlyConfigured(
+        "GPULAB_OIDC_GIDS_CLAIM needs GPULAB_OIDC_UID_CLAIM and GPULAB_OIDC_GID_CLAIM"
+    )
 # A boolean claim that is false for a user the provider disabled (or removed from
 # the lab): they are deactivated in gpulab (sessions, tokens, waiting jobs) and
 # refused. Empty: not read.

@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from mozilla_django_oidc.auth import (  # type: ignore[import-untyped]
     OIDCAuthenticationBackend,
@@ -100,7 +101,17 @@ class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
             user.first_name = identity.first_name or user.first_name
             user.last_name = identity.last_name or user.last_name
             user.save()
-            changes = apply_identity(user, identity)
+            try:
+                changes = apply_identity(user, identity)
+            except ValidationError as exc:
+                raise SignInRefused(
+                    f"The account {identity.username!r} cannot be used: "
+                    + "; ".join(exc.messages)
+                ) from None
+            except ValueError as exc:
+                # The directory's IdentityRefused (uid 0, a uid without a gid):
+                # rolled back with the account this sign-in would have made.
+                raise SignInRefused(str(exc)) from None
         if changes:
             log.info("oidc sign-in of %s: %s", user.username, "; ".join(changes))
         user.refresh_from_db()
