@@ -34,10 +34,11 @@ def sign_in_at_provider(
     *,
     consent: bool = True,
     signed_in: bool = False,
+    start: str = "/accounts/login/",
 ) -> None:
-    """From the portal's login page through the provider's pages (its login page
-    unless the browser is ``signed_in`` there already)."""
-    page.goto(f"{stack.base_url}/accounts/login/")
+    """From the portal's ``start`` page through the provider's pages (its login
+    page unless the browser is ``signed_in`` there already)."""
+    page.goto(f"{stack.base_url}{start}")
     page.click("#oidc-sign-in")
     if not signed_in:
         page.wait_for_url(re.compile(re.escape(provider.base_url) + "/accounts/login/"))
@@ -117,8 +118,9 @@ def test_sign_in_lands_on_the_cluster_page_in_the_claimed_group(
 
     with chromium() as browser:
         page = browser.new_page()
-        sign_in_at_provider(page, stack, provider, "grace")
-        page.wait_for_url(f"{stack.base_url}/", timeout=WAIT_MS)
+        # From a page that asked for a sign-in: back there afterwards.
+        sign_in_at_provider(page, stack, provider, "grace", start="/usage/")
+        page.wait_for_url(f"{stack.base_url}/usage/", timeout=WAIT_MS)
         # Staff: the header links to the admin console.
         assert page.locator("header nav a", has_text="Admin").count() == 1
     assert account("grace")["groups"] == {"vision": True}
