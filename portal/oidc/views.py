@@ -127,6 +127,10 @@ def signed_out(request: HttpRequest) -> HttpResponse:
     end_session_endpoint (when it has one) to end that session too, then back to
     the login page."""
     login_url = reverse("login")
+    if request.user.is_authenticated:
+        # Not after a sign-out (a link followed while signed in): the provider's
+        # session is not ended behind the portal's back.
+        return redirect("portal-overview")
     id_token = request.get_signed_cookie(ID_TOKEN_COOKIE, default=None, salt=_SALT)
     target = login_url
     if id_token and settings.GPULAB_OIDC_ENABLED:

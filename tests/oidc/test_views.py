@@ -211,3 +211,47 @@ def test_the_provider_gone_between_the_button_and_the_callback(
     token_endpoint = f"http://127.0.0.1:{port}/openid/token"
     assert f"The identity provider at {token_endpoint} did not answer" in page
     assert any(token_endpoint in r.getMessage() for r in caplog.records)
+
+
+def test_signed_out_sends_to_the_provider_only_after_a_sign_out(
+    client: Client, settings: SettingsWrapper, alice: User, answering: Any
+) -> None:
+    """The page after a sign-out: with the ID token's cookie, to the provider's
+    end_session_endpoint; followed while still signed in, nowhere."""
+    from portal.oidc.views import _SALT, ID_TOKEN_COOKIE
+
+    server, handler = answering
+    base = f"http://127.0.0.1:{server.server_port}"
+    handler.body = (
+        f'{{"issuer": "{base}", "authorization_endpoint": "{base}/auth",'
+        f' "token_endpoint": "{base}/token", "userinfo_endpoint": "{base}/me",'
+        f' "jwks_uri": "{base}/keys", "end_session_endpoint": "{base}/logout"}}'
+    ).encode()
+    configure(settings, base)
+    signed = client.get("/accounts/login/")  # any response to sign a cookie on
+    signed.set_signed_cookie(ID_TOKEN_COOKIE, "the.id.token", salt=_SALT)
+    client.cookies[ID_TOKEN_COOKIE] = signed.cookies[ID_TOKEN_COOKIE].value
+
+    client.force_login(alice)
+    response = client.get("/oidc/signed-out/")
+    assert response.status_code == 302
+    assert response["Location"] == "/"
+    assert client.get("/").status_code == 200  # still signed in
+
+    # Django's sign-out lands there (LOGOUT_REDIRECT_URL).
+    response = client.post("/accounts/logout/")
+    assert response["Location"] == "/oidc/signed-out/"
+    response = client.get("/oidc/signed-out/")
+    target = urlsplit(response["Location"])
+    assert f"{target.scheme}://{target.netloc}{target.path}" == f"{base}/logout"
+    assert parse_qs(target.query) == {
+        "id_token_hint": ["the.id.token"],
+        "post_logout_redirect_uri": ["http://testserver/accounts/login/"],
+    }
+    assert response.cookies[ID_TOKEN_COOKIE].value == ""  # deleted
+
+    # A local user's sign-out: straight to the login page.
+    client.force_login(alice)
+    client.post("/accounts/logout/")
+    response = client.get("/oidc/signed-out/")
+    assert response["Location"] == "/accounts/login/"
