@@ -191,7 +191,7 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
             source = "" if given else " (GPULAB_DEFAULT_WORKDIR)"
             errors["workdir"] = (
                 f"The working directory {workdir}{source} is outside the"
-                f" directories jobs may run in: {allowed}."
+                f" directories jobs may run in (GPULAB_WORKDIR_ALLOWED): {allowed}."
             )
 
     env = dict(req.env or {})
