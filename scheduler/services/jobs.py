@@ -79,10 +79,10 @@ def _bad_text(value: str, *, allow_newlines: bool, label: bool = False) -> str |
             return (
                 f"must not contain control characters (found {jobtext.codepoint(ch)})"
             )
-    if label and (ch := jobtext.first_bidi(value)) is not None:
+    if label and (bidi := jobtext.first_bidi(value)) is not None:
         return (
             "must not contain bidirectional control characters, which reorder"
-            f" how it reads (found {jobtext.codepoint(ch)})"
+            f" how it reads (found {jobtext.codepoint(bidi)})"
         )
     return None
 
