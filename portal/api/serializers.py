@@ -132,10 +132,25 @@ class JobSerializer(serializers.Serializer[Job]):
     time_limit_s = serializers.IntegerField()
     predicted_runtime_s = serializers.IntegerField(allow_null=True)
     shareable = serializers.BooleanField()
+    slowdown_cap = serializers.FloatField(
+        allow_null=True,
+        help_text="Its own slowdown cap when sharing a GPU; null: its class's.",
+    )
+    evictable = serializers.BooleanField(
+        help_text="Whether it is requeued when its GPU partner suffers.",
+    )
     workload = serializers.CharField()
     command = serializers.CharField()
-    workdir = serializers.CharField()
+    workdir = serializers.CharField(
+        help_text="The directory it runs in, normalised ('..' resolved).",
+    )
     env = serializers.DictField(child=serializers.CharField())
+    kill_grace_s = serializers.IntegerField(
+        help_text="Seconds between SIGTERM and SIGKILL when it is stopped.",
+    )
+    requeue_on_node_loss = serializers.BooleanField(
+        help_text="Requeued (true) or failed (false) when its node is lost.",
+    )
     submitted_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
