@@ -18,3 +18,9 @@ GPULAB_API_MAX_PAGE = envint("GPULAB_API_MAX_PAGE", 1000, minimum=10, maximum=10
 GPULAB_API_MAX_OFFSET = envint(
     "GPULAB_API_MAX_OFFSET", 1_000_000, minimum=1000, maximum=10**9
 )
+# A job's history shown at most, the latest first kept (the job's page and
+# ``/api/v1/jobs/<id>/events/``): holding and releasing a job over and over adds
+# an event each time.
+GPULAB_JOB_EVENTS_MAX = envint(
+    "GPULAB_JOB_EVENTS_MAX", 1000, minimum=10, maximum=100_000
+)

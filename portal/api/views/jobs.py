@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import Count, F, Func, IntegerField, Q, prefetch_related_objects
 from django.http import Http404
@@ -223,11 +224,13 @@ class JobEvents(APIView):
     @extend_schema(
         operation_id="jobs_events",
         responses={200: s.EventSerializer(many=True), **errors(404)},
-        summary="A job's history, oldest first (the latest 1000)",
+        summary="A job's history, oldest first (the latest"
+        f" {settings.GPULAB_JOB_EVENTS_MAX}, GPULAB_JOB_EVENTS_MAX)",
     )
     def get(self, request: Request, job_id: int) -> Response:
         job = visible_job(request, job_id)
-        events = list(job.events.select_related("actor").order_by("-at", "-id")[:1000])
+        limit = settings.GPULAB_JOB_EVENTS_MAX
+        events = list(job.events.select_related("actor").order_by("-at", "-id")[:limit])
         events.reverse()
         return Response(s.EventSerializer(events, many=True).data)  # type: ignore[arg-type]
 
