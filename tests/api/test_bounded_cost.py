@@ -168,3 +168,49 @@ def test_job_list_times_beyond_the_calendar_are_a_400_naming_the_field(
     assert got.status_code == 400, got.content
     assert list(got.json()["fields"]) == [field]
     assert "out of range" in got.json()["fields"][field][0].lower()
+
+
+# ------------------------------------------------------------------ logs
+
+
+def test_a_log_tail_reads_only_the_chunks_it_returns(
+    alice: User, as_alice: Api, cluster: list[Node]
+) -> None:
+    """The tail of a log read every chunk of it (up to GPULAB_LOG_MAX_BYTES, which
+    a lab may raise) into the web process to keep the last few."""
+    from django.db import connection
+
+    from scheduler import services
+    from scheduler.models import Attempt, JobLogChunk
+    from scheduler.pass_runner import run_one_pass
+
+    job = services.submit_job(
+        alice, services.JobRequest(name="log", command="x", workdir="/tmp")
+    )
+    run_one_pass()
+    attempt = Attempt.objects.get(job=job)
+    JobLogChunk.objects.bulk_create(
+        JobLogChunk(
+            attempt=attempt,
+            node_id=attempt.node_id,
+            offset=n * 10,
+            data=f"line {n:04}\n",
+        )
+        for n in range(200)
+    )
+    fetched: list[int] = []
+
+    def count_rows(execute: Any, sql: str, params: Any, many: Any, ctx: Any) -> Any:
+        result = execute(sql, params, many, ctx)
+        if '"scheduler_joblogchunk"."data"' in sql:  # a read of the text
+            fetched.append(ctx["cursor"].rowcount)
+        return result
+
+    with connection.execute_wrapper(count_rows):
+        got = as_alice.get(f"/api/v1/jobs/{job.pk}/logs/", tail=25)
+
+    assert got.status_code == 200, got.content
+    body = got.json()
+    assert body["data"] == ("line 0197\nline 0198\nline 0199\n")[-25:]
+    assert (body["offset"], body["next_offset"]) == (2000 - 25, 2000)
+    assert fetched == [3]  # the last three chunks hold the 25 bytes
