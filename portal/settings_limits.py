@@ -12,9 +12,9 @@ from portal.settings_env import envint
 # fits).
 GPULAB_USAGE_MAX_DAYS = envint("GPULAB_USAGE_MAX_DAYS", 366, minimum=1, maximum=3660)
 # Rows one page of an API list may hold (``limit`` of ``/api/v1/jobs/`` and
-# ``/api/v1/queue/``), and the deepest ``offset`` of a list: past it, narrow the
-# list with its filters instead.
-GPULAB_API_MAX_PAGE = envint("GPULAB_API_MAX_PAGE", 1000, minimum=10, maximum=10_000)
+# ``/api/v1/queue/``; at least 1000, the page the command line asks for), and the
+# deepest ``offset`` of a list: past it, narrow the list with its filters instead.
+GPULAB_API_MAX_PAGE = envint("GPULAB_API_MAX_PAGE", 1000, minimum=1000, maximum=10_000)
 GPULAB_API_MAX_OFFSET = envint(
     "GPULAB_API_MAX_OFFSET", 1_000_000, minimum=1000, maximum=10**9
 )
