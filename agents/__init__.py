@@ -2,7 +2,8 @@
 
 Run it with ``python -m agents --server ws://HOST:PORT --token-file FILE`` (or the
 ``gpulab-agent`` script); ``--simulate 4xA100-80GB`` runs a simulated node on a machine
-without GPUs. The server and the agent share only ``agents/protocol.py``.
+without GPUs. The server and the agent share only ``agents/protocol.py`` and
+``agents/jobtext.py`` (the rules of a job's text).
 
 Accounts: a job runs as its ``run_as`` account, which needs the agent to run as root.
 An agent running as root runs jobs without ``run_as`` as ``--default-account USER``;

@@ -19,10 +19,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents.jobtext import normal_workdir
 from agents.progress import ProgressTracker
 from agents.protocol import ExitReason, JobLaunchData
 from agents.rendezvous import port_busy, rank0_rendezvous
-from agents.shim import LaunchError, check_workdir, resolve_user
+from agents.shim import (
+    LaunchError,
+    check_env,
+    check_workdir,
+    resolve_user,
+)
 from agents.statedir import (
     StateDir,
     atomic_write,
@@ -192,7 +198,8 @@ class Launcher:
         return job
 
     def _preflight(self, data: JobLaunchData) -> None:
-        check_workdir(data.workdir, state_root=self.state.root)
+        check_workdir(normal_workdir(data.workdir), state_root=self.state.root)
+        check_env(dict(data.env))
         account = resolve_user(data.run_as)
         if os.geteuid() != 0 or self.allow_root_jobs:
             return

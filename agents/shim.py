@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agents.jobtext import is_env_name, normal_workdir
 from agents.statedir import atomic_write, proc_start_time, read_text
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -55,6 +56,17 @@ def build_env(
     env["GPULAB_JOB_ID"] = str(spec["job_id"])
     env["GPULAB_ATTEMPT_ID"] = str(spec["attempt_id"])
     return env
+
+
+def check_env(env: dict[str, Any]) -> None:
+    """Each name must be one ``/bin/sh`` keeps: it silently drops others (``FOO\\n``)
+    from the job's environment, so such a job fails to launch instead."""
+    for name in env:
+        if not is_env_name(str(name)):
+            raise LaunchError(
+                f"environment variable name {name!r} is not a shell name"
+                " (letters, digits and _, not starting with a digit)"
+            )
 
 
 def check_workdir(workdir: str, state_root: Path | None = None) -> None:
@@ -162,7 +174,9 @@ def run(job_dir: Path) -> int:
         atomic_write(job_dir / "exit_code", f"{128 + signal.SIGTERM}\n")
         return 0
     try:
-        check_workdir(spec["workdir"], state_root=job_dir.parent.parent)
+        workdir = normal_workdir(spec["workdir"])
+        check_workdir(workdir, state_root=job_dir.parent.parent)
+        check_env(spec.get("env", {}))
         account = resolve_user(spec.get("run_as"))
         env = build_env(spec)
         kwargs: dict[str, Any] = {}
@@ -178,7 +192,7 @@ def run(job_dir: Path) -> int:
         with (job_dir / "output.log").open("ab") as log:
             child = subprocess.Popen(
                 ["/bin/sh", "-c", spec["command"]],
-                cwd=spec["workdir"],
+                cwd=workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -596,4 +596,8 @@ GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximu
 # Default working directory of a job when none is given ({user} is the username).
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
 from portal.settings_directory import *  # noqa: F403,E402
+
+# What a job request may ask for (allowed working directories).
+from portal.settings_input import *  # noqa: F403,E402
+from portal.settings_limits import *  # noqa: F403,E402
 from portal.settings_oidc import *  # noqa: F403,E402

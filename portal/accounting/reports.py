@@ -45,6 +45,14 @@ def day_start(day: date) -> datetime:
     return datetime.combine(day, time.min, UTC)
 
 
+def day_end(day: date) -> datetime:
+    """Where the UTC day ends: the next day's start, or for the last day a
+    calendar has (9999-12-31) its last microsecond, which has no next day."""
+    if day == date.max:
+        return datetime.combine(day, time.max, UTC)
+    return day_start(day + timedelta(1))
+
+
 def live_runs(scope: Scope, now: datetime) -> list[LiveRun]:
     """The scope's running attempts, charged up to ``now`` by the charging rule,
     per GPU and UTC day (``portal.accounting.live``: one query)."""
@@ -152,7 +160,7 @@ def csv_rows(
     """One row per usage record (an attempt on one GPU) whose run overlaps the UTC
     days ``first`` to ``last``, with its whole charge; then the running attempts
     (end empty, charged up to ``now`` at their current share). Streamed."""
-    since, until = day_start(first), day_start(last + timedelta(1))
+    since, until = day_start(first), day_end(last)
     gpu_names = {
         g.pk: f"{g.node.name}:{g.index}" for g in Gpu.objects.select_related("node")
     }

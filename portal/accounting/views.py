@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import csv
+import itertools
 from datetime import UTC, date, timedelta
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import sync_to_async
 from django import forms
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpResponse, StreamingHttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -19,7 +23,7 @@ from portal.quotas.usage import quota_states
 from scheduler.models import Group, Membership
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import AsyncIterator, Iterator
 
     from portal.http import AuthenticatedHttpRequest
 
@@ -27,7 +31,9 @@ DEFAULT_DAYS = 30
 
 
 class RangeForm(forms.Form):
-    """A range of UTC days, both ends included (GET ``from`` / ``to``)."""
+    """A range of UTC days, both ends included (GET ``from`` / ``to``), at most
+    ``GPULAB_USAGE_MAX_DAYS`` long: what a report costs grows with its days, so a
+    range of centuries is refused (naming the limit) before anything is read."""
 
     group = forms.CharField(required=False)
 
@@ -49,6 +55,18 @@ class RangeForm(forms.Form):
             raise forms.ValidationError(
                 f"The range starts ({first}) after it ends ({last}).", code="order"
             )
+        days = (last - first).days + 1
+        limit = settings.GPULAB_USAGE_MAX_DAYS
+        if days > limit:
+            self.add_error(
+                "to",
+                forms.ValidationError(
+                    f"The range from {first} to {last} spans {days} days; at most"
+                    f" {limit} days (GPULAB_USAGE_MAX_DAYS) at a time.",
+                    code="span",
+                ),
+            )
+            return data
         data["from"], data["to"] = first, last
         return data
 
@@ -121,6 +139,29 @@ class _Echo:
         return value
 
 
+# CSV rows read and sent at a time (a batch is a few hundred KB at most).
+CSV_BATCH = 1000
+
+
+def _csv_text(rows: Iterator[list[str]]) -> Iterator[str]:
+    writer = csv.writer(_Echo())
+    return (writer.writerow(row) for row in rows)
+
+
+async def _csv_batches(rows: Iterator[list[str]]) -> AsyncIterator[str]:
+    """The rows as CSV text, ``CSV_BATCH`` at a time, each batch read in the
+    request's own thread (its database connection holds the export's cursor).
+    Under ASGI Django reads a synchronous iterator whole into memory before its
+    first byte goes out; this keeps an export of any size at one batch."""
+    text = _csv_text(rows)
+
+    def batch() -> str:
+        return "".join(itertools.islice(text, CSV_BATCH))
+
+    while chunk := await sync_to_async(batch)():
+        yield chunk
+
+
 @login_required
 def usage_csv(
     request: AuthenticatedHttpRequest,
@@ -142,12 +183,14 @@ def usage_csv(
             content_type="text/plain; charset=utf-8",
         )
     first, last = form.cleaned_data["from"], form.cleaned_data["to"]
-    writer = csv.writer(_Echo())
     rows: Iterator[list[str]] = reports.csv_rows(scope, first, last, timezone.now())
     who = group.name if group else request.user.get_username()
-    response = StreamingHttpResponse(
-        (writer.writerow(row) for row in rows), content_type="text/csv"
+    # Served by the ASGI server (make up, production): batches, constant memory;
+    # by a WSGI one, Django streams the synchronous iterator as it is.
+    content = (
+        _csv_batches(rows) if isinstance(request, ASGIRequest) else _csv_text(rows)
     )
+    response = StreamingHttpResponse(content, content_type="text/csv")
     response["Content-Disposition"] = (
         f'attachment; filename="gpulab-usage-{who}-{first}-{last}.csv"'
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from rest_framework import serializers
 
 from scheduler.models import Job, JobDependency, JobEvent
@@ -33,6 +34,21 @@ class Text(serializers.CharField):
         except UnicodeEncodeError:
             raise serializers.ValidationError("Must be valid UTF-8 text.") from None
         return value
+
+
+class Moment(serializers.DateTimeField):
+    """An ISO 8601 time Python can hold in UTC as in the server's time zone: at
+    the calendar's ends (``0001-01-01T00:00`` read in a zone east of UTC) the
+    conversion leaves years 1 to 9999, a 400 naming the field, not a 500."""
+
+    def to_internal_value(self, value: Any) -> Any:
+        try:
+            return super().to_internal_value(value)
+        except OverflowError:
+            raise serializers.ValidationError(
+                "Out of range: the time falls outside years 1 to 9999 in UTC or in"
+                " the server's time zone."
+            ) from None
 
 
 # ------------------------------------------------------------------ errors
@@ -132,10 +148,25 @@ class JobSerializer(serializers.Serializer[Job]):
     time_limit_s = serializers.IntegerField()
     predicted_runtime_s = serializers.IntegerField(allow_null=True)
     shareable = serializers.BooleanField()
+    slowdown_cap = serializers.FloatField(
+        allow_null=True,
+        help_text="Its own slowdown cap when sharing a GPU; null: its class's.",
+    )
+    evictable = serializers.BooleanField(
+        help_text="Whether it is requeued when its GPU partner suffers.",
+    )
     workload = serializers.CharField()
     command = serializers.CharField()
-    workdir = serializers.CharField()
+    workdir = serializers.CharField(
+        help_text="The directory it runs in, normalised ('..' resolved).",
+    )
     env = serializers.DictField(child=serializers.CharField())
+    kill_grace_s = serializers.IntegerField(
+        help_text="Seconds between SIGTERM and SIGKILL when it is stopped.",
+    )
+    requeue_on_node_loss = serializers.BooleanField(
+        help_text="Requeued (true) or failed (false) when its node is lost.",
+    )
     submitted_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
@@ -201,17 +232,28 @@ class JobListQuery(serializers.Serializer[Any]):
         required=False, max_length=63, help_text="Jobs with an attempt on this node."
     )
     array = serializers.IntegerField(required=False, min_value=1, max_value=2**62)
-    since = serializers.DateTimeField(
+    since = Moment(
         required=False, help_text="Jobs not ended before this time (ISO 8601)."
     )
-    until = serializers.DateTimeField(
+    until = Moment(
         required=False, help_text="Jobs submitted before this time (ISO 8601)."
     )
     limit = serializers.IntegerField(
-        required=False, default=100, min_value=1, max_value=1000
+        required=False,
+        default=100,
+        min_value=1,
+        max_value=settings.GPULAB_API_MAX_PAGE,
+        help_text="Jobs per page (at most"
+        f" {settings.GPULAB_API_MAX_PAGE}, GPULAB_API_MAX_PAGE).",
     )
     offset = serializers.IntegerField(
-        required=False, default=0, min_value=0, max_value=10**9
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=settings.GPULAB_API_MAX_OFFSET,
+        help_text="Skip this many jobs (at most"
+        f" {settings.GPULAB_API_MAX_OFFSET}, GPULAB_API_MAX_OFFSET): deeper,"
+        " narrow the list with since, until or state instead.",
     )
 
     def validate_state(self, value: str) -> list[str]:

@@ -1,12 +1,16 @@
 """What the commands print: plain, fixed-width text (``grep`` and ``awk`` read it
 as well as people do; ``--json`` is the stable form for programs), times in the
-terminal's local zone, durations as ``squeue`` writes them."""
+terminal's local zone, durations as ``squeue`` writes them. Text users gave is
+printed through ``agents.jobtext.for_terminal``: a bidirectional control or an
+escape sequence shows as ``⟨U+202E⟩`` instead of acting on the terminal."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+
+from agents.jobtext import for_terminal
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -57,7 +61,7 @@ def elapsed(job: Mapping[str, Any], now: datetime | None = None) -> float | None
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """Left-aligned columns two spaces apart; the last one is not padded."""
-    body = [list(map(str, r)) for r in rows]
+    body = [[for_terminal(str(c)) for c in r] for r in rows]
     widths = [len(h) for h in headers]
     for row in body:
         for i, cell in enumerate(row):
@@ -170,11 +174,25 @@ def job_detail(job: Mapping[str, Any]) -> str:
     if job.get("gpu_memory_mib"):
         gpus += f", {mib(job['gpu_memory_mib'])} each"
     gpus += ", may share a GPU" if job.get("shareable") else ", exclusive"
+    cap = job.get("slowdown_cap")
     lines += [
         ("Class", job.get("priority_class", "")),
         ("GPUs", gpus),
+        ("Slowdown cap", "the class's" if cap is None else f"{cap:g}x"),
+        (
+            "If GPU partner suffers",
+            "requeued" if job.get("evictable", True) else "kept running",
+        ),
         ("Time limit", hms(job.get("time_limit_s"))),
     ]
+    if job.get("kill_grace_s") is not None:
+        lines.append(("Stop grace", f"{job['kill_grace_s']}s (SIGTERM, then SIGKILL)"))
+    lines.append(
+        (
+            "If node lost",
+            "requeued" if job.get("requeue_on_node_loss", True) else "failed",
+        )
+    )
     if job.get("predicted_runtime_s"):
         lines.append(("Predicted run time", hms(job["predicted_runtime_s"])))
     lines += [
@@ -195,14 +213,16 @@ def job_detail(job: Mapping[str, Any]) -> str:
     for key, value in sorted((job.get("env") or {}).items()):
         lines.append(("Env", f"{key}={value}"))
     width = max(len(k) for k, _ in lines) + 1
-    return "\n".join(f"{(k + ':').ljust(width)} {v}" for k, v in lines)
+    return "\n".join(
+        f"{(k + ':').ljust(width)} {for_terminal(str(v))}" for k, v in lines
+    )
 
 
 def array_detail(array: Mapping[str, Any]) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(array["counts"].items()))
     limit = array.get("max_running")
     head = [
-        f"Array:   a{array['id']}  {array['name']}",
+        f"Array:   a{array['id']}  {for_terminal(str(array['name']))}",
         f"Owner:   {array['owner']}",
         f"Tasks:   {array['size']} [{array['spec']}]"
         + (f", at most {limit} at once" if limit else ""),

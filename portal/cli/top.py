@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from agents.jobtext import for_terminal
 from portal.cli.errors import CliError, Exit
 from portal.cli.output import mib, parse_time
 
@@ -117,7 +118,9 @@ def frame(
             util = gpu.get("util_gpu")
             memory = bar(used / total if used is not None and total else None)
             memory.append(f"  {mib(used)}/{mib(total)}")
-            jobs = ", ".join(f"{j['owner']}:{j['id']} {j['name']}" for j in gpu["jobs"])
+            jobs = for_terminal(
+                ", ".join(f"{j['owner']}:{j['id']} {j['name']}" for j in gpu["jobs"])
+            )
             if not gpu.get("present", True):
                 jobs = "[lost] " + jobs
             elif gpu.get("mig_enabled"):

@@ -24,6 +24,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from agents import jobtext
 from portal.notifications import secrets, signing, targets
 from portal.notifications.models import Delivery, Kind, Preference
 
@@ -320,13 +321,16 @@ def _job_notice(job: Job, kind: str, what: str, message: str) -> None:
     url = (
         f"{settings.GPULAB_BASE_URL}/jobs/{job.pk}/" if settings.GPULAB_BASE_URL else ""
     )
-    text = f"Job #{job.pk} ({job.name}) {what}: {message}"
+    # People read the subject and text: a bidirectional control in the name or
+    # the message (a launch error quotes the job's own text) shows as a marker
+    # there (agents.jobtext); the data keeps them exact for programs.
+    text = jobtext.mark_bidi(f"Job #{job.pk} ({job.name}) {what}: {message}")
     if url:
         text += f"\n\n{url}"
     notify(
         job.owner,
         kind,
-        f"Job #{job.pk} {job.name} {what}",
+        jobtext.mark_bidi(f"Job #{job.pk} {job.name} {what}"),
         text,
         {
             "job_id": job.pk,

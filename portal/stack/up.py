@@ -216,6 +216,12 @@ def portal_env(env: Mapping[str, str], state: Path, number: int) -> dict[str, st
     # No mail server in a demo: mail is printed in the log.
     added["GPULAB_EMAIL_BACKEND"] = env.get("GPULAB_EMAIL_BACKEND", "console")
     added["PYTHONUNBUFFERED"] = "1"
+    # The demo's jobs run on this machine: besides the usual directories, the
+    # checkout, where `gpulab submit` (whose default is the current directory)
+    # is run from.
+    added["GPULAB_WORKDIR_ALLOWED"] = env.get("GPULAB_WORKDIR_ALLOWED") or ",".join(
+        ["/home", "/scratch", "/data", "/tmp", str(REPO_ROOT)]
+    )
     added["GPULAB_DEMO_NODES"] = env.get("GPULAB_DEMO_NODES") or DEFAULT_DEMO_NODES
     added["PORT"] = str(number)
     return added

@@ -7,6 +7,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from django import template
+from django.utils.html import conditional_escape, format_html
+from django.utils.safestring import SafeString, mark_safe
+
+from agents import jobtext
 
 if TYPE_CHECKING:
     from scheduler.models import Attempt
@@ -104,3 +108,28 @@ def foreign_summary(processes: list[dict[str, int | None]]) -> str:
     if held:
         return f"{count}{mib(held)}"
     return count + ", ".join(f"pid {p['pid']}" for p in processes)
+
+
+@register.filter(needs_autoescape=True)
+def visible(value: object, autoescape: bool = True) -> SafeString:  # noqa: FBT001,FBT002
+    """Text a user gave, escaped, with each bidirectional control character
+    (``agents.jobtext``) shown as a marked ``⟨U+202E⟩`` instead of silently
+    reordering what surrounds it (``job\u202egnp.exe`` would read "jobexe.png")."""
+    text = "" if value is None else str(value)
+    escape = conditional_escape if autoescape else str
+    parts: list[str] = []
+    last = 0
+    for found in jobtext.BIDI_RE.finditer(text):
+        ch = found.group()
+        parts.append(escape(text[last : found.start()]))
+        parts.append(
+            format_html(
+                '<mark class="bidi" title="invisible bidirectional control'
+                ' character {}">{}</mark>',
+                jobtext.codepoint(ch),
+                jobtext.marker(ch),
+            )
+        )
+        last = found.end()
+    parts.append(escape(text[last:]))
+    return mark_safe("".join(parts))  # every part is escaped above

@@ -110,6 +110,17 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
     return render(request, "portal/job_new.html", {"form": form}, status=status)
 
 
+def _events(job: Job) -> dict[str, Any]:
+    """The job's latest ``GPULAB_JOB_EVENTS_MAX`` events, oldest first, and how
+    many earlier ones are left out (a history can grow without end: a hold and
+    a release are an event each)."""
+    limit = settings.GPULAB_JOB_EVENTS_MAX
+    events = list(job.events.select_related("actor").order_by("-at", "-id")[:limit])
+    events.reverse()
+    earlier = job.events.count() - len(events) if len(events) == limit else 0
+    return {"events": events, "events_earlier": earlier}
+
+
 def _job_context(job: Job) -> dict[str, Any]:
     attempt = job.attempt_set.select_related("node").order_by("-number").first()
     allocations = []
@@ -160,7 +171,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         "job": job,
         "attempt": attempt,
         "allocations": allocations,
-        "events": job.events.select_related("actor").order_by("at", "id"),
+        **_events(job),
         "log_tail": services.log_tail(job),
         "queue_position": job.queue_position,
         "ahead": ahead,

@@ -64,7 +64,6 @@ from scheduler.services.dependencies import (
 from scheduler.services.interference import mark_harmful, reset_interference_pairs
 from scheduler.services.jobs import (
     ALLOWED_GPULAB_ENV,
-    ENV_NAME_RE,
     MAX_KILL_GRACE_S,
     PREDICTION_HISTORY,
     RESERVED_ENV,
@@ -132,7 +131,6 @@ from scheduler.services.telemetry import (
 
 __all__ = [
     "ALLOWED_GPULAB_ENV",
-    "ENV_NAME_RE",
     "MASTER_PORT_BASE",
     "MAX_ARRAY_INDEX",
     "MAX_KILL_GRACE_S",

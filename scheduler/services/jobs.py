@@ -4,10 +4,8 @@ prediction, the group a job is charged to, submit and cancel.
 
 from __future__ import annotations
 
-import re
 import unicodedata
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -16,6 +14,7 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from agents import jobtext
 from scheduler import classes
 from scheduler.lifecycle import Cause
 from scheduler.models import (
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
 
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
 RESERVED_ENV_PREFIX = "GPULAB_"
 # Simulator profile variables a job may set (agents/simulate.py reads them).
@@ -59,8 +57,16 @@ ALLOWED_GPULAB_ENV = ("GPULAB_SIM_UTIL", "GPULAB_SIM_MEM_MIB")
 # ------------------------------------------------------------------ validation
 
 
-def _bad_text(value: str, *, allow_newlines: bool) -> str | None:
-    """Why ``value`` is not acceptable text, or None."""
+def _bad_text(value: str, *, allow_newlines: bool, label: bool = False) -> str | None:
+    """Why ``value`` is not acceptable text, or None.
+
+    NUL can reach no process (execve ends a string there); the other control
+    characters but tab, newline and CR (kept by the shell, and by multi-line
+    commands and values) are refused because they would act on the terminal or
+    page that shows the text back. A ``label`` (a name gpulab itself shows) also
+    refuses bidirectional controls (``agents.jobtext``); text that runs verbatim
+    keeps them and is shown with them marked.
+    """
     if "\x00" in value:
         return "must not contain NUL characters"
     try:
@@ -70,8 +76,24 @@ def _bad_text(value: str, *, allow_newlines: bool) -> str | None:
     allowed = {"\n", "\t", "\r"} if allow_newlines else set()
     for ch in value:
         if ch not in allowed and unicodedata.category(ch) == "Cc":
-            return f"must not contain control characters (found U+{ord(ch):04X})"
+            return (
+                f"must not contain control characters (found {jobtext.codepoint(ch)})"
+            )
+    if label and (bidi := jobtext.first_bidi(value)) is not None:
+        return (
+            "must not contain bidirectional control characters, which reorder"
+            f" how it reads (found {jobtext.codepoint(bidi)})"
+        )
     return None
+
+
+def workdir_allowed(path: str) -> bool:
+    """Whether a normalised absolute ``path`` is one of
+    ``GPULAB_WORKDIR_ALLOWED`` or lies under one of them."""
+    for prefix in settings.GPULAB_WORKDIR_ALLOWED:
+        if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -138,7 +160,7 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
         errors["name"] = "Give the job a name."
     elif len(name) > 128:
         errors["name"] = "The name is longer than 128 characters."
-    elif problem := _bad_text(name, allow_newlines=False):
+    elif problem := _bad_text(name, allow_newlines=False, label=True):
         errors["name"] = f"The name {problem}."
 
     command = req.command.strip()
@@ -154,20 +176,31 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
             "Put long scripts in a file and run that file."
         )
 
-    workdir = req.workdir.strip() or settings.GPULAB_DEFAULT_WORKDIR.replace(
-        "{user}", username
-    )
+    given = req.workdir.strip()
+    workdir = given or settings.GPULAB_DEFAULT_WORKDIR.replace("{user}", username)
     if problem := _bad_text(workdir, allow_newlines=False):
         errors["workdir"] = f"The working directory {problem}."
-    elif not PurePosixPath(workdir).is_absolute():
+    elif not workdir.startswith("/"):
         errors["workdir"] = "The working directory must be an absolute path."
     elif len(workdir) > 1024:
         errors["workdir"] = "The working directory path is too long."
+    else:
+        workdir = jobtext.normal_workdir(workdir)
+        if not workdir_allowed(workdir):
+            allowed = ", ".join(settings.GPULAB_WORKDIR_ALLOWED)
+            source = "" if given else " (GPULAB_DEFAULT_WORKDIR)"
+            errors["workdir"] = (
+                f"The working directory {workdir}{source} is outside the"
+                f" directories jobs may run in (GPULAB_WORKDIR_ALLOWED): {allowed}."
+            )
 
     env = dict(req.env or {})
     for key, value in env.items():
-        if not ENV_NAME_RE.match(key):
-            errors["env"] = f"{key!r} is not a valid environment variable name."
+        if not jobtext.is_env_name(key):
+            errors["env"] = (
+                f"{key!r} is not a valid environment variable name: use letters,"
+                " digits and _, not starting with a digit (the shell drops others)."
+            )
             break
         if key in RESERVED_ENV or (
             key.startswith(RESERVED_ENV_PREFIX) and key not in ALLOWED_GPULAB_ENV
@@ -224,7 +257,7 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
             )
 
     workload = req.workload.strip()
-    if problem := _bad_text(workload, allow_newlines=False):
+    if problem := _bad_text(workload, allow_newlines=False, label=True):
         errors["workload"] = f"The workload label {problem}."
     elif len(workload) > 128:
         errors["workload"] = "The workload label is longer than 128 characters."

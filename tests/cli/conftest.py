@@ -61,5 +61,8 @@ class Gpulab:
 
 
 @pytest.fixture
-def gpulab(live_server: Any, tmp_path: Path) -> Gpulab:
+def gpulab(live_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Gpulab:
+    # `gpulab submit` runs a job in the current directory by default: one under
+    # /tmp, as a user's would be under /home (GPULAB_WORKDIR_ALLOWED).
+    monkeypatch.chdir(tmp_path)
     return Gpulab(live_server.url, tmp_path / "config", {})

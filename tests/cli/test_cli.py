@@ -370,7 +370,7 @@ def test_show_a_job_and_what_is_not_yours(
         services.JobRequest(
             name="eval",
             command="python eval.py",
-            workdir="/w",
+            workdir="/tmp/w",
             env={"SEED": "3"},
             after=f"afterok:{first.pk}",
         ),
@@ -405,7 +405,7 @@ def test_cancel_jobs_and_an_array_each_reported(
     start_job(running, cluster[0])
     done = JobFactory(owner=alice, status=Job.Status.COMPLETED)
     array = services.submit_array(
-        alice, services.JobRequest(name="s", command="x", workdir="/w"), "0-2"
+        alice, services.JobRequest(name="s", command="x", workdir="/tmp/w"), "0-2"
     )
     got = gpulab(
         "cancel", str(waiting.pk), str(done.pk), f"a{array.pk}", str(running.pk),
@@ -439,7 +439,7 @@ def ran(alice: User, cluster: list[Node]) -> Attempt:
     """A job of alice's that started an hour ago and wrote three lines, still
     running."""
     job = services.submit_job(
-        alice, services.JobRequest(name="t", command="x", workdir="/w")
+        alice, services.JobRequest(name="t", command="x", workdir="/tmp/w")
     )
     run_one_pass()
     attempt = Attempt.objects.get(job=job)

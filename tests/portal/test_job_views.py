@@ -282,7 +282,10 @@ def test_it_stores_the_sharing_terms_asked_for(
     assert response.status_code == 302
     assert (job.shareable, job.slowdown_cap, job.evictable) == (True, 1.25, False)
     page = " ".join(client_for(alice).get(response.url).content.decode().split())
-    assert "(may share, at most 1.25x slower; kept running if its partner" in page
+    assert "(may share)" in page
+    assert "<dt>Slowdown cap</dt>" in page
+    assert "at most 1.25x slower when sharing" in page
+    assert 'data-field="evictable">kept running' in page
 
 
 @pytest.mark.parametrize(

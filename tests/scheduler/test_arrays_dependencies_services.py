@@ -28,7 +28,7 @@ pytestmark = pytest.mark.django_db
 
 
 def req(**kw: Any) -> JobRequest:
-    return JobRequest(name="sweep", command="python sweep.py", workdir="/w", **kw)
+    return JobRequest(name="sweep", command="python sweep.py", workdir="/tmp/w", **kw)
 
 
 # ------------------------------------------------------------------ array spec

@@ -24,6 +24,7 @@ print(json.dumps({
     "debug": settings.DEBUG,
     "secure_cookies": settings.SESSION_COOKIE_SECURE,
     "email": settings.EMAIL_BACKEND,
+    "workdirs": settings.GPULAB_WORKDIR_ALLOWED,
 }))
 """
 
@@ -34,7 +35,8 @@ def test_make_up_runs_the_portal_with_debug_off_and_cookies_over_http(
     base = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("DJANGO_") and k != "GPULAB_EMAIL_BACKEND"
+        if not k.startswith("DJANGO_")
+        and k not in {"GPULAB_EMAIL_BACKEND", "GPULAB_WORKDIR_ALLOWED"}
     }
     env = {**base, **portal_env(base, tmp_path, 8000)}
     env["DJANGO_SETTINGS_MODULE"] = "portal.settings"
@@ -54,6 +56,9 @@ def test_make_up_runs_the_portal_with_debug_off_and_cookies_over_http(
         "secure_cookies": False,
         # a demo has no mail server: mail is printed in its log
         "email": "django.core.mail.backends.console.EmailBackend",
+        # `gpulab submit` from the checkout runs the job there (the current
+        # directory): the demo allows it besides the usual directories
+        "workdirs": ["/home", "/scratch", "/data", "/tmp", str(REPO_ROOT)],
     }
 
 

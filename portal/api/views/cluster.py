@@ -6,9 +6,11 @@ from __future__ import annotations
 from datetime import UTC, date
 from typing import TYPE_CHECKING, Any, cast
 
+from django.conf import settings
 from django.db.models import Prefetch
 from django.http import Http404
 from django.utils import timezone
+from django.utils.functional import lazy
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -17,7 +19,13 @@ from rest_framework.views import APIView
 from portal.accounting import reports
 from portal.accounting.views import RangeForm, _scope_for
 from portal.api.serializers import STATES, Text, latest_nodes
-from portal.api.views.common import attempts_for_nodes, errors, no_empty, node_names
+from portal.api.views.common import (
+    attempts_for_nodes,
+    errors,
+    no_empty,
+    node_names,
+    query,
+)
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import services
@@ -203,33 +211,74 @@ class QueueEntry(serializers.Serializer[Job]):
         return latest_nodes(job, self.context.get("node_names", {}))
 
 
+class QueueQuery(serializers.Serializer[Any]):
+    limit = serializers.IntegerField(
+        required=False,
+        default=settings.GPULAB_API_MAX_PAGE,
+        min_value=1,
+        max_value=settings.GPULAB_API_MAX_PAGE,
+        help_text="At most this many jobs (default and maximum:"
+        f" {settings.GPULAB_API_MAX_PAGE}, GPULAB_API_MAX_PAGE). The"
+        " X-Total-Count header says how many there are, a Link header with"
+        ' rel="next" where the next page is.',
+    )
+    offset = serializers.IntegerField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=settings.GPULAB_API_MAX_OFFSET,
+        help_text="Skip this many jobs of the queue (at most"
+        f" {settings.GPULAB_API_MAX_OFFSET}, GPULAB_API_MAX_OFFSET).",
+    )
+
+
 class Queue(APIView):
     @extend_schema(
         operation_id="queue",
-        responses={200: QueueEntry(many=True), **errors()},
+        parameters=[QueueQuery],
+        responses={200: QueueEntry(many=True), **errors(400)},
         summary="The cluster's queue as the Queue page shows it: every running job,"
-        " then every pending one in scheduling order",
+        " then every pending one in scheduling order, a page at a time",
     )
     def get(self, request: Request) -> Response:
-        running = list(
+        """One page of the queue (``limit`` jobs from ``offset``): the running jobs
+        first, then the waiting ones; two counts and at most two page reads, so a
+        queue of any length costs a page."""
+        q = query(QueueQuery, request)
+        limit, offset = q["limit"], q["offset"]
+        running_q = (
             Job.objects.filter(status__in=Job.ON_NODE)
             .select_related("owner", "group")
             .prefetch_related(attempts_for_nodes())
             .order_by("started_at", "id")
         )
-        pending = list(
+        pending_q = (
             Job.objects.in_queue_order()
             .select_related("owner", "group")
             .prefetch_related(attempts_for_nodes())
         )
-        attach_queue_positions(pending, first=1)  # running jobs have none
-        return Response(
+        n_running, n_pending = running_q.count(), pending_q.count()
+        running = list(running_q[offset : offset + limit]) if offset < n_running else []
+        skip = max(0, offset - n_running)
+        room = limit - len(running)
+        pending = list(pending_q[skip : skip + room]) if room > 0 else []
+        attach_queue_positions(pending, first=skip + 1)  # running jobs have none
+        response = Response(
             QueueEntry(
                 [*running, *pending],  # type: ignore[arg-type]
                 many=True,
                 context={"node_names": node_names()},
             ).data
         )
+        total = n_running + n_pending
+        response["X-Total-Count"] = str(total)
+        if offset + limit < total:
+            params = request.query_params.copy()
+            params["offset"] = str(offset + limit)
+            params["limit"] = str(limit)
+            url = request.build_absolute_uri(f"{request.path}?{params.urlencode()}")
+            response["Link"] = f'<{url}>; rel="next"'
+        return response
 
 
 # ------------------------------------------------------------------ usage, me
@@ -277,6 +326,18 @@ class UsageOut(serializers.Serializer[Any]):
     quotas = QuotaOut(many=True)
 
 
+def _usage_to() -> str:
+    return (
+        "Last UTC day (default: today). The range, both ends included, spans at"
+        f" most {settings.GPULAB_USAGE_MAX_DAYS} days (GPULAB_USAGE_MAX_DAYS): a"
+        " longer one is a 400 naming `to`."
+    )
+
+
+# Read when the schema is built: the limit the server applies now.
+_USAGE_TO = lazy(_usage_to, str)()
+
+
 class Usage(APIView):
     @extend_schema(
         operation_id="usage",
@@ -285,7 +346,7 @@ class Usage(APIView):
             OpenApiParameter(
                 "from", date, description="First UTC day (default: 29 days ago)."
             ),
-            OpenApiParameter("to", date, description="Last UTC day (default: today)."),
+            OpenApiParameter("to", date, description=_USAGE_TO),
         ],
         responses={200: UsageOut, **errors(400, 403)},
         summary="GPU-hours per day (yours, or a group's for its leaders and staff)"

@@ -7,8 +7,19 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db.models import Count, F, Func, IntegerField, Q, prefetch_related_objects
+from django.db.models import (
+    Count,
+    F,
+    Func,
+    IntegerField,
+    Q,
+    RowRange,
+    Sum,
+    Window,
+    prefetch_related_objects,
+)
 from django.http import Http404
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, status
@@ -223,11 +234,13 @@ class JobEvents(APIView):
     @extend_schema(
         operation_id="jobs_events",
         responses={200: s.EventSerializer(many=True), **errors(404)},
-        summary="A job's history, oldest first (the latest 1000)",
+        summary="A job's history, oldest first (the latest"
+        f" {settings.GPULAB_JOB_EVENTS_MAX}, GPULAB_JOB_EVENTS_MAX)",
     )
     def get(self, request: Request, job_id: int) -> Response:
         job = visible_job(request, job_id)
-        events = list(job.events.select_related("actor").order_by("-at", "-id")[:1000])
+        limit = settings.GPULAB_JOB_EVENTS_MAX
+        events = list(job.events.select_related("actor").order_by("-at", "-id")[:limit])
         events.reverse()
         return Response(s.EventSerializer(events, many=True).data)  # type: ignore[arg-type]
 
@@ -283,19 +296,27 @@ class JobLogs(APIView):
         limit = q["limit"]
         parts: list[bytes] = []
         if "tail" in q:
-            size = 0
-            rows = []
-            for off, data in chunks.order_by("-offset").values_list("offset", "data"):
-                raw = data.encode()
-                rows.append((off, raw))
-                size += len(raw)
-                if size >= q["tail"]:
-                    break
-            rows.reverse()
-            start = rows[0][0] if rows else 0
+            want = min(q["tail"], limit)
+            # Only the last chunks that hold ``want`` bytes leave PostgreSQL: a
+            # running sum of the sizes from the end (the whole log of a job
+            # may be many MiB: GPULAB_LOG_MAX_BYTES).
+            rows = [
+                (off, data.encode())
+                for off, data in chunks.annotate(
+                    n=_BYTES,
+                    after=Window(
+                        Sum(_BYTES),
+                        order_by=F("offset").desc(),
+                        frame=RowRange(start=None, end=0),
+                    ),
+                )
+                .filter(after__lt=want + F("n"))
+                .order_by("offset")
+                .values_list("offset", "data")
+            ]
             end = rows[-1][0] + len(rows[-1][1]) if rows else 0
             joined = b"".join(r for _, r in rows)
-            cut = max(0, len(joined) - min(q["tail"], limit))
+            cut = max(0, len(joined) - want)
             parts = [joined[cut:]]
             start = end - len(parts[0]) if rows else 0
         else:

@@ -1,0 +1,445 @@
+"""The most expensive requests a member can make, alone and four at once, and what
+other users' API calls cost meanwhile (issue #27, "Every request has a bounded
+cost").
+
+A fresh, migrated database: 8 nodes of 8 GPUs, ``--jobs`` (100,000) jobs of 40
+users in 8 groups spread over the last ``--days`` (365) one after another on
+each GPU, each with its attempt and usage record, and the per-day rows the Usage
+reads (``DailyUsage``, one per record and UTC day). The member is ``u0``, the
+leader of group ``g0`` (12,500 jobs of 5 users: a leader sees the group's usage
+and jobs, the most a non-staff user may see); one of its jobs has a full log
+(``GPULAB_LOG_MAX_BYTES``, in 64 KiB chunks). Then the web process exactly as
+``make up`` runs it (uvicorn, its ASGI gate; ``live_dashboard.start_server``),
+and over HTTP with API tokens (httpx):
+
+1. each candidate for the most expensive request, alone (median of
+   ``--repeat``): the widest usage range allowed (``GPULAB_USAGE_MAX_DAYS`` up to
+   today) of the group through the API, and of the member alone; the Usage
+   page and its CSV export of the group over that range (session login); the
+   biggest page of the job list (``limit`` = ``GPULAB_API_MAX_PAGE``); the log's
+   biggest tail; and the refused ones (``from=0001-01-01&to=9999-12-31``), which
+   must cost nothing. Prints time and bytes of each;
+2. another user (``u1``, group ``g1``: 2,500 jobs) polling ``/api/v1/me/`` and
+   ``/api/v1/jobs/`` alone for a quarter of ``--seconds`` (the baseline);
+3. the costliest of them four at once from the member, over and over, for
+   ``--seconds`` (20), while that user polls
+   ``/api/v1/me/`` and ``/api/v1/jobs/`` one after the other: that user's p50 /
+   p95 / max per endpoint (goal: p95 under 200 ms), the member's request times,
+   and the web process's RSS before and after (from ``/proc``).
+
+Prints the figures with the machine's load and writes
+``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
+``python -m portal.stack.run -- python bench/bounded_cost.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_dashboard import start_server
+from real_stack import free_port, fresh_database, loadavg, machine, pct
+
+GPUS = 64
+USERS = 40
+GROUPS = 8
+CHUNK = 64 * 1024
+
+
+def populate(jobs: int, days: int) -> dict[str, Any]:
+    """The history (see the docstring); returns what the requests need."""
+    from django.conf import settings
+    from django.contrib.auth.models import User
+    from django.db import connection
+    from django.utils import timezone
+
+    from scheduler.models import (
+        Attempt,
+        Gpu,
+        Group,
+        Job,
+        JobLogChunk,
+        Membership,
+        Node,
+        UsageRecord,
+    )
+
+    now = timezone.now()
+    since = now - timedelta(days=days)
+    groups = [Group.objects.create(name=f"g{i}") for i in range(GROUPS)]
+    users = []
+    for i in range(USERS):
+        user = User.objects.create(username=f"u{i}")
+        Membership.objects.create(user=user, group=groups[i % GROUPS], is_leader=i == 0)
+        users.append(user)
+    nodes = Node.objects.bulk_create(
+        Node(name=f"n{i}", token_hash=uuid.uuid4().hex, status=Node.Status.UP)
+        for i in range(GPUS // 8)
+    )
+    gpus = Gpu.objects.bulk_create(
+        Gpu(
+            node=node,
+            index=i,
+            uuid=f"GPU-{node.name}-{i}",
+            name="NVIDIA A100-80GB",
+            memory_total_mib=81920,
+        )
+        for node in nodes
+        for i in range(8)
+    )
+    per_gpu = -(-jobs // GPUS)
+    span = days * 86400 / per_gpu
+    batch = 10_000
+    for first in range(0, jobs, batch):
+        rows = []
+        for i in range(first, min(jobs, first + batch)):
+            start = since + timedelta(seconds=(i // GPUS) * span)
+            rows.append((i, start, start + timedelta(seconds=span * 0.95)))
+        made = Job.objects.bulk_create(
+            Job(
+                owner=users[i % USERS],
+                group=groups[i % USERS % GROUPS],
+                name=f"j{i}",
+                command="python train.py --epochs 10",
+                workdir="/tmp",
+                time_limit_s=86400,
+                status=Job.Status.COMPLETED,
+                submitted_at=start,
+                started_at=start,
+                finished_at=end,
+                attempts=1,
+            )
+            for i, start, end in rows
+        )
+        attempts = Attempt.objects.bulk_create(
+            Attempt(
+                job=job,
+                number=1,
+                node_id=gpus[i % GPUS].node_id,
+                created_at=start,
+                started_at=start,
+                ended_at=end,
+                outcome=Attempt.Outcome.EXITED,
+            )
+            for job, (i, start, end) in zip(made, rows, strict=True)
+        )
+        UsageRecord.objects.bulk_create(
+            UsageRecord(
+                attempt=attempt,
+                gpu=gpus[i % GPUS],
+                user_id=job.owner_id,
+                group_id=job.group_id,
+                started_at=start,
+                ended_at=end,
+                share=1.0,
+                gpu_seconds=(end - start).total_seconds(),
+                util_gpu_mean=50.0,
+            )
+            for job, attempt, (i, start, end) in zip(made, attempts, rows, strict=True)
+        )
+    with connection.cursor() as cursor:
+        # A row per record and UTC day it touched, as charging writes them.
+        cursor.execute(
+            """
+            INSERT INTO accounting_dailyusage (record_id, day, user_id, group_id,
+                                               job_id, gpu_seconds, busy_gpu_seconds)
+            SELECT r.id, d::date, r.user_id, r.group_id, a.job_id,
+                   extract(epoch FROM least(r.ended_at, d + interval '1 day')
+                                      - greatest(r.started_at, d)),
+                   0.5 * extract(epoch FROM least(r.ended_at, d + interval '1 day')
+                                            - greatest(r.started_at, d))
+            FROM scheduler_usagerecord r
+            JOIN scheduler_attempt a ON a.id = r.attempt_id
+            CROSS JOIN LATERAL generate_series(
+                date_trunc('day', r.started_at AT TIME ZONE 'UTC'),
+                date_trunc('day', r.ended_at AT TIME ZONE 'UTC'),
+                interval '1 day') d
+            """
+        )
+        cursor.execute("ANALYZE")
+    member, other = users[0], users[1]
+    log_job = Job.objects.filter(owner=member).order_by("-id").first()
+    assert log_job is not None
+    attempt = Attempt.objects.get(job=log_job)
+    line = "step 1234 loss 0.123456 lr 0.0001 throughput 1234.5 samples/s\n"
+    text = (line * (CHUNK // len(line) + 1))[:CHUNK]
+    JobLogChunk.objects.bulk_create(
+        JobLogChunk(attempt=attempt, node_id=attempt.node_id, offset=o, data=text)
+        for o in range(0, settings.GPULAB_LOG_MAX_BYTES, CHUNK)
+    )
+    return {"member": member, "other": other, "log_job": log_job.pk}
+
+
+def token(user: Any) -> str:
+    from portal.api import tokens
+
+    return tokens.create_token(user, "bench", None)[1]
+
+
+def session_cookie(user: Any) -> str:
+    """A signed-in session of ``user`` (as the login form makes one)."""
+    from django.conf import settings
+    from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY
+    from django.contrib.sessions.backends.db import SessionStore
+
+    session = SessionStore()
+    session[SESSION_KEY] = str(user.pk)
+    session[BACKEND_SESSION_KEY] = settings.AUTHENTICATION_BACKENDS[0]
+    session[HASH_SESSION_KEY] = user.get_session_auth_hash()
+    session.create()
+    return f"{settings.SESSION_COOKIE_NAME}={session.session_key}"
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of the process and its children (uvicorn's workers)."""
+    total = 0
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    for p in pids:
+        status = Path(f"/proc/{p}/status").read_text()
+        m = re.search(r"VmRSS:\s+(\d+) kB", status)
+        total += int(m.group(1)) if m else 0
+    return round(total / 1024, 1)
+
+
+def timed(
+    client: httpx.Client, url: str, headers: dict[str, str]
+) -> tuple[float, int, int]:
+    """(seconds, bytes, status) of one GET, the body read whole."""
+    t0 = time.perf_counter()
+    size = 0
+    with client.stream("GET", url, headers=headers) as response:
+        for chunk in response.iter_bytes():
+            size += len(chunk)
+        status = response.status_code
+    return time.perf_counter() - t0, size, status
+
+
+def others_alone(base: str, headers: dict[str, str], seconds: float) -> dict[str, Any]:
+    """The other user's polls with nothing else running: the baseline."""
+    polls: dict[str, list[float]] = {"/api/v1/me/": [], "/api/v1/jobs/": []}
+    deadline = time.monotonic() + seconds
+    with httpx.Client(base_url=base, timeout=60) as c:
+        while time.monotonic() < deadline:
+            for path, times in polls.items():
+                times.append(timed(c, path, headers)[0])
+    return {
+        path: {
+            "requests": len(times),
+            "p50_ms": round((pct(times, 50) or 0) * 1000, 1),
+            "p95_ms": round((pct(times, 95) or 0) * 1000, 1),
+        }
+        for path, times in polls.items()
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=100_000)
+    parser.add_argument("--days", type=int, default=365)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting of the web process (e.g. GPULAB_WEB_API_PER_CLIENT=3)",
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    for item in args.env:
+        name, _, value = item.partition("=")
+        os.environ[name] = value
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "load_start": loadavg(),
+        "env": args.env,
+    }
+    with fresh_database("bounded") as db_url:
+        from django.conf import settings
+        from django.utils import timezone
+
+        t0 = time.perf_counter()
+        made = populate(args.jobs, args.days)
+        result["populate_s"] = round(time.perf_counter() - t0, 1)
+        print(
+            f"populated {args.jobs} jobs over {args.days} days in {result['populate_s']} s"
+        )
+        member_api = {"Authorization": f"Bearer {token(made['member'])}"}
+        other_api = {"Authorization": f"Bearer {token(made['other'])}"}
+        member_web = {"Cookie": session_cookie(made["member"])}
+        today = timezone.now().date()
+        first = today - timedelta(settings.GPULAB_USAGE_MAX_DAYS - 1)
+        wide = f"from={first}&to={today}"
+        page = settings.GPULAB_API_MAX_PAGE
+        candidates = {
+            "usage API, group, widest range": (
+                f"/api/v1/usage/?group=g0&{wide}",
+                member_api,
+            ),
+            "usage API, own, widest range": (f"/api/v1/usage/?{wide}", member_api),
+            "usage page, group, widest range": (f"/usage/?group=g0&{wide}", member_web),
+            "usage CSV, group, widest range": (
+                f"/usage/csv/?group=g0&{wide}",
+                member_web,
+            ),
+            f"job list, limit={page}": (f"/api/v1/jobs/?limit={page}", member_api),
+            f"job list, limit={page}, deep offset": (
+                f"/api/v1/jobs/?limit={page}&offset=10000",
+                member_api,
+            ),
+            "queue API (first page)": ("/api/v1/queue/", member_api),
+            "log tail, biggest": (
+                f"/api/v1/jobs/{made['log_job']}/logs/?tail={4 * 1024 * 1024}"
+                f"&limit={4 * 1024 * 1024}",
+                member_api,
+            ),
+            "usage API, 0001-01-01..9999-12-31 (refused)": (
+                "/api/v1/usage/?from=0001-01-01&to=9999-12-31",
+                member_api,
+            ),
+            "usage CSV, to=9999-12-31 (refused)": (
+                "/usage/csv/?to=9999-12-31",
+                member_web,
+            ),
+        }
+        port = free_port()
+        log = args.out_dir / "bounded_cost.web.log"
+        server = start_server(db_url, port, log)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            with httpx.Client(base_url=base, timeout=120) as client:
+                client.get("/api/v1/me/", headers=member_api)  # warm up
+                result["rss_mib_start"] = rss_mib(server.pid)
+                alone: dict[str, Any] = {}
+                print(f"\nalone (median of {args.repeat}):")
+                for label, (url, headers) in candidates.items():
+                    runs = [timed(client, url, headers) for _ in range(args.repeat)]
+                    ms = statistics.median(r[0] for r in runs) * 1000
+                    alone[label] = {
+                        "url": url,
+                        "status": runs[-1][2],
+                        "ms": round(ms, 1),
+                        "bytes": runs[-1][1],
+                    }
+                    print(
+                        f"  {label:48} {runs[-1][2]}  {ms:8.1f} ms"
+                        f"  {runs[-1][1]:>10,} bytes"
+                    )
+                result["alone"] = alone
+                result["rss_mib_after_alone"] = rss_mib(server.pid)
+            result["others_alone"] = others_alone(base, other_api, args.seconds / 4)
+            o = result["others_alone"]
+            print(
+                f"\nother user alone ({args.seconds / 4:g} s): /api/v1/me/ p50"
+                f" {o['/api/v1/me/']['p50_ms']} ms p95 {o['/api/v1/me/']['p95_ms']} ms,"
+                f" /api/v1/jobs/ p50 {o['/api/v1/jobs/']['p50_ms']} ms"
+                f" p95 {o['/api/v1/jobs/']['p95_ms']} ms"
+            )
+            costliest = max(
+                (k for k, v in alone.items() if v["status"] == 200),
+                key=lambda k: alone[k]["ms"],
+            )
+            url, headers = candidates[costliest]
+            result["costliest"] = costliest
+            print(f"\nfour at once of: {costliest} ({url}) for {args.seconds:g} s")
+            stop = threading.Event()
+            heavy: list[tuple[float, int]] = []
+            polls: dict[str, list[float]] = {"/api/v1/me/": [], "/api/v1/jobs/": []}
+            statuses: dict[str, dict[int, int]] = {p: {} for p in polls}
+
+            def hammer() -> None:
+                with httpx.Client(base_url=base, timeout=300) as c:
+                    while not stop.is_set():
+                        s, _, status = timed(c, url, headers)
+                        heavy.append((s, status))
+                        if status == 429:
+                            # the gate frees the client's place just after the
+                            # answer: try again as soon as it has
+                            time.sleep(0.05)
+
+            def poll() -> None:
+                with httpx.Client(base_url=base, timeout=300) as c:
+                    while not stop.is_set():
+                        for path, times in polls.items():
+                            s, _, status = timed(c, path, other_api)
+                            times.append(s)
+                            statuses[path][status] = statuses[path].get(status, 0) + 1
+
+            load_before = loadavg()
+            threads = [threading.Thread(target=hammer) for _ in range(4)]
+            threads.append(threading.Thread(target=poll))
+            for t in threads:
+                t.start()
+            time.sleep(args.seconds)
+            stop.set()
+            for t in threads:
+                t.join()
+            result["load_during"] = [load_before, loadavg()]
+            result["rss_mib_end"] = rss_mib(server.pid)
+            done = [s for s, status in heavy if status == 200]
+            result["heavy"] = {
+                "requests": len(heavy),
+                "answered_200": len(done),
+                "refused_429": sum(1 for _, status in heavy if status == 429),
+                "statuses": sorted({s for _, s in heavy}),
+                "p50_ms": round((pct(done, 50) or 0) * 1000, 1),
+                "max_ms": round(max(done, default=0) * 1000, 1),
+            }
+            result["others"] = {
+                path: {
+                    "requests": len(times),
+                    "statuses": statuses[path],
+                    "p50_ms": round((pct(times, 50) or 0) * 1000, 1),
+                    "p95_ms": round((pct(times, 95) or 0) * 1000, 1),
+                    "max_ms": round(max(times, default=0) * 1000, 1),
+                }
+                for path, times in polls.items()
+            }
+            h = result["heavy"]
+            print(
+                f"  member's requests: {h['answered_200']} answered (p50"
+                f" {h['p50_ms']} ms, max {h['max_ms']} ms), {h['refused_429']}"
+                " refused 429 by the per-client cap and tried again"
+            )
+            for path, o in result["others"].items():
+                print(
+                    f"  other user {path:16} n={o['requests']:4} {o['statuses']}"
+                    f"  p50 {o['p50_ms']} ms  p95 {o['p95_ms']} ms  max {o['max_ms']} ms"
+                )
+            print(
+                f"  web RSS: {result['rss_mib_start']} MiB at start,"
+                f" {result['rss_mib_after_alone']} after the single requests,"
+                f" {result['rss_mib_end']} after the concurrent ones"
+            )
+        finally:
+            server.terminate()
+            server.wait(20)
+    result["load_end"] = loadavg()
+    print(f"\nload: start {result['load_start']}, during {result['load_during']}")
+    (args.out_dir / "bounded_cost.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    sys.exit(main())
