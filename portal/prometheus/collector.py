@@ -267,7 +267,8 @@ def cluster(now: datetime) -> Iterator[Metric]:
         gpus.add_metric([name], n)
     yield gpus
 
-    labels = ["node", "gpu", "user", "job"]
+    # "job_id", not "job": Prometheus' own target label is "job".
+    labels = ["node", "gpu", "user", "job_id"]
     per_gpu = {
         "util": GaugeMetricFamily(
             "gpulab_gpu_utilization_percent",

@@ -217,11 +217,18 @@ def test_each_gpu_is_one_series_labelled_with_its_holder(
     util = series(s, "gpulab_gpu_utilization_percent")
     assert util == {
         frozenset(
-            {"node": "node-a", "gpu": "0", "user": "alice", "job": str(job.pk)}.items()
+            {
+                "node": "node-a",
+                "gpu": "0",
+                "user": "alice",
+                "job_id": str(job.pk),
+            }.items()
         ): 87.0,
-        frozenset({"node": "node-a", "gpu": "1", "user": "", "job": ""}.items()): 0.0,
+        frozenset(
+            {"node": "node-a", "gpu": "1", "user": "", "job_id": ""}.items()
+        ): 0.0,
     }
-    labels = {"node": "node-a", "gpu": "0", "user": "alice", "job": str(job.pk)}
+    labels = {"node": "node-a", "gpu": "0", "user": "alice", "job_id": str(job.pk)}
     assert value(s, "gpulab_gpu_memory_used_bytes", **labels) == 1000 * MIB
     assert value(s, "gpulab_gpu_power_watts", **labels) == 250.0
     assert value(s, "gpulab_gpu_temperature_celsius", **labels) == 61.0
@@ -256,7 +263,7 @@ def test_a_shared_gpu_stays_one_series_with_both_holders(
     assert list(util.values()) == [40.0]
     (labels,) = util
     assert dict(labels)["user"] == "bob,alice"
-    assert dict(labels)["job"] == f"{first.pk},{second.pk}"
+    assert dict(labels)["job_id"] == f"{first.pk},{second.pk}"
     assert value(s, "gpulab_gpus", state="shared") == 1
 
 
