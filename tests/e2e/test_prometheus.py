@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -25,6 +24,7 @@ from tests.e2e.conftest import ROOT, Stack, free_port, wait_for_job, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
 
     from django.contrib.auth.models import User
 
