@@ -69,6 +69,10 @@ def prometheus(stack: Stack, tmp_path: Path) -> Iterator[Prometheus]:
     """Prometheus on a free loopback port, scraping the stack every second with
     the token (from a file, as a deployment keeps it); returned once its first
     scrape of /metrics succeeded. Stopped with the stack."""
+    assert os.access(PROMETHEUS, os.X_OK), (
+        f"{PROMETHEUS} is missing: install Debian's prometheus (apt-get install"
+        " prometheus; .ci/run does), then stop the daemon it starts"
+    )
     port = free_port()
     token_file = tmp_path / "metrics-token"
     token_file.write_text(TOKEN)
