@@ -4,12 +4,13 @@ Nothing is counted in the web process: jobs, attempts, nodes and charges come
 from PostgreSQL, the passes' statistics, the nodes' newest readings, the ingest
 counter and the browsers' counts from Redis, so two web processes scraped at
 the same moment give the same answer. The queries are a fixed number whatever
-the cluster's size: a few ``GROUP BY`` counts, the cluster's read model
-(``livestate.cluster_state``, three queries), the quotas' states (three).
+the cluster's size (twelve): one scan of the jobs, the pending jobs by reason,
+the cluster's read model (``livestate.cluster_state``, three), the GPU-hours per
+group, the quotas' states (three), the nodes' ingest lag.
 
-Counters (``*_total``) are totals the database keeps (attempts ever made, the
-jobs' preemption counts, the usage records' GPU-seconds, the pass totals), so
-they only grow; series that could be absent are written as zeros (every job
+Counters (``*_total``) are totals the database keeps (the jobs' attempt and
+preemption counts, the usage records' GPU-seconds, the pass totals), so they
+only grow; series that could be absent are written as zeros (every job
 state and class, every waiting reason, every GPU and node state), so a PromQL
 sum over them is never an empty result.
 """
@@ -36,7 +37,7 @@ from portal.quotas.usage import quota_states
 from scheduler import livestate, pass_log
 from scheduler.ingest import frames_key
 from scheduler.live.hub import clients_key
-from scheduler.models import Attempt, Job, Node
+from scheduler.models import Job, Node
 from scheduler.pass_requests import _redis_client
 from scheduler.policy import Reason
 
@@ -86,16 +87,23 @@ class GpulabCollector(Collector):
 
 
 def jobs(now: datetime) -> Iterator[Metric]:
-    """Jobs by state and class, waiting jobs by reason, the longest wait, and
-    the starts and preemptions counters by class."""
+    """Jobs by state and class, the starts (``Job.attempts``) and preemptions
+    (``Job.preemptions``) counters by class, all from one scan of the jobs;
+    waiting jobs by reason and the longest wait from the pending jobs' index."""
     names = classes()
+    counts = {(s, c): 0 for s in Job.Status.values for c in names}
+    made = dict.fromkeys(names, 0)
+    preempted = dict.fromkeys(names, 0)
+    rows = Job.objects.order_by().values_list("status", "priority_class")
+    for status, klass, n, attempts, preemptions in rows.annotate(
+        n=Count("id"), attempts=Sum("attempts"), preemptions=Sum("preemptions")
+    ):
+        counts[(status, klass)] = n
+        made[klass] = made.get(klass, 0) + attempts
+        preempted[klass] = preempted.get(klass, 0) + preemptions
     by_state = GaugeMetricFamily(
         "gpulab_jobs", "Jobs by state and priority class.", labels=["state", "class"]
     )
-    counts = {(s, c): 0 for s in Job.Status.values for c in names}
-    rows = Job.objects.order_by().values_list("status", "priority_class")
-    for status, klass, n in rows.annotate(n=Count("id")):
-        counts[(status, klass)] = n
     for (status, klass), n in sorted(counts.items()):
         by_state.add_metric([status, klass], n)
     yield by_state
@@ -134,25 +142,14 @@ def jobs(now: datetime) -> Iterator[Metric]:
         "Job starts (attempts made, a multi-node job's once) by priority class.",
         labels=["class"],
     )
-    made = dict.fromkeys(names, 0)
-    attempts = Attempt.objects.order_by().values_list("job__priority_class")
-    for klass, n in attempts.annotate(n=Count("id")):
-        made[klass] = n
     for klass, n in made.items():
         starts.add_metric([klass], n)
     yield starts
-
     preemptions = CounterMetricFamily(
         "gpulab_preemptions",
         "Preemptions of running jobs by the preempted job's priority class.",
         labels=["class"],
     )
-    preempted = dict.fromkeys(names, 0)
-    stopped = Job.objects.filter(preemptions__gt=0).order_by()
-    for klass, n in stopped.values_list("priority_class").annotate(
-        n=Sum("preemptions")
-    ):
-        preempted[klass] = n
     for klass, n in preempted.items():
         preemptions.add_metric([klass], n)
     yield preemptions
