@@ -26,7 +26,7 @@ from scheduler.live.hub import Hub, clients_key
 from scheduler.models import Gpu, Job, Node, UsageRecord
 from scheduler.pass_requests import _redis_client
 from tests.conftest import make_node
-from tests.factories import JobFactory, start_job
+from tests.factories import JobFactory, exited_data, start_job, started_data
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -241,6 +241,29 @@ def test_each_gpu_is_one_series_labelled_with_its_holder(
     assert value(s, "gpulab_nodes", status="new", mode="maintenance") == 0
     assert value(s, "gpulab_websocket_clients", kind="agent") == 1
     assert value(s, "gpulab_node_metrics_age_seconds", node="node-a") == 2.0
+
+
+def test_a_finished_jobs_series_ends_and_the_gpu_goes_on_unlabelled(
+    alice: User,
+) -> None:
+    node, _ = make_node("node-a", 1)
+    Node.objects.filter(pk=node.pk).update(connected=True)
+    gpu = node.gpus.get()
+    Gpu.objects.filter(pk=gpu.pk).update(
+        latest=_reading(0, 90.0, 5, 100.0, 50.0), latest_at=timezone.now()
+    )
+    job = JobFactory(owner=alice)
+    attempt = start_job(job, node)
+    busy = series(scrape(), "gpulab_gpu_utilization_percent")
+    assert [dict(labels)["job_id"] for labels in busy] == [str(job.pk)]
+
+    services.mark_started(node.pk, started_data(attempt))
+    services.finish_attempt(node.pk, exited_data(attempt, 0))
+
+    free = series(scrape(), "gpulab_gpu_utilization_percent")
+    assert [dict(labels) for labels in free] == [
+        {"node": "node-a", "gpu": "0", "user": "", "job_id": ""}
+    ]
 
 
 def test_a_shared_gpu_stays_one_series_with_both_holders(
