@@ -600,3 +600,5 @@ from portal.settings_directory import *  # noqa: F403,E402
 # What a job request may ask for (allowed working directories).
 from portal.settings_input import *  # noqa: F403,E402
 from portal.settings_limits import *  # noqa: F403,E402
+# /metrics (Prometheus): off unless a token or networks are set.
+from portal.settings_metrics import *  # noqa: E402,F403

@@ -9,6 +9,7 @@ from django.urls import include, path
 from portal.accounting import views as accounting
 from portal.api import pages as api_pages
 from portal.notifications import views as notifications
+from portal.prometheus import views as prometheus
 from portal.views import admin_overview, cluster, jobs
 
 urlpatterns = [
@@ -47,6 +48,7 @@ urlpatterns = [
     ),
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api.urls")),
+    path("metrics", prometheus.metrics, name="metrics"),
     path("tokens/", api_pages.token_list, name="api-tokens"),
     path(
         "tokens/<int:token_id>/revoke/", api_pages.token_revoke, name="api-token-revoke"
