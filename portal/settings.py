@@ -596,3 +596,5 @@ GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximu
 # Default working directory of a job when none is given ({user} is the username).
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
 from portal.settings_directory import *  # noqa: F403,E402
+
+CELERY_BEAT_SCHEDULE.update(DIRECTORY_BEAT_SCHEDULE)  # noqa: F405
