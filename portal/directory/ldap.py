@@ -27,7 +27,11 @@ from django_auth_ldap.backend import (  # type: ignore[import-untyped]
 )
 from django_auth_ldap.config import LDAPSearch  # type: ignore[import-untyped]
 
-from portal.directory.identity import DirectoryIdentity, apply_identity
+from portal.directory.identity import (
+    DirectoryIdentity,
+    IdentityRefused,
+    apply_identity,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -168,7 +172,16 @@ class DirectoryBackend(LDAPBackend):  # type: ignore[misc]
         except ldap.LDAPError as exc:
             _report(request, exc)
             return None
-        apply_identity(user, identity)
+        try:
+            apply_identity(user, identity)
+        except IdentityRefused as exc:
+            log.error("ldap: sign-in of %s refused: %s", user.get_username(), exc)
+            if request is not None:
+                request.directory_error = (
+                    f"your directory account cannot be used here ({exc}); ask the"
+                    " lab's admin"
+                )
+            return None
         return user if user.is_active else None
 
     def get_user(self, user_id: int) -> User | None:

@@ -13,7 +13,11 @@ from django.contrib.auth.models import User
 from django.db.models import Q
 
 from portal.directory import ldap as directory
-from portal.directory.identity import apply_identity, deactivate_user
+from portal.directory.identity import (
+    IdentityRefused,
+    apply_identity,
+    deactivate_user,
+)
 from scheduler.models import Profile
 
 log = logging.getLogger(__name__)
@@ -66,8 +70,11 @@ def refresh_ldap_users() -> dict[str, int]:
                     deactivate_user(user, GONE)
                     counts["deactivated"] += 1
                 continue
-            if apply_identity(user, identity):
-                counts["changed"] += 1
+            try:
+                if apply_identity(user, identity):
+                    counts["changed"] += 1
+            except IdentityRefused as exc:
+                log.error("directory refresh: %s left as it was: %s", username, exc)
     finally:
         connection.unbind_s()
     log.info("directory refresh: %s", counts)

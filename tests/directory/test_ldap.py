@@ -22,7 +22,7 @@ from portal.api.tokens import create_token
 from portal.directory.tasks import refresh_ldap_users
 from portal.quotas.models import AuditEntry
 from scheduler.models import Group, Job, Membership
-from tests.directory.slapd import GROUPS, PEOPLE
+from tests.directory.slapd import GROUPS, PEOPLE, person
 from tests.factories import JobFactory
 
 if TYPE_CHECKING:
@@ -261,3 +261,16 @@ def test_a_wrong_setting_stops_the_process_at_start(
     assert result.returncode != 0
     assert "ImproperlyConfigured" in result.stderr
     assert named in result.stderr.splitlines()[-1]
+
+
+def test_a_directory_account_with_uid_0_cannot_sign_in(directory: Slapd) -> None:
+    directory.add(person("toor", 0, 0, "toor-pw-1", "Toor"))
+    _, response = sign_in("toor", "toor-pw-1")
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert "your directory account cannot be used here" in page
+    assert "unix_uid" in page
+    # Created by the sign-in, but with nothing of the refused entry.
+    toor = User.objects.get(username="toor")
+    assert not Membership.objects.filter(user=toor).exists()
+    assert not AuditEntry.objects.filter(object_id=toor.pk).exists()
