@@ -274,3 +274,43 @@ def test_a_directory_account_with_uid_0_cannot_sign_in(directory: Slapd) -> None
     toor = User.objects.get(username="toor")
     assert not Membership.objects.filter(user=toor).exists()
     assert not AuditEntry.objects.filter(object_id=toor.pk).exists()
+
+
+def test_the_refresh_is_scheduled_when_ldap_is_on() -> None:
+    """Celery beat gets the refresh, and the worker knows its task."""
+    script = (
+        "import django; django.setup()\n"
+        "from django.conf import settings\n"
+        "from portal.celery import app\n"
+        "app.loader.import_default_modules()\n"
+        "entry = settings.CELERY_BEAT_SCHEDULE.get('directory-refresh')\n"
+        "print(entry and entry['task'], entry and entry['schedule'])\n"
+        "print('portal.directory.tasks.refresh' in app.tasks)\n"
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "portal.settings",
+        "GPULAB_LDAP_URI": "ldap://ldap.uni.example",
+        "GPULAB_LDAP_USER_SEARCH_BASE": "ou=people,dc=uni,dc=example",
+        "GPULAB_LDAP_REFRESH_INTERVAL": "600",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["portal.directory.tasks.refresh", "600.0", "True"]
+    env.pop("GPULAB_LDAP_URI")
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.split()[:2] == ["None", "None"]
