@@ -314,3 +314,25 @@ def test_the_refresh_is_scheduled_when_ldap_is_on() -> None:
         timeout=120,
     )
     assert result.stdout.split()[:2] == ["None", "None"]
+
+
+def test_a_wrong_service_password_is_named_not_a_500(
+    slapd: Slapd,
+    settings: SettingsWrapper,
+    monkeypatch: pytest.MonkeyPatch,
+    db: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    use_directory(
+        settings,
+        monkeypatch,
+        {**slapd.settings(), **MAPPING, "GPULAB_LDAP_BIND_PASSWORD": "not-it"},
+    )
+    _, response = sign_in("dora", "dora-pw-1")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert (
+        f"the lab&#x27;s directory at {slapd.uri} failed: Invalid credentials" in page
+    )
+    assert f"the lab's directory at {slapd.uri} failed" in caplog.text
+    assert not User.objects.filter(username="dora").exists()
