@@ -32,6 +32,7 @@ from portal.directory.identity import (
     IdentityRefused,
     apply_identity,
 )
+from scheduler.models import Profile
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -158,6 +159,34 @@ class DirectoryBackend(LDAPBackend):  # type: ignore[misc]
 
     def ldap_to_django_username(self, username: str) -> str:
         return username.strip().lower()
+
+    def get_or_build_user(self, username: str, ldap_user: Any) -> tuple[User, bool]:
+        """django-auth-ldap's, except that a local account (one with a password
+        stored in gpulab, not yet signed in through the directory) is not taken
+        over: a directory user named ``admin`` must not become the local admin."""
+        user, built = super().get_or_build_user(username, ldap_user)
+        if not built and user.has_usable_password():
+            source = (
+                Profile.objects.filter(user=user)
+                .values_list("directory", flat=True)
+                .first()
+            )
+            if source != Profile.Directory.LDAP:
+                log.warning(
+                    "ldap: %s is a local account with its own password; the"
+                    " directory's %s may not sign in as it (remove its password"
+                    " to hand it to the directory)",
+                    username,
+                    ldap_user.dn,
+                )
+                request = getattr(ldap_user, "_request", None)
+                if request is not None:
+                    request.directory_error = (
+                        f"a local gpulab account is already named {username!r};"
+                        " ask the lab's admin"
+                    )
+                raise ldap_user.AuthenticationFailed("a local account has the name")
+        return user, built
 
     def authenticate_ldap_user(self, ldap_user: Any, password: str) -> User | None:
         user: User | None = super().authenticate_ldap_user(ldap_user, password)

@@ -336,3 +336,22 @@ def test_a_wrong_service_password_is_named_not_a_500(
     )
     assert f"the lab's directory at {slapd.uri} failed" in caplog.text
     assert not User.objects.filter(username="dora").exists()
+
+
+def test_a_local_account_is_not_taken_over_by_the_directory(directory: Slapd) -> None:
+    """A directory user with a local admin's name does not become that admin."""
+    local = User.objects.create_user(
+        "dora", password="local-pw-12", is_staff=True, is_superuser=True
+    )
+    _, response = sign_in("dora", "dora-pw-1")
+    assert response.status_code == 200
+    assert "a local gpulab account is already named" in response.content.decode()
+    local.refresh_from_db()
+    assert local.is_superuser
+    assert not Membership.objects.filter(user=local).exists()
+    # The local password still works; once it is removed the directory has it.
+    assert sign_in("dora", "local-pw-12")[1].status_code == 302
+    local.set_unusable_password()
+    local.save()
+    assert sign_in("dora", "dora-pw-1")[1].status_code == 302
+    assert memberships(local) == {"vision": True}
