@@ -22,8 +22,10 @@ from portal.api.tokens import create_token
 from portal.directory.tasks import refresh_ldap_users
 from portal.quotas.models import AuditEntry
 from scheduler.models import Group, Job, Membership
+from scheduler.services import launch_frame
+from tests.conftest import make_node
 from tests.directory.slapd import GROUPS, PEOPLE, person
-from tests.factories import JobFactory
+from tests.factories import JobFactory, start_job
 
 if TYPE_CHECKING:
     from pytest_django.fixtures import SettingsWrapper
@@ -144,6 +146,13 @@ def test_the_refresh_follows_group_changes_and_removals(
     assert dora.gpulab.unix_uid == 20011
     assert dora.gpulab.unix_gids == [5001]
     assert dora.gpulab.primary_group == groups["nlp"]
+    # Her next job's launch carries the new numbers.
+    node, _ = make_node("gpu-a", 1)
+    attempt = start_job(JobFactory(owner=dora, group=groups["nlp"]), node)
+    frame = launch_frame(attempt.job, attempt, list(node.gpus.all()))
+    assert frame["data"]["run_as"] == "dora"
+    assert frame["data"]["run_as_uid"] == 20011
+    assert frame["data"]["run_as_gids"] == [5001]
 
     # Removed from the directory.
     directory.delete(f"uid=dora,{PEOPLE}")
@@ -355,3 +364,35 @@ def test_a_local_account_is_not_taken_over_by_the_directory(directory: Slapd) ->
     local.save()
     assert sign_in("dora", "dora-pw-1")[1].status_code == 302
     assert memberships(local) == {"vision": True}
+
+
+def test_a_user_disabled_in_the_directory_is_deactivated(
+    slapd: Slapd, settings: SettingsWrapper, monkeypatch: pytest.MonkeyPatch, db: None
+) -> None:
+    """The user filter leaves disabled accounts out (here: a nologin shell)."""
+    use_directory(
+        settings,
+        monkeypatch,
+        {
+            **slapd.settings(),
+            **MAPPING,
+            "GPULAB_LDAP_USER_FILTER": "(&(objectClass=posixAccount)(uid=%(user)s)"
+            "(!(loginShell=/usr/sbin/nologin)))",
+        },
+    )
+    assert sign_in("dora", "dora-pw-1")[1].status_code == 302
+    slapd.modify(
+        f"dn: uid=dora,{PEOPLE}\nchangetype: modify\nreplace: loginShell\n"
+        "loginShell: /usr/sbin/nologin\n"
+    )
+    assert refresh_ldap_users()["deactivated"] == 1
+    assert User.objects.get(username="dora").is_active is False
+    assert sign_in("dora", "dora-pw-1")[1].status_code == 200
+    # Enabled again: the refresh gives the account back.
+    slapd.modify(
+        f"dn: uid=dora,{PEOPLE}\nchangetype: modify\nreplace: loginShell\n"
+        "loginShell: /bin/bash\n"
+    )
+    refresh_ldap_users()
+    assert User.objects.get(username="dora").is_active is True
+    assert sign_in("dora", "dora-pw-1")[1].status_code == 302
