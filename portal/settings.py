@@ -602,3 +602,4 @@ from portal.settings_input import *  # noqa: F403,E402
 from portal.settings_limits import *  # noqa: F403,E402
 # /metrics (Prometheus): off unless a token or networks are set.
 from portal.settings_metrics import *  # noqa: E402,F403
+CELERY_BEAT_SCHEDULE.update(DIRECTORY_BEAT_SCHEDULE)  # noqa: F405
