@@ -12,6 +12,11 @@ RUN useradd --system --create-home --home-dir /home/gpulab gpulab \
     && mkdir -p /var/lib/gpulab/beat /var/lib/gpulab/agent /run/gpulab-agent \
     && chown -R gpulab:gpulab /var/lib/gpulab /run/gpulab-agent
 
+# python-ldap (LDAP sign-in) builds from source against OpenLDAP's and SASL's headers.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libldap2-dev libsasl2-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 COPY . /app
 RUN pip install /app

@@ -53,6 +53,9 @@ class Config:
     hostname: str = ""
     # Jobs without run_as run as this account when the agent is root.
     default_account: str | None = None
+    # A launch's uid/gid (from the lab's directory) must match this node's own
+    # user database (else the job fails to launch, saying why).
+    require_local_account: bool = False
     # While disconnected: one metrics frame per this many seconds goes to the spool.
     spool_metrics_interval_s: float = 10.0
     spool_max_bytes: int = 64 * 1024 * 1024
@@ -82,6 +85,7 @@ class AgentCore(abc.ABC):
             self.state,
             allow_root_jobs=config.allow_root_jobs,
             default_account=config.default_account,
+            require_local_account=config.require_local_account,
         )
         self.spool = Spool(self.state.spool, max_bytes=config.spool_max_bytes)
         self.seq = SeqCounter(self.state.agent_json, floor=self.spool.max_seq)

@@ -23,12 +23,7 @@ from agents.jobtext import normal_workdir
 from agents.progress import ProgressTracker
 from agents.protocol import ExitReason, JobLaunchData
 from agents.rendezvous import port_busy, rank0_rendezvous
-from agents.shim import (
-    LaunchError,
-    check_env,
-    check_workdir,
-    resolve_user,
-)
+from agents.shim import LaunchError, check_env, check_workdir, resolve_run_as
 from agents.statedir import (
     StateDir,
     atomic_write,
@@ -130,9 +125,12 @@ class Launcher:
         *,
         allow_root_jobs: bool = False,
         default_account: str | None = None,
+        require_local_account: bool = False,
     ) -> None:
         self.state = state
         self.allow_root_jobs = allow_root_jobs
+        # A launch's uid and gid must match the node's own user database.
+        self.require_local_account = require_local_account
         # Account for jobs that name no run_as when the agent runs as root.
         self.default_account = default_account
         self._children: list[subprocess.Popen[bytes]] = []
@@ -151,7 +149,12 @@ class Launcher:
            the portal relaunches the job with another port);
         4. start the shim in its own session and record its pid + start time.
         """
-        if data.run_as is None and self.default_account and os.geteuid() == 0:
+        if (
+            data.run_as is None
+            and data.run_as_uid is None
+            and self.default_account
+            and os.geteuid() == 0
+        ):
             # Recorded in spec.json: the shim (and a restarted agent) read it there.
             data = data.model_copy(update={"run_as": self.default_account})
         job_dir = self.state.job_dir(data.attempt_id)
@@ -200,10 +203,12 @@ class Launcher:
     def _preflight(self, data: JobLaunchData) -> None:
         check_workdir(normal_workdir(data.workdir), state_root=self.state.root)
         check_env(dict(data.env))
-        account = resolve_user(data.run_as)
+        account = resolve_run_as(
+            data.model_dump(), require_local=self.require_local_account
+        )
         if os.geteuid() != 0 or self.allow_root_jobs:
             return
-        if data.run_as is None:
+        if data.run_as is None and data.run_as_uid is None:
             raise LaunchError(
                 "refusing to run a job as root: the job names no run_as account"
                 " (start the agent with --default-account USER to run such jobs as"

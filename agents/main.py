@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the agent runs as root, run jobs that name no run_as as USER",
     )
     ap.add_argument(
+        "--require-local-account",
+        action="store_true",
+        default=os.environ.get("GPULAB_AGENT_REQUIRE_LOCAL_ACCOUNT", "").lower()
+        in ("1", "true", "yes", "on"),
+        help="run a job under the uid/gid its launch carries (from the lab's"
+        " directory) only if this node's user database has the account with the"
+        " same numbers (default: $GPULAB_AGENT_REQUIRE_LOCAL_ACCOUNT, else off)",
+    )
+    ap.add_argument(
         "--spool-metrics-interval",
         type=float,
         default=10.0,
@@ -197,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_root_jobs=args.allow_root_jobs,
         hostname=hostname,
         default_account=args.default_account,
+        require_local_account=args.require_local_account,
         spool_metrics_interval_s=args.spool_metrics_interval,
         spool_max_bytes=int(args.spool_max_mb * 1024 * 1024),
         kill_after_disconnect_s=args.kill_after_disconnect,

@@ -14,9 +14,17 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
-PROTOCOL_VERSION: Final = 1
+# 2: the launch carries the account's uid, gid and supplementary gids.
+PROTOCOL_VERSION: Final = 2
 # Largest frame either side accepts, in bytes.
 MAX_FRAME_BYTES = 1 << 20
 # The agent's websocket offers no compression (permessage-deflate): its frames are
@@ -54,6 +62,10 @@ TOKEN_REJECTED: Final = frozenset({CloseCode.BAD_TOKEN})
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1)]
 Text = Annotated[str, Field(max_length=4096)]
+# A uid or gid (0 is accepted here so that the agent can refuse it by name).
+UnixId = Annotated[int, Field(ge=0, le=2**32 - 2)]
+# Most supplementary groups a launch may carry (Linux's NGROUPS_MAX is 65536).
+MAX_GIDS = 1024
 
 
 class _Model(BaseModel):
@@ -222,6 +234,20 @@ class JobLaunchData(_Model):
     grace_s: NonNegInt = 30
     time_limit_s: PosInt | None = None
     run_as: Text | None = None  # Unix account; None: the agent's own account
+    # The account's numbers (from the lab's directory): an agent running as root
+    # switches to them without asking the node's user database, as Slurm does with
+    # the uid in its job credential. None: the node resolves ``run_as``.
+    run_as_uid: UnixId | None = None
+    run_as_gid: UnixId | None = None
+    run_as_gids: Annotated[list[UnixId], Field(max_length=MAX_GIDS)] = []
+
+    @model_validator(mode="after")
+    def _uid_with_gid(self) -> JobLaunchData:
+        if (self.run_as_uid is None) != (self.run_as_gid is None):
+            raise ValueError("run_as_uid and run_as_gid come together")
+        if self.run_as_gids and self.run_as_uid is None:
+            raise ValueError("run_as_gids needs run_as_uid")
+        return self
 
 
 KillReason = Literal[
@@ -262,7 +288,7 @@ class EmptyData(_Model):
 
 
 class _Envelope(_Model):
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     seq: NonNegInt
     ts: Timestamp
 

@@ -4,7 +4,8 @@ The launcher starts one shim per attempt in its own session, so it outlives the 
 (as slurmstepd outlives slurmd). The shim:
 
 1. reads ``spec.json`` and records ``shim.pid`` (pid + /proc start time);
-2. starts ``/bin/sh -c <command>`` in its own process group, as ``run_as`` when set,
+2. starts ``/bin/sh -c <command>`` in its own process group, as ``run_as`` when set
+   (by its numbers when the launch carries them: ``resolve_run_as``),
    with stdout and stderr appended to ``output.log``, and records ``pgid``;
 3. on SIGTERM (the agent wrote ``stop`` first) sends SIGTERM to the group, waits the
    grace period, then SIGKILLs the group;
@@ -29,11 +30,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.jobtext import is_env_name, normal_workdir
 from agents.statedir import atomic_write, proc_start_time, read_text
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 PR_SET_CHILD_SUBREAPER = 36
 CLEANUP_GRACE_S = 2.0
@@ -84,6 +89,72 @@ def check_workdir(workdir: str, state_root: Path | None = None) -> None:
         raise LaunchError(
             f"workdir {workdir} is inside the agent's state directory {state_root}"
         )
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """Whom the command runs as: numbers, and the name and home it is told."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: list[int]
+    home: str | None  # None: the node does not know the account (HOME = workdir)
+
+
+def resolve_run_as(
+    spec: Mapping[str, Any], *, require_local: bool = False
+) -> RunAs | None:
+    """The account a launch names, None to stay as we are. Raises ``LaunchError``.
+
+    With numbers (``run_as_uid``/``run_as_gid``/``run_as_gids``, from the lab's
+    directory) they are used as they are: the node need not know the account.
+    uid or gid 0 is refused. ``require_local``: the node's user database must know
+    ``run_as`` with the same uid and gid. Without numbers, ``run_as`` is looked up
+    by name (``resolve_user``).
+    """
+    uid, gid = spec.get("run_as_uid"), spec.get("run_as_gid")
+    name = spec.get("run_as") or ""
+    if uid is None or gid is None:
+        account = resolve_user(spec.get("run_as"))
+        if account is None:
+            return None
+        return RunAs(
+            account.pw_name,
+            account.pw_uid,
+            account.pw_gid,
+            os.getgrouplist(account.pw_name, account.pw_gid),
+            account.pw_dir,
+        )
+    gids = [int(g) for g in spec.get("run_as_gids") or []]
+    who = f"{name!r} (uid {uid})" if name else f"uid {uid}"
+    if uid == 0 or gid == 0 or 0 in gids:
+        raise LaunchError(
+            f"refusing to run a job as {who} with gid {gid}, groups {gids}:"
+            " uid 0 and gid 0 are root's"
+        )
+    local: pwd.struct_passwd | None = None
+    with contextlib.suppress(KeyError):
+        local = pwd.getpwnam(name) if name else pwd.getpwuid(uid)
+    if require_local:
+        if local is None:
+            raise LaunchError(
+                f"account {who} is not in this node's user database, which the"
+                " agent requires (--require-local-account)"
+            )
+        if (local.pw_uid, local.pw_gid) != (uid, gid):
+            raise LaunchError(
+                f"account {name!r} is uid {uid} gid {gid} in the directory but uid"
+                f" {local.pw_uid} gid {local.pw_gid} on this node"
+                " (--require-local-account)"
+            )
+    if uid == os.geteuid():
+        return None
+    if os.geteuid() != 0:
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        raise LaunchError(f"cannot run as {who}: the agent runs as {me!r}, not root")
+    home = local.pw_dir if local is not None and local.pw_uid == uid else None
+    return RunAs(name or str(uid), uid, gid, sorted({gid, *gids}), home)
 
 
 def resolve_user(run_as: str | None) -> pwd.struct_passwd | None:
@@ -177,17 +248,20 @@ def run(job_dir: Path) -> int:
         workdir = normal_workdir(spec["workdir"])
         check_workdir(workdir, state_root=job_dir.parent.parent)
         check_env(spec.get("env", {}))
-        account = resolve_user(spec.get("run_as"))
+        account = resolve_run_as(spec)
         env = build_env(spec)
         kwargs: dict[str, Any] = {}
         if account is not None:
+            # setgroups, setgid, setuid in the child, in that order (Popen's).
             kwargs = {
-                "user": account.pw_uid,
-                "group": account.pw_gid,
-                "extra_groups": os.getgrouplist(account.pw_name, account.pw_gid),
+                "user": account.uid,
+                "group": account.gid,
+                "extra_groups": account.groups,
             }
             env.update(
-                HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name
+                HOME=account.home or workdir,
+                USER=account.name,
+                LOGNAME=account.name,
             )
         with (job_dir / "output.log").open("ab") as log:
             child = subprocess.Popen(

@@ -93,7 +93,7 @@ class Portal:
 
     async def send(self, type_: str, data: dict[str, Any]) -> None:
         assert self.conn is not None
-        frame = {"type": type_, "v": 1, "seq": next(self._seq), "ts": time.time()}
+        frame = {"type": type_, "v": 2, "seq": next(self._seq), "ts": time.time()}
         await self.conn.send(json.dumps({**frame, "data": data}))
 
     async def handler(self, ws: ServerConnection) -> None:

@@ -25,6 +25,10 @@ script cannot fill the queue that everyone's calls wait in, and it is told to sl
 down (429) where the server as a whole is not out of room (503). The per-token rate
 limit (``portal/api/throttling.py``) counts requests over a minute; this counts
 requests at once, before anything runs, with no Redis round trip.
+In a capped lane one client also *runs* at most all but one of the lane's places
+(``client_running_cap``), and a freed place goes to the longest-waiting request
+whose client is under that cap: a script holding its full share cannot make
+another user's call wait for one of its slow requests to finish.
 Websockets are not counted: they are long-lived and run no thread per frame.
 """
 
@@ -61,12 +65,25 @@ class Lane:
         # places (running or waiting) one client may hold; 0: no cap
         self.per_client = per_client
         self.running = 0
-        self.queue: deque[asyncio.Future[None]] = deque()
-        self.clients: Counter[bytes] = Counter()
+        # waiting requests in arrival order: (client, turn)
+        self.queue: deque[tuple[bytes, asyncio.Future[None]]] = deque()
+        self.clients: Counter[bytes] = Counter()  # places held, running or waiting
+        self.running_by: Counter[bytes] = Counter()
 
     @property
     def waiting(self) -> int:
         return len(self.queue)
+
+    @property
+    def client_running_cap(self) -> int:
+        """How many of the lane's places one client may run at once: all but one
+        when clients are capped (so another client always finds one), else all."""
+        if not self.per_client:
+            return self.limit
+        return max(1, self.limit - 1)
+
+    def may_run(self, client: bytes) -> bool:
+        return self.running_by[client] < self.client_running_cap
 
 
 class ConcurrencyGate:
@@ -111,7 +128,7 @@ class ConcurrencyGate:
             return
         lane = self.lane(scope)
         if not lane.per_client:
-            await self._run(lane, scope, receive, send)
+            await self._run(lane, b"", scope, receive, send)
             return
         client = client_key(scope)
         if lane.clients[client] >= lane.per_client:
@@ -119,57 +136,77 @@ class ConcurrencyGate:
             return
         lane.clients[client] += 1
         try:
-            await self._run(lane, scope, receive, send)
+            await self._run(lane, client, scope, receive, send)
         finally:
             lane.clients[client] -= 1
             if not lane.clients[client]:
                 del lane.clients[client]
 
     async def _run(
-        self, lane: Lane, scope: Scope, receive: Receive, send: Send
+        self, lane: Lane, client: bytes, scope: Scope, receive: Receive, send: Send
     ) -> None:
         """The request in its turn, or 503 at once if ``lane``'s queue is full."""
-        if not await self._enter(lane):
+        if not await self._enter(lane, client):
             await _refuse(send, api=lane is self.api)
             return
         try:
             await self.app(scope, receive, send)
         finally:
-            self._leave(lane)
+            self._leave(lane, client)
 
-    async def _enter(self, lane: Lane) -> bool:
+    async def _enter(self, lane: Lane, client: bytes) -> bool:
         """Wait for a turn in ``lane``; False (at once) if its queue is full."""
-        if not lane.queue and lane.running < self.limit(lane):
-            lane.running += 1
+        if (
+            lane.running < self.limit(lane)
+            and lane.may_run(client)
+            and not any(lane.may_run(c) for c, t in lane.queue if not t.done())
+        ):
+            self._start(lane, client)
             return True
         if lane.waiting >= lane.max_waiting:
             return False
         turn = asyncio.get_running_loop().create_future()
-        lane.queue.append(turn)
+        entry = (client, turn)
+        lane.queue.append(entry)
         try:
             await turn
         except asyncio.CancelledError:
             if turn.cancelled():
                 # still queued, unless a dispatch already dropped it
                 with contextlib.suppress(ValueError):
-                    lane.queue.remove(turn)
+                    lane.queue.remove(entry)
             else:  # given its turn as it was cancelled: hand the turn on
-                self._leave(lane)
+                self._leave(lane, client)
             raise
         return True
 
-    def _leave(self, lane: Lane) -> None:
+    @staticmethod
+    def _start(lane: Lane, client: bytes) -> None:
+        lane.running += 1
+        lane.running_by[client] += 1
+
+    def _leave(self, lane: Lane, client: bytes) -> None:
         lane.running -= 1
+        lane.running_by[client] -= 1
+        if not lane.running_by[client]:
+            del lane.running_by[client]
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Start waiting requests while their lane has room, pages first."""
+        """Start waiting requests while their lane has room, pages first; in each
+        lane the longest-waiting one whose client may run one more."""
         for lane in (self.pages, self.api):
             while lane.queue and lane.running < self.limit(lane):
-                turn = lane.queue.popleft()
+                for entry in lane.queue:
+                    client, turn = entry
+                    if turn.done() or lane.may_run(client):
+                        break
+                else:
+                    break  # every waiting client is at its running cap
+                lane.queue.remove(entry)
                 if turn.done():  # cancelled (the client went away) but its
                     continue  # task has not run since: it takes no place
-                lane.running += 1
+                self._start(lane, client)
                 turn.set_result(None)
 
 

@@ -595,9 +595,14 @@ GPULAB_ROLLUP_1H_DAYS = envint("GPULAB_ROLLUP_1H_DAYS", 400, minimum=1)
 GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximum=60.0)
 # Default working directory of a job when none is given ({user} is the username).
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
-from portal.settings_directory import *  # noqa: F403,E402
+# Each feature's settings live in a module of their own (read from the environment
+# the same way): the lab's directory (LDAP and the group mapping), what a job
+# request may ask for, the limits on what one request may cost, /metrics, OpenID
+# Connect sign-in (after the directory's: it adds to its AUTHENTICATION_BACKENDS).
+from portal.settings_directory import *  # noqa: E402,F403
+from portal.settings_input import *  # noqa: E402,F403
+from portal.settings_limits import *  # noqa: E402,F403
+from portal.settings_metrics import *  # noqa: E402,F403
+from portal.settings_oidc import *  # noqa: E402,F403
 
-# What a job request may ask for (allowed working directories).
-from portal.settings_input import *  # noqa: F403,E402
-from portal.settings_limits import *  # noqa: F403,E402
-from portal.settings_oidc import *  # noqa: F403,E402
+CELERY_BEAT_SCHEDULE.update(DIRECTORY_BEAT_SCHEDULE)  # noqa: F405

@@ -8,7 +8,9 @@ from django.urls import include, path
 
 from portal.accounting import views as accounting
 from portal.api import pages as api_pages
+from portal.directory.views import DirectoryLoginView
 from portal.notifications import views as notifications
+from portal.prometheus import views as prometheus
 from portal.views import admin_overview, cluster, jobs
 
 urlpatterns = [
@@ -37,7 +39,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/release/", jobs.job_release, name="portal-job-release"),
     path("notifications/", notifications.preferences, name="notifications"),
     path("notifications/test/", notifications.send_test, name="notifications-test"),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", DirectoryLoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("oidc/", include("portal.oidc.urls")),
     # Before the admin's own URLs, which would take every /admin/... path.
@@ -48,6 +50,7 @@ urlpatterns = [
     ),
     path("admin/", admin.site.urls),
     path("api/v1/", include("portal.api.urls")),
+    path("metrics", prometheus.metrics, name="metrics"),
     path("tokens/", api_pages.token_list, name="api-tokens"),
     path(
         "tokens/<int:token_id>/revoke/", api_pages.token_revoke, name="api-token-revoke"

@@ -33,6 +33,19 @@ log = logging.getLogger(__name__)
 QUEUE_EXHAUSTED = "queue exhausted"
 # The counters kept in the totals hash, beside "passes", the times and the stops.
 COUNTS = ("considered", "started", "preempted", "reserved", "backfilled")
+# Upper bounds (seconds) of the pass-duration histogram (``gpulab_pass_duration_
+# seconds`` on /metrics): each pass adds one to the first bound it fits under
+# ("+Inf" past the last), kept in the totals hash as ``le:<bound>``, so every web
+# process exports the same monotone counts.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def duration_bucket(seconds: float) -> str:
+    """The histogram bound a pass of ``seconds`` is counted under."""
+    for bound in DURATION_BUCKETS:
+        if seconds <= bound:
+            return repr(bound)
+    return "+Inf"
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,7 @@ def keep(record: PassRecord) -> None:
             pipe.hincrby(totals, name, getattr(record, name))
         pipe.hincrbyfloat(totals, "total_s", record.total_s)
         pipe.hincrby(totals, f"stop:{record.stop_reason}", 1)
+        pipe.hincrby(totals, f"le:{duration_bucket(record.total_s)}", 1)
         if slowest is None or float(slowest) < record.total_s:
             pipe.hset(totals, "max_s", repr(record.total_s))
         pipe.execute()
@@ -170,6 +184,9 @@ class PassTotals:
     total_s: float
     max_s: float
     stops: Mapping[str, int]  # stop reason -> passes
+    # ``duration_bucket`` -> passes in it (not cumulative; passes recorded before
+    # the buckets were kept are in no bucket)
+    durations: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def mean_s(self) -> float | None:
@@ -189,5 +206,8 @@ def totals() -> PassTotals:
             k.removeprefix("stop:"): int(v)
             for k, v in sorted(raw.items())
             if k.startswith("stop:")
+        },
+        durations={
+            k.removeprefix("le:"): int(v) for k, v in raw.items() if k.startswith("le:")
         },
     )

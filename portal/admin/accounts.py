@@ -85,6 +85,8 @@ class ProfileInline(admin.StackedInline[Profile, User]):
     model = Profile
     can_delete = False
     verbose_name_plural = "gpulab profile"
+    # Set by sign-in from the directory (portal.directory), not by hand.
+    readonly_fields = ("directory", "directory_checked_at", "directory_disabled")
 
 
 class MembershipOfUserInline(admin.TabularInline[Membership, User]):

@@ -18,6 +18,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.sessions.models import Session
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
@@ -54,6 +55,11 @@ class DirectoryIdentity:
     gid: int | None = None
     gids: tuple[int, ...] = ()  # supplementary gids
     active: bool = True  # False: disabled in the directory
+
+
+class IdentityRefused(ValueError):
+    """What the directory says of a user is not usable (uid 0, a uid without a gid,
+    a malformed account name): the message says what; nothing was changed."""
 
 
 def user_group(user_id: int) -> str:
@@ -119,7 +125,8 @@ def apply_identity(user: User, identity: DirectoryIdentity) -> list[str]:
     mapping settings; returns human-readable changes (also written to the audit log).
     If identity.active is False, calls deactivate_user.
 
-    The profile is marked as kept in step with ``identity.source`` (the periodic
+    ``IdentityRefused`` (nothing changed) when the Unix account is unusable. The
+    profile is marked as kept in step with ``identity.source`` (the periodic
     refresh looks these users up again). A user this directory had deactivated and
     now has again (active) is reactivated; one deactivated by hand stays so.
     """
@@ -172,7 +179,19 @@ def apply_identity(user: User, identity: DirectoryIdentity) -> list[str]:
             profile.primary_group = first
         profile.directory = identity.source
         profile.directory_checked_at = timezone.now()
-        profile.full_clean(exclude=["user"])
+        try:
+            profile.full_clean(exclude=["user"])
+        except ValidationError as exc:
+            # Rolled back with the rest: a directory entry gpulab cannot use
+            # (uid 0, a uid without a gid, ...) changes nothing.
+            problems = "; ".join(
+                f"{field}: {' '.join(messages)}"
+                for field, messages in exc.message_dict.items()
+            )
+            raise IdentityRefused(
+                f"{identity.source} account {identity.username!r} cannot be used:"
+                f" {problems}"
+            ) from None
         profile.save()
 
         new = _account_state(user, profile)

@@ -5,6 +5,7 @@ mark the services set after commit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -109,6 +110,7 @@ class Hub:
         self.queue_key = f"{prefix}:queue"
         self.readings_key = f"{prefix}:readings"
         self.epoch_key = f"{prefix}:epoch"
+        self.clients_key = clients_key()
         # The epoch this hub last saw (None: not read yet).
         self.epoch: bytes | None = None
         self.members: weakref.WeakSet[Member] = weakref.WeakSet()
@@ -146,6 +148,10 @@ class Hub:
         if not self.local and self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
+            with contextlib.suppress(redis.RedisError):  # it expires anyway
+                await cast(
+                    "Awaitable[int]", self.redis.hdel(self.clients_key, self.token)
+                )
             # A round's queries may still run on its thread: let them end (a
             # job queued behind them returns when they did), so nothing of ours
             # touches the database once the last browser left.
@@ -177,6 +183,15 @@ class Hub:
             await self.redis.zadd(self.watch_key, mapping)
 
     # -------------------------------------------------------------- members
+
+    async def report_clients(self) -> None:
+        """This process's browser count for /metrics, in a hash every process
+        shares (``clients_key``): ``"<count> <expiry>"`` under its token, so a
+        process that died drops out after ``WATCH_TTL_S``."""
+        value = f"{len(self.members)} {time.time() + WATCH_TTL_S:.3f}"
+        await cast(
+            "Awaitable[int]", self.redis.hset(self.clients_key, self.token, value)
+        )
 
     def add_member(self, member: Member) -> None:
         """A browser consumer of this process, rejoined by the ticker (weakly
@@ -344,6 +359,7 @@ class Hub:
                 if monotonic() - rejoined >= REJOIN_S:
                     await self.rejoin_members(lost=False)
                     rejoined = monotonic()
+                await self.report_clients()
                 await self.publish_once()
                 ttl = await self.redis.pttl(self.gate_key)
                 # Sleep until the gate opens, plus a little jitter so processes
@@ -361,6 +377,11 @@ class Hub:
 
 
 # ------------------------------------------------------------------ marks
+
+
+def clients_key() -> str:
+    """The hash of each web process's browser count (``Hub.report_clients``)."""
+    return f"{settings.REDIS_PREFIX}:live:clients"
 
 
 _sync_redis: redis.Redis | None = None

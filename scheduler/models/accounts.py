@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
@@ -125,3 +126,13 @@ class Profile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} ({self.unix_account or 'no Unix account'})"
+
+    def clean(self) -> None:
+        if (self.unix_uid is None) != (self.unix_gid is None):
+            raise ValidationError(
+                {"unix_gid": "Give the uid and the primary gid together, or neither."}
+            )
+        if self.unix_gids and self.unix_uid is None:
+            raise ValidationError(
+                {"unix_gids": "Supplementary gids need a uid and a gid."}
+            )

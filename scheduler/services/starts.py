@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -18,7 +18,7 @@ from scheduler.models import Allocation, Attempt, Gpu, Job, JobEvent, Node, Prof
 from scheduler.services.lifecycle import END_REASON_MAX, start_many, transition
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence, Set
+    from collections.abc import Iterable, Mapping, Sequence, Set
 
     from scheduler import policy
 
@@ -132,11 +132,7 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
             planned.append((job, [p.node_id for p in decision.placements], held))
         if not planned:
             return 0
-        accounts = dict(
-            Profile.objects.filter(
-                user_id__in={job.owner_id for job, _, _ in planned}
-            ).values_list("user_id", "unix_account")
-        )
+        accounts = unix_accounts_of({job.owner_id for job, _, _ in planned})
         now = timezone.now()
         attempts = Attempt.objects.bulk_create(
             [
@@ -294,15 +290,34 @@ def _fail_unlaunchable(job_id: int, problem: str) -> None:
         )
 
 
-def unix_account_of(user_id: int) -> str | None:
-    """The Unix account a user's jobs run as (their profile), or None: the node
-    then uses its default account, if it allows one, else refuses the job."""
-    account = (
-        Profile.objects.filter(user_id=user_id)
-        .values_list("unix_account", flat=True)
-        .first()
+class UnixAccount(NamedTuple):
+    """Whom a user's jobs run as: a name (empty: the node's default account, if
+    it allows one, else it refuses the job) and, when known (from the lab's
+    directory), the numbers the agent switches to without asking the node."""
+
+    name: str
+    uid: int | None = None
+    gid: int | None = None
+    gids: tuple[int, ...] = ()
+
+
+NO_ACCOUNT = UnixAccount("")
+
+
+def unix_accounts_of(user_ids: Iterable[int]) -> dict[int, UnixAccount]:
+    """The Unix account of each user that has a profile (one query)."""
+    rows = Profile.objects.filter(user_id__in=set(user_ids)).values_list(
+        "user_id", "unix_account", "unix_uid", "unix_gid", "unix_gids"
     )
-    return account or None
+    return {
+        user_id: UnixAccount(name, uid, gid, tuple(gids or ()))
+        for user_id, name, uid, gid, gids in rows
+    }
+
+
+def unix_account_of(user_id: int) -> str | None:
+    """The Unix account name a user's jobs run as (their profile), or None."""
+    return unix_accounts_of([user_id]).get(user_id, NO_ACCOUNT).name or None
 
 
 # Port of the rendezvous of a multi-node job on its rank-0 node: torchrun's default
@@ -338,10 +353,15 @@ def launch_frame(
     gpus: list[Gpu],
     nodes: Mapping[int, Node] | None = None,
     *,
-    accounts: Mapping[int, str] | None = None,
+    accounts: Mapping[int, UnixAccount] | None = None,
 ) -> dict[str, Any]:
-    """The ``job.launch`` for one node of the attempt (the node of ``gpus``).
-    ``accounts`` (user id -> Unix account), when given, saves a query per job."""
+    """The ``job.launch`` for one node of the attempt (the node of ``gpus``), with
+    its owner's Unix account: name, and uid, gid and supplementary gids when
+    known. ``accounts`` (user id -> account), when given, saves a query per job."""
+    if accounts is None:
+        accounts = unix_accounts_of([job.owner_id])
+    account = accounts.get(job.owner_id, NO_ACCOUNT)
+    numbered = account.uid is not None and account.gid is not None
     node_id = gpus[0].node_id if gpus else attempt.node_id
     if nodes is None and len(attempt.node_ids) > 1:
         nodes = Node.objects.in_bulk(attempt.node_ids)
@@ -364,11 +384,10 @@ def launch_frame(
             gpu_uuids=[g.uuid for g in sorted(gpus, key=lambda g: g.index)],
             grace_s=job.kill_grace_s,
             time_limit_s=job.time_limit_s,
-            run_as=(
-                unix_account_of(job.owner_id)
-                if accounts is None
-                else accounts.get(job.owner_id) or None
-            ),
+            run_as=account.name or None,
+            run_as_uid=account.uid if numbered else None,
+            run_as_gid=account.gid if numbered else None,
+            run_as_gids=list(account.gids) if numbered else [],
         ),
     )
 

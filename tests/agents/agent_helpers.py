@@ -114,7 +114,7 @@ class Portal:
             json.dumps(
                 {
                     "type": type_,
-                    "v": 1,
+                    "v": 2,
                     "seq": self.out_seq,
                     "ts": time.time(),
                     "data": data,

@@ -129,7 +129,7 @@ async def test_metrics_spooled_while_disconnected_are_replayed_in_order(
 
 
 def envelope(seq: int, type_: str, **data: Any) -> str:
-    return json.dumps({"type": type_, "v": 1, "seq": seq, "ts": 0.0, "data": data})
+    return json.dumps({"type": type_, "v": 2, "seq": seq, "ts": 0.0, "data": data})
 
 
 def test_spool_cap_drops_the_oldest_samples_never_lifecycle(tmp_path: Path) -> None:

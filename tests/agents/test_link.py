@@ -121,7 +121,7 @@ async def test_hello_launch_log_exit_and_never_started(
         # Heartbeats flow; a malformed server frame is logged, not fatal.
         await await_until(lambda: portal.of("heartbeat"))
         assert portal.conn is not None
-        await portal.conn.send('{"type": "job.launch", "v": 1}')
+        await portal.conn.send('{"type": "job.launch", "v": 2}')
         n = len(portal.frames)
         await await_until(lambda: len(portal.frames) > n + 2)
         assert portal.connections == 1

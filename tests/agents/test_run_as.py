@@ -115,3 +115,135 @@ def test_cli_checks_the_default_account(
     err = caplog.text
     assert "--default-account" in err
     assert expected in err
+
+
+# ------------------------------------------- the directory's numbers (launch v2)
+
+
+def absent_uid() -> int:
+    """A uid this machine's user database does not know (a directory user's)."""
+    uid = 20001
+    while True:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+        uid += 1
+
+
+@root_only
+def test_a_launch_runs_under_the_numbers_it_carries(tmp_path: Path) -> None:
+    """As Slurm with the uid of its job credential: the node need not know the
+    account; the supplementary groups are the launch's, HOME the workdir."""
+    uid = absent_uid()
+    workdir = tmp_path / "work"
+    workdir.mkdir(mode=0o777)
+    workdir.chmod(0o777)
+    launcher = make_launcher(tmp_path, default_account="nobody")
+    data = JobLaunchData.model_validate(
+        launch_data(
+            1,
+            'id -u; id -g; id -G; echo "$USER" "$HOME"',
+            workdir,
+            run_as="dora",
+            run_as_uid=uid,
+            run_as_gid=uid,
+            run_as_gids=[5000, 5001],
+        )
+    )
+    job = launcher.launch(data)
+    outcome = wait_until(lambda: launcher.poll(job), 15)
+    assert (outcome.reason, outcome.exit_code) == ("exited", 0), outcome
+    lines = (job.dir / "output.log").read_text().splitlines()
+    assert lines[0] == str(uid)
+    assert lines[1] == str(uid)
+    assert sorted(lines[2].split()) == sorted([str(uid), "5000", "5001"])
+    assert lines[3] == f"dora {workdir}"
+
+
+@root_only
+@pytest.mark.parametrize(
+    ("uid", "gid", "gids"), [(0, 20001, []), (20001, 0, []), (20001, 20001, [0])]
+)
+def test_root_numbers_are_refused(
+    tmp_path: Path, uid: int, gid: int, gids: list[int]
+) -> None:
+    _, outcome = run(
+        make_launcher(tmp_path, allow_root_jobs=True),
+        "true",
+        run_as="dora",
+        run_as_uid=uid,
+        run_as_gid=gid,
+        run_as_gids=gids,
+    )
+    assert outcome.reason == "launch_failed"
+    assert "refusing to run a job as 'dora'" in outcome.message
+    assert "root's" in outcome.message
+
+
+@root_only
+def test_the_node_may_require_its_own_user_database_to_agree(
+    tmp_path: Path, account: pwd.struct_passwd
+) -> None:
+    strict = make_launcher(tmp_path / "a", require_local_account=True)
+    uid = absent_uid()
+    _, outcome = run(strict, "true", run_as="dora", run_as_uid=uid, run_as_gid=uid)
+    assert outcome.reason == "launch_failed"
+    assert "not in this node's user database" in outcome.message
+    assert "--require-local-account" in outcome.message
+
+    name = account.pw_name
+    _, outcome = run(
+        make_launcher(tmp_path / "b", require_local_account=True),
+        "true",
+        run_as=name,
+        run_as_uid=account.pw_uid + 1,
+        run_as_gid=account.pw_gid,
+    )
+    assert outcome.reason == "launch_failed"
+    assert f"uid {account.pw_uid + 1} gid {account.pw_gid} in the directory" in (
+        outcome.message
+    )
+    assert f"uid {account.pw_uid} gid {account.pw_gid} on this node" in (
+        outcome.message
+    )
+
+    job, outcome = run(
+        make_launcher(tmp_path / "c", require_local_account=True),
+        "id -u",
+        run_as=name,
+        run_as_uid=account.pw_uid,
+        run_as_gid=account.pw_gid,
+    )
+    assert (outcome.reason, outcome.exit_code) == ("exited", 0)
+    assert (job.dir / "output.log").read_text().split() == [str(account.pw_uid)]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"run_as_uid": 20001},
+        {"run_as_gid": 20001},
+        {"run_as_gids": [5000]},
+        {"run_as_uid": 2**32 - 1, "run_as_gid": 1},
+        {"run_as_uid": -1, "run_as_gid": 1},
+    ],
+)
+def test_a_launch_with_half_an_account_is_refused(extra: dict[str, object]) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        JobLaunchData.model_validate(launch_data(1, "true", "/", **extra))
+
+
+def test_the_agent_flag_and_its_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agents.main import build_parser
+
+    base = ["--server", "ws://h:1"]
+    assert build_parser().parse_args(base).require_local_account is False
+    flag = [*base, "--require-local-account"]
+    assert build_parser().parse_args(flag).require_local_account is True
+    monkeypatch.setenv("GPULAB_AGENT_REQUIRE_LOCAL_ACCOUNT", "true")
+    assert build_parser().parse_args(base).require_local_account is True

@@ -16,6 +16,7 @@ from django.test import Client
 from portal.api.tokens import create_token
 from portal.directory.identity import (
     DirectoryIdentity,
+    IdentityRefused,
     apply_identity,
     deactivate_user,
     user_group,
@@ -153,13 +154,22 @@ def test_a_group_change_is_followed_and_hand_made_groups_stay(db: None) -> None:
     assert AuditEntry.objects.filter(object_type="user", object_id=user.pk).count() == 2
 
 
-def test_a_uid_of_root_is_refused(db: None) -> None:
-    from django.core.exceptions import ValidationError
-
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"uid": 0}, "unix_uid"),
+        ({"gid": None}, "unix_gid"),
+        ({"gids": (0,)}, "unix_gids"),
+    ],
+)
+def test_an_unusable_unix_account_is_refused_and_changes_nothing(
+    db: None, changes: dict[str, Any], field: str
+) -> None:
     user = User.objects.create_user("dora")
-    with pytest.raises(ValidationError, match="unix_uid"):
-        apply_identity(user, ident(uid=0))
+    with pytest.raises(IdentityRefused, match=f"'dora' cannot be used: {field}"):
+        apply_identity(user, ident(**changes))
     assert not Membership.objects.filter(user=user).exists()
+    assert not AuditEntry.objects.exists()
 
 
 # ------------------------------------------------------------------ removal

@@ -351,3 +351,88 @@ def test_the_asgi_gate_caps_each_client_by_the_setting(settings: Any) -> None:
     http = application.application_mapping["http"]
     assert http.app.api.per_client == settings.GPULAB_WEB_API_PER_CLIENT
     assert http.app.pages.per_client == 0
+
+
+class OwnReleaseApp:
+    """An ASGI app whose requests each run until their own path is released."""
+
+    def __init__(self) -> None:
+        self.release: dict[str, asyncio.Event] = {}
+        self.started: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.started.append(scope["path"])
+        await self.release.setdefault(scope["path"], asyncio.Event()).wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def finish(self, path: str) -> None:
+        self.release.setdefault(path, asyncio.Event()).set()
+
+
+def test_one_client_runs_all_but_one_place_so_another_starts_at_once() -> None:
+    """Alice holds her whole share (4 places in a lane of 4): three run, one waits;
+    Bob's call takes the fourth place at once instead of waiting for one of
+    Alice's slow requests to finish."""
+
+    async def scenario() -> None:
+        app = OwnReleaseApp()
+        gate = ConcurrencyGate(app, api=4, pages=1, queue=100, per_client=4)
+        alice = [
+            asyncio.create_task(call_as(gate, f"/api/v1/a{i}/", ALICE))
+            for i in range(4)
+        ]
+        await settle()
+        assert app.started == ["/api/v1/a0/", "/api/v1/a1/", "/api/v1/a2/"]
+        assert gate.api.running == 3 and gate.api.waiting == 1
+        bob = asyncio.create_task(call_as(gate, "/api/v1/me/", BOB))
+        await settle()
+        assert app.started[-1] == "/api/v1/me/"  # started while Alice's still run
+        app.finish("/api/v1/me/")
+        assert (await bob)[0]["status"] == 200
+        await settle()
+        assert app.started[-1] == "/api/v1/me/"  # Alice is still at her cap
+        app.finish("/api/v1/a0/")
+        await settle()
+        assert app.started[-1] == "/api/v1/a3/"  # her waiting call takes her place
+        for i in range(1, 4):
+            app.finish(f"/api/v1/a{i}/")
+        assert [(await t)[0]["status"] for t in alice] == [200] * 4
+        assert not gate.api.running_by and not gate.api.clients
+
+    asyncio.run(scenario())
+
+
+def test_a_freed_place_goes_to_the_oldest_call_whose_client_is_under_its_cap() -> None:
+    """Waiting: Alice's (she is at her running cap), then Bob's. When a place frees
+    that Alice may not take, Bob's call starts ahead of hers, and hers keeps its
+    turn."""
+
+    async def scenario() -> None:
+        app = OwnReleaseApp()
+        gate = ConcurrencyGate(app, api=3, pages=1, queue=100, per_client=3)
+        carol = [(b"authorization", b"Bearer carol-token")]
+        first = [
+            asyncio.create_task(call_as(gate, f"/api/v1/a{i}/", ALICE))
+            for i in range(2)
+        ]
+        await settle()
+        c0 = asyncio.create_task(call_as(gate, "/api/v1/c0/", carol))
+        await settle()
+        a2 = asyncio.create_task(call_as(gate, "/api/v1/a2/", ALICE))
+        await settle()
+        b0 = asyncio.create_task(call_as(gate, "/api/v1/b0/", BOB))
+        await settle()
+        assert gate.api.running == 3 and gate.api.waiting == 2
+        app.finish("/api/v1/c0/")  # Carol's place frees: Alice is at her cap of 2
+        await c0
+        await settle()
+        assert app.started[-1] == "/api/v1/b0/"
+        app.finish("/api/v1/a0/")
+        await settle()
+        assert app.started[-1] == "/api/v1/a2/"
+        for path in ("/api/v1/a1/", "/api/v1/a2/", "/api/v1/b0/"):
+            app.finish(path)
+        assert [(await t)[0]["status"] for t in (*first, a2, b0)] == [200] * 4
+
+    asyncio.run(scenario())

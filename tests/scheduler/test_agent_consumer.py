@@ -160,30 +160,30 @@ async def test_it_marks_the_node_disconnected_when_the_socket_closes(
 BAD_FRAMES = [
     pytest.param("{not json", "json", id="malformed-json"),
     pytest.param(
-        '{"type": "bogus", "v": 1, "seq": 1, "ts": 1.0, "data": {}}',
+        '{"type": "bogus", "v": 2, "seq": 1, "ts": 1.0, "data": {}}',
         "bogus",
         id="unknown-type",
     ),
     pytest.param(
-        '{"type": "heartbeat", "v": 1, "seq": 1, "ts": 1.0,'
+        '{"type": "heartbeat", "v": 2, "seq": 1, "ts": 1.0,'
         ' "data": {"running": [], "extra": 1}}',
         "extra",
         id="unknown-field",
     ),
     pytest.param(
-        '{"type": "job.started", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        '{"type": "job.started", "v": 2, "seq": 1, "ts": 1.0, "data":'
         ' {"attempt_id": 1, "job_id": 1, "pid": "12", "started_at": 1.0}}',
         "pid",
         id="wrong-type",
     ),
     pytest.param(
-        '{"type": "job.progress", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        '{"type": "job.progress", "v": 2, "seq": 1, "ts": 1.0, "data":'
         ' {"attempt_id": 1, "job_id": 1, "at": 1.0, "step": -3}}',
         "step",
         id="negative-step",
     ),
     pytest.param(
-        '{"type": "job.progress", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        '{"type": "job.progress", "v": 2, "seq": 1, "ts": 1.0, "data":'
         ' {"attempt_id": 1, "job_id": 1, "at": 1.0, "step": 1,'
         ' "total": 9223372036854775808}}',
         "total",
@@ -191,25 +191,25 @@ BAD_FRAMES = [
     ),
     pytest.param('["hello"]', "", id="not-an-object"),
     pytest.param(
-        '{"type": "metrics", "v": 1, "seq": 1, "ts": 1.0, "data": {"sampled_at":'
+        '{"type": "metrics", "v": 2, "seq": 1, "ts": 1.0, "data": {"sampled_at":'
         ' 1.0, "gpus": [{"index": 0, "uuid": "GPU-x", "temperature_c": NaN}]}}',
         "temperature_c",
         id="nan-temperature",
     ),
     pytest.param(
-        '{"type": "metrics", "v": 1, "seq": 1, "ts": 1.0, "data": {"sampled_at":'
+        '{"type": "metrics", "v": 2, "seq": 1, "ts": 1.0, "data": {"sampled_at":'
         ' 1.0, "gpus": [{"index": 0, "uuid": "GPU-x", "power_w": Infinity}]}}',
         "power_w",
         id="infinite-power",
     ),
     pytest.param(
-        '{"type": "metrics", "v": 1, "seq": 1, "ts": 1.0, "data":'
+        '{"type": "metrics", "v": 2, "seq": 1, "ts": 1.0, "data":'
         ' {"sampled_at": 1e308, "gpus": []}}',
         "sampled_at",
         id="sampled-past-year-9999",
     ),
     pytest.param(
-        '{"type": "job.exited", "v": 1, "seq": 1, "ts": 1.0, "data": {"attempt_id":'
+        '{"type": "job.exited", "v": 2, "seq": 1, "ts": 1.0, "data": {"attempt_id":'
         ' 1, "job_id": 1, "exit_code": 0, "ended_at": -5.0}}',
         "ended_at",
         id="negative-time",
@@ -239,18 +239,21 @@ async def test_it_answers_a_bad_frame_with_an_error_and_stays_usable(
 async def test_it_closes_4400_on_an_unsupported_protocol_version(
     new_node: tuple[Node, str],
 ) -> None:
+    """An agent older than the launch frame's Unix numbers (version 1) is refused
+    with both versions named."""
     _, token = new_node
     comm = await agent(token)
 
     await comm.send_to(
-        text_data='{"type": "heartbeat", "v": 2, "seq": 1, "ts": 1.0, "data": {}}'
+        text_data='{"type": "heartbeat", "v": 1, "seq": 1, "ts": 1.0, "data": {}}'
     )
     error = await comm.receive_json_from(timeout=TIMEOUT)
     closed = await comm.receive_output(timeout=TIMEOUT)
 
     assert error["type"] == "error"
     assert error["data"]["code"] == "unsupported_version"
-    assert "2" in error["data"]["detail"]
+    assert "protocol version 1 is not supported" in error["data"]["detail"]
+    assert "speaks 2" in error["data"]["detail"]
     assert closed["type"] == "websocket.close"
     assert closed["code"] == CloseCode.BAD_VERSION
 

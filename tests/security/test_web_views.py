@@ -214,6 +214,9 @@ CASES = [
         before="active",
         changed={"owner": "revoked"},
     ),
+    # /metrics is for Prometheus, not for sessions: off by default for everyone
+    # (tests/portal/test_metrics_export.py tests the token and the networks).
+    Case("metrics", "GET", {p: 404 for p in PERSONAS}),
 ]
 
 # Includes tested elsewhere: the admin site's (tests/portal/test_admin_console.py),
