@@ -255,3 +255,22 @@ def test_signed_out_sends_to_the_provider_only_after_a_sign_out(
     client.post("/accounts/logout/")
     response = client.get("/oidc/signed-out/")
     assert response["Location"] == "/accounts/login/"
+
+
+def test_the_login_page_offers_what_is_configured(
+    client: Client, settings: SettingsWrapper
+) -> None:
+    """OIDC alone with local sign-in off: the button only; beside LDAP: the button
+    and the directory's password form."""
+    configure(settings, "https://sso.example.org/realms/lab")
+    settings.GPULAB_LDAP_URI = ""
+    settings.GPULAB_LOCAL_LOGIN = "off"
+    page = client.get("/accounts/login/").content.decode()
+    assert "Sign in with Keycloak" in page
+    assert 'name="password"' not in page
+
+    settings.GPULAB_LDAP_URI = "ldap://127.0.0.1:1"
+    page = client.get("/accounts/login/").content.decode()
+    assert "Sign in with Keycloak" in page
+    assert 'name="password"' in page
+    assert "(your lab directory account)" in page
