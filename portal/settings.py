@@ -595,3 +595,5 @@ GPULAB_ROLLUP_1H_DAYS = envint("GPULAB_ROLLUP_1H_DAYS", 400, minimum=1)
 GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximum=60.0)
 # Default working directory of a job when none is given ({user} is the username).
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
+
+from portal.settings_device import *  # noqa: F403,E402
