@@ -214,6 +214,10 @@ CASES = [
         before="active",
         changed={"owner": "revoked"},
     ),
+    # gpulab login's approval page: any signed-in user; a POST without a code
+    # is refused naming it (tests/api/test_device_login.py has the rest).
+    Case("device-login", "GET", everyone(200)),
+    Case("device-login", "POST", everyone(400), data={"decision": "approve"}),
 ]
 
 # Includes tested elsewhere: the admin site's (tests/portal/test_admin_console.py)
