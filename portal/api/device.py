@@ -30,7 +30,7 @@ from rest_framework.views import APIView
 
 from portal.api import throttling, tokens
 from portal.api.errors import body
-from portal.api.serializers import ErrorSerializer
+from portal.api.serializers import ErrorSerializer, Text
 from portal.api.views.common import errors
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class DeviceCodeThrottle(BaseThrottle):
 
 
 class DeviceCodeIn(serializers.Serializer[Any]):
-    client_name = serializers.CharField(
+    client_name = Text(
         max_length=100,
         help_text="The machine asking (its host name): the approval page shows it "
         "and the token is named after it.",
@@ -87,7 +87,7 @@ class DeviceCodeOut(serializers.Serializer[Any]):
 
 
 class DeviceTokenIn(serializers.Serializer[Any]):
-    device_code = serializers.CharField(max_length=200)
+    device_code = Text(max_length=200)
 
 
 class DeviceTokenOut(serializers.Serializer[Any]):

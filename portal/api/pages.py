@@ -15,7 +15,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.shortcuts import redirect, render
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_http_methods, require_POST
 
 from portal.api import throttling, tokens
 from portal.api.models import ApiToken
@@ -101,6 +101,7 @@ def _lookups_left(request: AuthenticatedHttpRequest) -> float:
         return 0.0
 
 
+@require_http_methods(["GET", "HEAD", "POST"])
 @login_required
 def device_login(request: AuthenticatedHttpRequest) -> HttpResponse:
     """``gpulab login``'s approval page. GET without a code: a form to type the
@@ -108,10 +109,11 @@ def device_login(request: AuthenticatedHttpRequest) -> HttpResponse:
     machine's name and address, the code to compare) with Approve and Deny;
     POST ``code`` and ``decision``: the decision. Every lookup counts against
     ``GPULAB_DEVICE_VERIFY_RATE``."""
-    raw = (request.POST if request.method == "POST" else request.GET).get("code")
-    context: dict[str, object] = {"code": raw or "", "error": None, "row": None}
-    if raw is None:
-        return render(request, "api/device.html", context)
+    if request.method == "POST":
+        raw = request.POST.get("code", "")
+    elif (raw := request.GET.get("code")) is None:
+        return render(request, "api/device.html", {"code": ""})
+    context: dict[str, object] = {"code": raw, "error": None, "row": None}
     wait = _lookups_left(request)
     if wait > 0:
         context["error"] = f"Too many codes tried; try again in {int(wait) + 1} s."

@@ -254,9 +254,10 @@ def test_an_approved_code_expired_before_its_poll_gives_no_token(alice: User) ->
 
 def test_an_unknown_or_malformed_device_code_is_refused(alice: User) -> None:
     assert error_of(poll("x" * 43)) == (400, "invalid_grant")
-    got = Client().post(TOKEN, {}, content_type="application/json")
-    assert error_of(got) == (400, "invalid")
-    assert "device_code" in got.json()["fields"]
+    for body in ({}, {"device_code": 12}, {"device_code": ""}):
+        got = Client().post(TOKEN, body, content_type="application/json")
+        assert error_of(got)[0] == 400, body
+        assert got.json()["error"] in ("invalid", "invalid_grant"), body
     got = Client().post(
         TOKEN, {"device_code": "x" * 201}, content_type="application/json"
     )
@@ -406,13 +407,14 @@ def test_the_decision_needs_the_csrf_token(alice: User) -> None:
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        ("", "This field may not be blank."),
-        ("   ", "This field may not be blank."),
+        ("", "Name the machine (e.g. its host name)."),
+        ("   ", "Name the machine (e.g. its host name)."),
+        (7, "Must be a string."),
         ("x" * 101, "Ensure this field has no more than 100 characters."),
         ("evil\x1b[2Jhost", "At most 100 printable characters."),
     ],
 )
-def test_a_bad_machine_name_is_named(name: str, why: str) -> None:
+def test_a_bad_machine_name_is_named(name: Any, why: str) -> None:
     got = ask_code(name)
     assert error_of(got) == (400, "invalid")
     assert got.json()["fields"] == {"client_name": [why]}
