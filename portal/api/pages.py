@@ -109,10 +109,10 @@ def device_login(request: AuthenticatedHttpRequest) -> HttpResponse:
     machine's name and address, the code to compare) with Approve and Deny;
     POST ``code`` and ``decision``: the decision. Every lookup counts against
     ``GPULAB_DEVICE_VERIFY_RATE``."""
-    if request.method == "POST":
-        raw = request.POST.get("code", "")
-    elif (raw := request.GET.get("code")) is None:
+    asked = (request.POST if request.method == "POST" else request.GET).get("code")
+    if asked is None and request.method != "POST":
         return render(request, "api/device.html", {"code": ""})
+    raw = asked or ""
     context: dict[str, object] = {"code": raw, "error": None, "row": None}
     wait = _lookups_left(request)
     if wait > 0:
