@@ -119,7 +119,13 @@ def _browser_login(server: str, name: str, *, open_browser: bool) -> str:
     " the first line of stdin).",
 )
 @click.option(
-    "--no-browser",
+    "--browser",
+    "web",
+    is_flag=True,
+    help="Sign in through the browser even when stdin is not a terminal.",
+)
+@click.option(
+    "--no-open",
     is_flag=True,
     help="Do not try to open the approval page; only print its address.",
 )
@@ -129,7 +135,7 @@ def _browser_login(server: str, name: str, *, open_browser: bool) -> str:
 )
 @click.pass_context
 def login(
-    ctx: click.Context, *, paste: bool, no_browser: bool, name: str | None
+    ctx: click.Context, *, paste: bool, web: bool, no_open: bool, name: str | None
 ) -> None:
     """Sign in to a server and store a token for it.
 
@@ -139,15 +145,17 @@ def login(
     machine, listed on the Tokens page (revoke it there), expiring as the
     portal's tokens do.
 
-    With --token, or when stdin is not a terminal (scripts:
-    echo "$TOKEN" | gpulab --server URL login), it takes a token created on the
-    Tokens page instead.
+    With --token, or when stdin is not a terminal and --browser is not given
+    (scripts: echo "$TOKEN" | gpulab --server URL login), it takes a token
+    created on the Tokens page instead.
 
     The server comes from --server, $GPULAB_SERVER, or a prompt. The token is
     checked with the server before it is stored, in your config directory,
     readable by you only (mode 600), for that server only.
     """
     state: State = ctx.obj
+    if paste and web:
+        raise CliError(Exit.USAGE, "give --token or --browser, not both")
     stored = config.load()
     raw = state.server_option or os.environ.get(config.SERVER_ENV)
     if not raw and sys.stdin.isatty():
@@ -166,7 +174,7 @@ def login(
             " network unencrypted; use https:// if the portal has it",
             err=True,
         )
-    if paste or not sys.stdin.isatty():
+    if paste or not (web or sys.stdin.isatty()):
         token = _read_token()
         if not token:
             raise CliError(
@@ -176,7 +184,7 @@ def login(
             )
     else:
         token = _browser_login(
-            server, name or _machine_name(), open_browser=not no_browser
+            server, name or _machine_name(), open_browser=not no_open
         )
     api = Api(server, token)
     try:
