@@ -310,17 +310,14 @@ def test_two_polls_at_once_get_one_token(alice: User) -> None:
         # Both wait on the row: one on the lock held here, one behind it.
         # (pg_locks: pg_stat_activity would be a snapshot for the transaction.)
         pid = lock.info.backend_pid
+        waiting = (
+            "SELECT count(DISTINCT l.pid) FROM pg_locks l WHERE NOT l.granted"
+            " AND (%(me)s = ANY(pg_blocking_pids(l.pid)) OR EXISTS ("
+            "  SELECT 1 FROM unnest(pg_blocking_pids(l.pid)) b"
+            "  WHERE %(me)s = ANY(pg_blocking_pids(b))))"
+        )
         wait_until(
-            lambda: (
-                lock.execute(
-                    "SELECT count(DISTINCT l.pid) FROM pg_locks l WHERE NOT l.granted"
-                    " AND (%(me)s = ANY(pg_blocking_pids(l.pid)) OR EXISTS ("
-                    "  SELECT 1 FROM unnest(pg_blocking_pids(l.pid)) b"
-                    "  WHERE %(me)s = ANY(pg_blocking_pids(b))))",
-                    {"me": pid},
-                ).fetchone()[0]
-                == 2
-            ),
+            lambda: (lock.execute(waiting, {"me": pid}).fetchone() or (0,))[0] == 2,
             what="both polls waiting on the row",
         )
     finally:

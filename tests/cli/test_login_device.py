@@ -48,11 +48,12 @@ def meanwhile(act: Callable[[], None]) -> threading.Thread:
 
 
 def the_row(**having: Any) -> DeviceAuthorization:
-    return wait_until(
+    row: DeviceAuthorization = wait_until(
         lambda: DeviceAuthorization.objects.filter(**having).first(),
         60,
         f"a device authorization with {having}",
     )
+    return row
 
 
 def test_an_approved_login_stores_the_token(gpulab: Gpulab, alice: User) -> None:
