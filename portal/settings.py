@@ -597,8 +597,10 @@ GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximu
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
 # Each feature's settings live in a module of their own (read from the environment
 # the same way): the lab's directory (LDAP and the group mapping), what a job
-# request may ask for, the limits on what one request may cost, /metrics, OpenID
-# Connect sign-in (after the directory's: it adds to its AUTHENTICATION_BACKENDS).
+# request may ask for, the limits on what one request may cost, /metrics, the
+# CLI's sign-in through the browser, OpenID Connect sign-in (after the directory's:
+# it adds to its AUTHENTICATION_BACKENDS).
+from portal.settings_device import *  # noqa: E402,F403
 from portal.settings_directory import *  # noqa: E402,F403
 from portal.settings_input import *  # noqa: E402,F403
 from portal.settings_limits import *  # noqa: E402,F403

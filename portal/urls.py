@@ -55,6 +55,7 @@ urlpatterns = [
     path(
         "tokens/<int:token_id>/revoke/", api_pages.token_revoke, name="api-token-revoke"
     ),
+    path("device/", api_pages.device_login, name="device-login"),
 ]
 
 # The database unreachable: a 503 page (or JSON), not a 500 (portal/views/errors.py).

@@ -77,3 +77,59 @@ class ApiToken(models.Model):
         if self.expires_at is not None and self.expires_at <= timezone.now():
             return "expired"
         return "active"
+
+
+# RFC 8628 6.1: consonants only (no vowels: no words; no 0/O, 1/I confusion),
+# 8 of them: 20^8 (about 2.6e10) codes.
+USER_CODE_ALPHABET = "BCDFGHJKLMNPQRSTVWXZ"
+USER_CODE_LENGTH = 8
+
+
+class DeviceAuthorization(models.Model):
+    """One ``gpulab login`` through the browser (RFC 8628's device authorization
+    grant): the CLI holds the device code (only its hash is stored) and polls
+    with it; the user types or follows the user code on the approval page,
+    signed in, and approves or denies it. An approved authorization is redeemed
+    once for an ``ApiToken`` of its own (``status`` issued, ``token`` set)."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        APPROVED = "approved"
+        DENIED = "denied"
+        ISSUED = "issued"
+
+    device_code_hash = models.CharField(max_length=64, unique=True, editable=False)
+    user_code = models.CharField(max_length=USER_CODE_LENGTH, unique=True)
+    client_name = models.CharField(max_length=100)
+    client_address = models.GenericIPAddressField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(db_index=True)
+    interval = models.PositiveSmallIntegerField()
+    last_polled_at = models.DateTimeField(null=True, blank=True)
+    status = models.CharField(
+        max_length=10, choices=Status.choices, default=Status.PENDING
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="device_authorizations",
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    token = models.OneToOneField(
+        ApiToken,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="device_authorization",
+    )
+
+    def __str__(self) -> str:
+        return f"{self.shown_code} for {self.client_name} ({self.status})"
+
+    @property
+    def shown_code(self) -> str:
+        """``BCDF-GHJK``: as the CLI prints it and the page shows it."""
+        half = USER_CODE_LENGTH // 2
+        return f"{self.user_code[:half]}-{self.user_code[half:]}"

@@ -7,6 +7,7 @@ from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import AllowAny
 
+from portal.api import device
 from portal.api.views import cluster, jobs
 
 urlpatterns = [
@@ -47,6 +48,9 @@ urlpatterns = [
     path("queue/", cluster.Queue.as_view(), name="api-queue"),
     path("usage/", cluster.Usage.as_view(), name="api-usage"),
     path("me/", cluster.Me.as_view(), name="api-me"),
+    # gpulab login through the browser (RFC 8628): no token needed
+    path("device/code/", device.DeviceCode.as_view(), name="api-device-code"),
+    path("device/token/", device.DeviceToken.as_view(), name="api-device-token"),
     path(
         "schema/",
         # public: the schema says what exists, never whose data

@@ -69,7 +69,7 @@ def cli(ctx: click.Context, server: str | None) -> None:
     """gpulab: the lab's GPU pool from a shell.
 
     \b
-    gpulab login                      store a token (from the Tokens page)
+    gpulab login                      sign in through the browser (--token: paste one)
     gpulab submit --gpus 2 --time 4h -- python train.py --lr 0.1
     gpulab ls / gpulab queue          my jobs / the whole queue
     gpulab logs -f 42                 follow a job's output to its end

@@ -70,6 +70,19 @@ class Api:
     ) -> Any:
         return self.request("POST", path, json=body, fields=fields)
 
+    def exchange(self, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+        """POST ``body`` to an OAuth-style endpoint, whose 400 and 429 are
+        answers for the caller to read (``{"error": ...}``, e.g. RFC 8628's
+        authorization_pending) rather than failures: their status and body, or
+        a 2xx's. Anything else fails as in ``request``."""
+        response = self._send("POST", path, None, body)
+        got = _json(response)
+        code = response.status_code
+        if code in (400, 429) and isinstance(got, dict) and "error" in got:
+            return code, got
+        result = self._result(response, {})
+        return code, result if isinstance(result, dict) else {}
+
     def request(
         self,
         method: str,
@@ -137,8 +150,8 @@ class Api:
         if code == 401:
             raise CliError(
                 Exit.AUTH,
-                f"{detail} (server {self.server}); run 'gpulab login' with a token"
-                " from the Tokens page, or set GPULAB_TOKEN",
+                f"{detail} (server {self.server}); run 'gpulab login' to sign in"
+                " again (or set GPULAB_TOKEN)",
             )
         if code == 404:
             raise CliError(Exit.NOT_FOUND, detail)

@@ -31,6 +31,20 @@ def _pages(api: Api, limit: int, **params: Any) -> list[Any]:
     return jobs
 
 
+QUEUE_PAGE = 1000  # the API's smallest allowed maximum page (GPULAB_API_MAX_PAGE)
+
+
+def whole_queue(api: Api) -> list[Any]:
+    """Every running and waiting job, following the queue's pages (a job that
+    starts or ends between two pages may be listed twice or not at all)."""
+    jobs: list[Any] = []
+    while True:
+        page = api.get("queue/", limit=QUEUE_PAGE, offset=len(jobs))
+        jobs += page
+        if len(page) < QUEUE_PAGE:
+            return jobs
+
+
 def _array_param(value: str | None) -> int | None:
     if value is None:
         return None
@@ -93,7 +107,7 @@ def ls(
 def queue(state: State, *, as_json: bool) -> None:
     """The whole queue, like squeue: every running job, then every waiting one
     in the order the scheduler will consider them."""
-    jobs = state.api().get("queue/")
+    jobs = whole_queue(state.api())
     if as_json:
         click.echo(output.dumps(jobs))
     else:

@@ -48,6 +48,7 @@ def secret(
     keep_connection: None, alice: User, cluster: list[Node], settings: Any
 ) -> str:
     settings.GPULAB_API_RATE_LIMIT = 1_000_000  # the fuzzer is no abuser
+    settings.GPULAB_DEVICE_CODE_RATE = 1_000_000
     JobFactory(owner=alice)
     return tokens.create_token(alice, "fuzz", None)[1]
 

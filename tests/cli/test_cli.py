@@ -358,6 +358,19 @@ def test_ls_is_mine_and_queue_is_everyones(
     assert "Unknown state 'sleeping'" in bad.stderr
 
 
+def test_queue_follows_the_apis_pages_to_the_end(
+    gpulab: Gpulab, alice: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue API answers a page at a time (GPULAB_API_MAX_PAGE); `gpulab
+    queue` asks for the next page until one comes back short, so the whole queue
+    is shown in order (pages of 2 here: 2, 2, 1)."""
+    waiting = [JobFactory(owner=alice, queue_order=i) for i in range(5)]
+    monkeypatch.setattr("portal.cli.jobs.QUEUE_PAGE", 2)
+    shown = gpulab("queue", "--json", user=alice)
+    assert shown.exit_code == 0, shown.output
+    assert [j["id"] for j in json.loads(shown.stdout)] == [j.pk for j in waiting]
+
+
 # ------------------------------------------------------------------ show, cancel
 
 

@@ -115,6 +115,7 @@ class Case:
     shows: Callable[[World, Any, str], bool] | None = None
     shown_to: tuple[str, ...] = ()
     label: str = ""
+    error: str = ""  # a 400's error code when it is not "invalid"
 
     @property
     def id(self) -> str:
@@ -246,6 +247,19 @@ def nodes_list_the_running_job(w: World, body: Any, username: str) -> bool:
 
 def is_me(w: World, body: Any, username: str) -> bool:
     return bool(body["username"] == username)
+
+
+def fresh_device_budget(w: World) -> None:
+    """The test client's address may ask for device codes again (earlier tests
+    of the run spent its budget)."""
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        client.delete(f"{settings.REDIS_PREFIX}:api:rate:device-code:127.0.0.1")
+    finally:
+        client.close()
 
 
 def everyone_made() -> dict[str, str]:
@@ -453,11 +467,31 @@ CASES = [
     # A group that does not exist: the same 403 (which groups exist is not told).
     Case("api-usage", "GET", signed_in(403), query="?group=nosuch"),
     Case("api-me", "GET", signed_in(200), shows=is_me, shown_to=SIGNED_IN),
+    # ---------------------------------------------------------------- gpulab login
+    # No token needed (the CLI has none yet); a bad one is still refused.
+    Case(
+        "api-device-code",
+        "POST",
+        public(200),
+        data=lambda w: {"client_name": "laptop"},
+        arrange=fresh_device_budget,
+    ),
+    # An unknown device code: RFC 6749's invalid_grant, for anyone.
+    Case(
+        "api-device-token",
+        "POST",
+        public(400),
+        data=lambda w: {"device_code": "never-issued"},
+        error="invalid_grant",
+    ),
     # ---------------------------------------------------------------- schema, docs
     # What exists, never whose data: public.
     Case("api-schema", "GET", public(200)),
     Case("api-docs", "GET", public(200)),
 ]
+
+# Routes any caller may use, without a token: the schema, gpulab login's.
+PUBLIC_CALLS = ("api-schema", "api-device-code", "api-device-token")
 
 # Every GET row is asked with HEAD too (GET without the body: the same status).
 # OPTIONS (DRF's metadata: the view's name and parsers, never an object's) needs
@@ -466,7 +500,7 @@ CASES += [
     Case(
         name,
         "OPTIONS",
-        public(200) if name == "api-schema" else signed_in(200),
+        public(200) if name in PUBLIC_CALLS else signed_in(200),
         args=args,
     )
     for name, args in {c.name: c.args for c in CASES}.items()
@@ -585,8 +619,14 @@ def problems(case: Case, w: World, persona: str, response: Any) -> list[str]:
     has_body = case.method != "HEAD" and case.name != "api-docs"
     if status >= 400 and has_body:
         got = error_body(response)
-        code = ERRORS.get(status) or (
-            "not_authenticated" if persona == "anonymous" else "authentication_failed"
+        code = (
+            (case.error if status == 400 and case.error else None)
+            or ERRORS.get(status)
+            or (
+                "not_authenticated"
+                if persona == "anonymous"
+                else "authentication_failed"
+            )
         )
         if set(got) != {"error", "detail", "fields"} or got["error"] != code:
             wrong.append(f"error body {got}, expected error {code!r}")
@@ -678,7 +718,7 @@ def test_running_after_a_hidden_job_answers_as_after_a_missing_one(
 # ------------------------------------------------------------------ other methods
 
 OTHER_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-PUBLIC = ("api-schema", "api-docs")
+PUBLIC = ("api-docs", *PUBLIC_CALLS)
 
 
 def job_rows() -> list[tuple[int, str, str]]:

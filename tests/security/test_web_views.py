@@ -217,6 +217,10 @@ CASES = [
     # /metrics is for Prometheus, not for sessions: off by default for everyone
     # (tests/portal/test_metrics_export.py tests the token and the networks).
     Case("metrics", "GET", {p: 404 for p in PERSONAS}),
+    # gpulab login's approval page: any signed-in user; a POST without a code
+    # is refused naming it (tests/api/test_device_login.py has the rest).
+    Case("device-login", "GET", everyone(200)),
+    Case("device-login", "POST", everyone(400), data={"decision": "approve"}),
 ]
 
 # Includes tested elsewhere: the admin site's (tests/portal/test_admin_console.py),
