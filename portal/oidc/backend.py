@@ -22,7 +22,7 @@ from mozilla_django_oidc.auth import (  # type: ignore[import-untyped]
     OIDCAuthenticationBackend,
 )
 
-from portal.directory.identity import apply_identity
+from portal.directory.identity import IdentityRefused, apply_identity
 from portal.oidc.claims import ClaimNames, identity_from_claims
 from portal.oidc.discovery import provider
 
@@ -108,8 +108,8 @@ class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
                     f"The account {identity.username!r} cannot be used: "
                     + "; ".join(exc.messages)
                 ) from None
-            except ValueError as exc:
-                # The directory's IdentityRefused (uid 0, a uid without a gid):
+            except IdentityRefused as exc:
+                # An account gpulab cannot use (uid 0, a uid without a gid):
                 # rolled back with the account this sign-in would have made.
                 raise SignInRefused(str(exc)) from None
         if changes:
