@@ -246,6 +246,7 @@ class Simulator(PolicyViews):
             self._rerate(gpu_ids[0], now, force=(job.id,))
         else:
             self._set_rate(job, now, ())
+        self.tracker.started(job, now)
         for g in gpu_ids:
             self._charge(g, now)
         self.running_views[job.id] = self._running_view(job, now)
@@ -289,6 +290,7 @@ class Simulator(PolicyViews):
         job.run_total += ran
         job.end = now
         job.state = "done"
+        self.tracker.ended(job, now)
         self.finished += 1
         if job.outcome == "timeout":
             if job.shared_attempt:
@@ -408,6 +410,8 @@ class Simulator(PolicyViews):
                 job = self.by_id.get(d.job_id)
                 if job is not None:
                     job.last_reason = str(d.reason)
+                    if d.est_start is not None:
+                        self.tracker.shown_start(job, now, d.est_start)
                     if d.est_start is not None and job.first_est is None:
                         job.first_est = d.est_start
                         if job.first_start is None:
@@ -423,6 +427,7 @@ class Simulator(PolicyViews):
         # while GPUs are shared the measurements move (the pass may evict), and
         # while trials are recent the exploration budget refills: keep watching
         self.dirty = acted or bool(self.shared_gpus) or bool(self.trials)
+        self.tracker.observe(self.running.values())  # rates the decisions set
         if self.opts.check:
             self._check()
 
