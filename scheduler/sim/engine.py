@@ -106,7 +106,8 @@ class Simulator(PolicyViews):
                 self.dirty = True
                 self._pass(now, "event")
             elif periodic:
-                if self.dirty:
+                # a running job's new progress report changes its planned end
+                if self.dirty or self.tracker.moved(self.running.values(), now):
                     self._pass(now, "periodic")
                 else:
                     self.result.periodic_skipped += 1

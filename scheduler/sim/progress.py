@@ -105,6 +105,7 @@ class _Attempt:
     true_steps: list[float] = field(default_factory=lambda: [0.0])
     last_k: int = -1
     view: Progress | None = None
+    view_end: float | None = None  # the end ``view`` gave when it was built
 
 
 @dataclass
@@ -254,7 +255,34 @@ class ProgressTracker:
         if k != a.last_k:
             a.last_k = k
             a.view = self._progress(j, a, now)
+            a.view_end = a.view.end(now) if a.view is not None else None
         return a.view
+
+    def moved(self, jobs: Iterable[SimJob], now: float) -> bool:
+        """Whether some running job's reports moved its end since the policy last
+        saw it, by more than max(60 s, 10 % of the time left to it), or gave or
+        lost an end: then a periodic pass is not skipped (production runs one
+        anyway; the replay skips those that nothing could change)."""
+        if not self.reads:
+            return False
+        for job in jobs:
+            j = self.jobs[job.id]
+            a = j.attempt
+            if a is None or a.number != job.attempt:
+                continue
+            k = int((now - a.start) // REPORT_S)
+            if k == a.last_k:
+                continue
+            p = self._progress(j, a, now)
+            end = p.end(now) if p is not None else None
+            old = a.view_end
+            if end is None or old is None:
+                if (end is None) != (old is None):
+                    return True
+                continue
+            if abs(end - old) > max(SLIP_MIN_S, SLIP_SHARE * max(0.0, old - now)):
+                return True
+        return False
 
     def due(self, jobs: Iterable[SimJob], now: float) -> set[int]:
         """The reporting jobs with a report since their view was built."""
