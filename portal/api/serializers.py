@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.utils import timezone
 from rest_framework import serializers
 
+from portal import expected_end
 from scheduler.models import Job, JobDependency, JobEvent
 
 MAX_INT = 2**31 - 1
@@ -187,6 +189,21 @@ class JobSerializer(serializers.Serializer[Job]):
     array = serializers.IntegerField(source="array_id", allow_null=True)
     array_index = serializers.IntegerField(allow_null=True)
     dependencies = DependencyOut(many=True, source="dependencies.all")
+    expected_end = serializers.SerializerMethodField(
+        help_text="A running job's expected end (from its reported progress,"
+        " else its planned run time or limit, as the scheduler plans); null"
+        " otherwise.",
+    )
+
+    def get_expected_end(self, job: Job) -> str | None:
+        if job.status != Job.Status.RUNNING:
+            return None
+        live = [a for a in job.attempt_set.all() if a.ended_at is None]
+        got = expected_end.of(job, live[0] if live else None, timezone.now())
+        if got is None:
+            return None
+        # written as ``est_start`` and the other times are
+        return str(serializers.DateTimeField().to_representation(got.at))
 
     def get_cancel_requested(self, job: Job) -> bool:
         return job.cancel_requested_at is not None

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from scheduler.policy.remaining import expected_end
+
 if TYPE_CHECKING:
     from scheduler.policy.state import ClusterState, GpuView, PendingJob, RunningJob
 
@@ -64,6 +66,9 @@ class PassIndex:
     # GPU kinds (memory, model): one example each, and per node the ids of each kind
     kind_example: dict[tuple[int, str], GpuView]
     kinds_by_node: dict[int, dict[tuple[int, str], list[int]]]
+    # A running job's reported progress sets its planned end
+    # (``PolicyConfig.plans_with_progress``).
+    progress: bool = False
     _constraints: dict[Constraint, ConstraintView] = field(default_factory=dict)
     _of_job: dict[tuple[int | None, str], Constraint] = field(default_factory=dict)
     _signature: dict[int, int] = field(default_factory=dict)
@@ -78,10 +83,12 @@ class PassIndex:
         return job.planned_s if self.predictions else job.time_limit_s
 
     def planned_end(self, r: RunningJob) -> float:
-        """A running job's planned end; one that outlived its prediction is
-        planned to its limit (Tsafrir et al. 2007: a violated prediction is raised
-        to the user's estimate)."""
-        return _planned_end(r, self.state.now, self.predictions)
+        """A running job's planned end (``remaining.expected_end``): from its
+        reported progress where this policy reads progress, capped by its limit;
+        else from its plan, and one that outlived its prediction is planned to its
+        limit (Tsafrir et al. 2007: a violated prediction is raised to the user's
+        estimate)."""
+        return _planned_end(r, self.state.now, self.predictions, self.progress)
 
     def constraint(self, job: PendingJob) -> Constraint:
         key = (job.gpu_memory_mib, job.gpu_model)
@@ -144,16 +151,25 @@ def is_free(gpu: GpuView) -> bool:
     return gpu.schedulable and gpu.slots > 0 and gpu.free_slots == gpu.slots
 
 
-def _planned_end(r: RunningJob, now: float, predictions: bool) -> float:  # noqa: FBT001
-    if predictions:
-        end = r.started_at + r.planned_s
-        if end > now:
-            return end
-    return r.started_at + r.time_limit_s
+def _planned_end(
+    r: RunningJob,
+    now: float,
+    predictions: bool,  # noqa: FBT001
+    progress: bool,  # noqa: FBT001
+) -> float:
+    return expected_end(
+        r.started_at,
+        r.planned_s,
+        r.time_limit_s,
+        now,
+        r.progress if progress else None,
+        predictions=predictions,
+    )
 
 
 def build(state: ClusterState, *, predictions: bool = True) -> PassIndex:
     now = state.now
+    progress = state.config.plans_with_progress
     schedulable = frozenset(n.id for n in state.nodes if n.schedulable)
     node_key = {n.id: (n.name, n.id) for n in state.nodes}
     by_node: dict[int, list[GpuView]] = {}
@@ -189,10 +205,11 @@ def build(state: ClusterState, *, predictions: bool = True) -> PassIndex:
         running_by_end=tuple(
             sorted(
                 state.running,
-                key=lambda r: (_planned_end(r, now, predictions), r.id),
+                key=lambda r: (_planned_end(r, now, predictions, progress), r.id),
             )
         ),
         predictions=predictions,
+        progress=progress,
         kind_example=kind_example,
         kinds_by_node=kinds_by_node,
     )

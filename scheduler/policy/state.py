@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from scheduler.policy.colocate import Admission
+    from scheduler.policy.remaining import Progress
 
 # ------------------------------------------------------------------ configuration
 
@@ -103,6 +104,10 @@ class PolicyConfig:
     # runs to its end ("finish").
     quota_soft_factor: float = 0.5
     quota_overrun: str = "finish"
+    # A running job that reports progress is planned to end when its progress
+    # says (``remaining.expected_end``), capped by its limit; ``slurm`` and
+    # ``fifo`` never read progress (Slurm plans with limits).
+    progress_ends: bool = True
 
     @property
     def shares(self) -> bool:
@@ -114,6 +119,11 @@ class PolicyConfig:
         """The run-time factor orders this policy's queue (``gpulab``'s policies;
         ``slurm`` and ``fifo`` have none)."""
         return self.name in GPULAB_FAMILY and self.weight_runtime > 0
+
+    @property
+    def plans_with_progress(self) -> bool:
+        """A running job's reported progress sets its planned end."""
+        return self.progress_ends and self.name not in ("slurm", "fifo")
 
     @property
     def plans_with_prediction(self) -> bool:
@@ -227,6 +237,9 @@ class RunningJob:
     evictable: bool = True
     # A task of this job array (its run-at-once limit counts it).
     array_id: int | None = None
+    # What it reported of its progress over this attempt (None: nothing usable
+    # yet); ``remaining.expected_end`` reads it.
+    progress: Progress | None = None
 
     @property
     def planned_end(self) -> float:

@@ -27,6 +27,7 @@ from scheduler.models import (
     Node,
 )
 from scheduler.policy.predict import planned_runtime
+from scheduler.policy.remaining import from_reports
 from scheduler.services import interference
 
 if TYPE_CHECKING:
@@ -128,7 +129,9 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
        j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
-       t.peak_memory_mib, j.array_id
+       t.peak_memory_mib, j.array_id,
+       t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
+       t.progress_first_step, date_part('epoch', t.progress_first_at)
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
 """
@@ -310,6 +313,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         trial,
         peak_mib,
         array_id,
+        *reports,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
         if not held:
@@ -347,6 +351,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 trial=trial,
                 evictable=evictable,
                 array_id=array_id,
+                progress=from_reports(*reports),
             )
         )
     knowledge, trials = load_knowledge(

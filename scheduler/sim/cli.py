@@ -29,6 +29,7 @@ from scheduler.sim.engine import (
 )
 from scheduler.sim.metrics import summarize
 from scheduler.sim.prepare import PrepareOptions, prepare
+from scheduler.sim.progress import ASSUMPTION as PROGRESS_NOTE
 from scheduler.sim.trace import FORMATS, TraceError, read_throughputs, read_trace
 
 CHECKPOINT_NOTE = (
@@ -133,6 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt-grace", type=_nonneg, default=30.0)
     p.add_argument("--sample-min", type=_nonneg, default=60.0)
     p.add_argument("--no-check", action="store_true", help="skip per-pass invariants")
+    p.add_argument(
+        "--progress-fraction",
+        type=_fraction,
+        default=SimOptions.progress_fraction,
+        help="share of jobs that report progress (sim.progress)",
+    )
+    p.add_argument(
+        "--early-stop-fraction",
+        type=_fraction,
+        default=SimOptions.early_stop_fraction,
+        help="share of the reporting jobs that end before their total",
+    )
+    p.add_argument(
+        "--progress-noise",
+        type=_nonneg,
+        default=SimOptions.progress_noise,
+        help="multiplies the progress reports' noise (2: doubled)",
+    )
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -182,6 +201,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             check=not args.no_check,
             gpu_job_limit=args.gpu_job_limit,
             seed=args.seed,
+            progress_fraction=args.progress_fraction,
+            early_stop_fraction=args.early_stop_fraction,
+            progress_noise=args.progress_noise,
         ),
         throughputs=table,
         colocation=colocation,
@@ -189,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     result = sim.run()
     out: dict[str, Any] = summarize(result)
+    out.update(sim.tracker.summary())
     out.update(
         {
             "offered_load": prepared.offered_load,
@@ -221,10 +244,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "colocation": args.colocation,
                 "gpu_job_limit": args.gpu_job_limit,
                 "assume_memory_fraction": args.assume_memory_fraction,
+                "progress_fraction": args.progress_fraction,
+                "early_stop_fraction": args.early_stop_fraction,
+                "progress_noise": args.progress_noise,
             },
             "assumptions": [
                 *prepared.assumptions,
                 CHECKPOINT_NOTE,
+                PROGRESS_NOTE,
                 *([COLOCATION_NOTE] if colocation is not None else []),
             ],
             "read_s": read_s,

@@ -21,6 +21,7 @@ from scheduler.policy import (
     run_pass,
 )
 from scheduler.sim.colocation import Meter
+from scheduler.sim.progress import ProgressModel, ProgressTracker
 from scheduler.sim.results import SimOptions, SimResult
 from scheduler.sim.usage import DecayedUsage
 
@@ -147,6 +148,18 @@ class SimCluster:
             over_cap_window_s=config.colo_detect_window_s + self.opts.period_s,
         )
         self.finished = 0
+        # what jobs report of their progress (``sim.progress``)
+        opts = self.opts
+        self.tracker = ProgressTracker(
+            self.jobs,
+            ProgressModel(
+                opts.progress_fraction,
+                opts.early_stop_fraction,
+                opts.progress_noise,
+                opts.seed,
+            ),
+            config,
+        )
 
     def _push(self, t: float, kind: int, job_id: int = 0, stamp: int = 0) -> None:
         """``stamp``: the job's ``epoch`` for END, its ``attempt`` otherwise."""

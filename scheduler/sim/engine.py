@@ -106,7 +106,8 @@ class Simulator(PolicyViews):
                 self.dirty = True
                 self._pass(now, "event")
             elif periodic:
-                if self.dirty:
+                # a running job's new progress report changes its planned end
+                if self.dirty or self.tracker.moved(self.running.values(), now):
                     self._pass(now, "periodic")
                 else:
                     self.result.periodic_skipped += 1
@@ -246,6 +247,7 @@ class Simulator(PolicyViews):
             self._rerate(gpu_ids[0], now, force=(job.id,))
         else:
             self._set_rate(job, now, ())
+        self.tracker.started(job, now)
         for g in gpu_ids:
             self._charge(g, now)
         self.running_views[job.id] = self._running_view(job, now)
@@ -289,6 +291,7 @@ class Simulator(PolicyViews):
         job.run_total += ran
         job.end = now
         job.state = "done"
+        self.tracker.ended(job, now)
         self.finished += 1
         if job.outcome == "timeout":
             if job.shared_attempt:
@@ -408,6 +411,8 @@ class Simulator(PolicyViews):
                 job = self.by_id.get(d.job_id)
                 if job is not None:
                     job.last_reason = str(d.reason)
+                    if d.est_start is not None:
+                        self.tracker.shown_start(job, now, d.est_start)
                     if d.est_start is not None and job.first_est is None:
                         job.first_est = d.est_start
                         if job.first_start is None:
@@ -423,6 +428,7 @@ class Simulator(PolicyViews):
         # while GPUs are shared the measurements move (the pass may evict), and
         # while trials are recent the exploration budget refills: keep watching
         self.dirty = acted or bool(self.shared_gpus) or bool(self.trials)
+        self.tracker.observe(self.running.values())  # rates the decisions set
         if self.opts.check:
             self._check()
 

@@ -38,6 +38,10 @@ class SimOptions:
     gpu_job_limit: int = 2  # slots per GPU (GPULAB_GPU_JOB_LIMIT)
     oom_after_s: float = 5.0  # a job that cannot fit beside its partner fails then
     seed: int = 0  # draws the progress reports' noise
+    # the progress model (``sim.progress``): who reports, who stops early, noise
+    progress_fraction: float = 0.5
+    early_stop_fraction: float = 0.2
+    progress_noise: float = 1.0
 
 
 @dataclass

@@ -90,6 +90,7 @@ class PolicyViews(GpuPhysics):
             trial=job.trial,
             measured_slowdown=measured,
             measured_for_s=measured_for,
+            progress=self.tracker.view(job, now),
         )
 
     def _state(self, now: float) -> ClusterState:
@@ -102,6 +103,9 @@ class PolicyViews(GpuPhysics):
         self.stale_users.clear()
         refresh = self.recently_preempted | self.stale_views
         self.stale_views.clear()
+        # progress: rates the events changed, and the jobs that reported since
+        self.tracker.observe(self.running.values())
+        refresh |= self.tracker.due(self.running.values(), now)
         knowledge = Knowledge()
         trials: Mapping[frozenset[str], int] = MappingProxyType({})
         meter = self.meter

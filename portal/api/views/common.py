@@ -71,7 +71,22 @@ def attempts_for_nodes() -> Any:
 
     return Prefetch(
         "attempt_set",
-        queryset=Attempt.objects.only("id", "job_id", "number", "node_id", "ranks"),
+        queryset=Attempt.objects.only(
+            "id",
+            "job_id",
+            "number",
+            "node_id",
+            "ranks",
+            # ``serializers.JobSerializer.expected_end``
+            "created_at",
+            "started_at",
+            "ended_at",
+            "progress_step",
+            "progress_total",
+            "progress_at",
+            "progress_first_step",
+            "progress_first_at",
+        ),
     )
 
 
