@@ -49,31 +49,28 @@ def record_lost_work(attempt: Attempt, job: Job, ended: datetime) -> int:
     any) to its end, else its whole run; a job event says how much. An attempt
     that never started lost nothing."""
     start = attempt.started_at
-    if start is None:
-        lost = 0
-    else:
-        since = start
-        at = attempt.checkpoint_at
-        if job.checkpointable and at is not None and start <= at <= ended:
-            since = at
-        lost = max(0, round((ended - since).total_seconds())) * job.gpus
-    attempt.lost_work_gpu_s = lost
+    at = attempt.checkpoint_at
+    # The line's arrival may trail the agent's exit time: a checkpoint noted
+    # after the end was saved at the end.
+    checkpointed = job.checkpointable and at is not None and start is not None
+    since = start if not checkpointed else min(at, ended)  # type: ignore[type-var]
+    lost = 0 if since is None else max(0, round((ended - since).total_seconds()))
+    attempt.lost_work_gpu_s = lost * job.gpus
     attempt.save(update_fields=["lost_work_gpu_s"])
     if start is not None:
-        minutes = lost / max(1, job.gpus) / 60
         since_text = (
             "since its last checkpoint"
-            if job.checkpointable and since != start
+            if checkpointed
             else "since its start"
             + (" (no checkpoint reported)" if job.checkpointable else "")
         )
         _event(
             job,
-            f"attempt {attempt.number}: {minutes:.0f} min of work lost {since_text}",
+            f"attempt {attempt.number}: {lost / 60:.0f} min of work lost {since_text}",
             source=JobEvent.Source.SCHEDULER,
             at=ended,
         )
-    return lost
+    return attempt.lost_work_gpu_s
 
 
 def restart_count(attempt: Attempt) -> int:
