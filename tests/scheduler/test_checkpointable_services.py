@@ -18,6 +18,7 @@ from scheduler import policy, services
 from scheduler.models import Attempt, Job, JobEvent
 from scheduler.services.jobs import JobRequest, validate_job_request
 from tests.factories import JobFactory, start_job, started_data
+from tests.scheduler.test_kill_resends import AgentInbox
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -178,7 +179,6 @@ def test_a_cancel_of_a_checkpointable_job_is_sigterm_with_its_stop_grace(
 def test_a_lost_kill_is_resent_with_the_checkpoint_signal_after_its_grace(
     alice: User,
     cluster: list[Node],
-    sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     victim = JobFactory(
@@ -190,22 +190,32 @@ def test_a_lost_kill_is_resent_with_the_checkpoint_signal_after_its_grace(
         kill_grace_s=5,
     )
     attempt = running(victim, cluster[0])
-    with django_capture_on_commit_callbacks(execute=True):
-        services.apply_decisions([policy.Preempt(victim.pk, 999, "high waits")])
-    attempt.refresh_from_db()
-    assert attempt.kill_sent_at is not None
-    delay = timedelta(seconds=settings.GPULAB_KILL_RESEND_AFTER)
-    # Within the checkpoint grace the job may still be saving: no re-send ...
-    with time_machine.travel(attempt.kill_sent_at + delay + timedelta(seconds=60)):
-        assert services.resend_kills() == []
-    # ... after it, the kill goes again, with the same signal and grace.
-    later = attempt.kill_sent_at + delay + timedelta(seconds=601)
-    with time_machine.travel(later), django_capture_on_commit_callbacks(execute=True):
-        assert services.resend_kills() == [attempt.pk]
-    assert [(k.signal, k.grace_s) for k in kills(sent)] == [
-        ("USR2", 600),
-        ("USR2", 600),
-    ]
+    inbox = AgentInbox(cluster[0].pk)
+    try:
+        with django_capture_on_commit_callbacks(execute=True):
+            services.apply_decisions([policy.Preempt(victim.pk, 999, "high waits")])
+        attempt.refresh_from_db()
+        assert attempt.kill_sent_at is not None
+        assert [(k.data.signal, k.data.grace_s) for k in inbox.frames()] == [
+            ("USR2", 600)
+        ]
+        due = attempt.kill_sent_at + timedelta(
+            seconds=settings.GPULAB_KILL_RESEND_AFTER
+        )
+        # Within the checkpoint grace the job may still be saving: no re-send ...
+        with time_machine.travel(due + timedelta(seconds=60), tick=False):
+            assert services.resend_kills() == []
+        # ... after it, the kill goes again, with the same signal and grace.
+        with (
+            time_machine.travel(due + timedelta(seconds=601), tick=False),
+            django_capture_on_commit_callbacks(execute=True),
+        ):
+            assert services.resend_kills() == [attempt.pk]
+        assert [(k.data.signal, k.data.grace_s) for k in inbox.frames()] == [
+            ("USR2", 600)
+        ]
+    finally:
+        inbox.close()
 
 
 # ------------------------------------------------------------------ lost work
