@@ -86,6 +86,8 @@ def test_a_checkpointable_job_is_signalled_requeued_and_resumed(
     assert victim.attempts == 2
     second = Attempt.objects.get(job=victim, number=2)
     needed = Attempt.objects.get(job=needs)
+    assert first.ended_at is not None
+    assert needed.started_at is not None and second.started_at is not None
     assert first.ended_at <= needed.started_at <= second.started_at
     logs = {
         number: "".join(

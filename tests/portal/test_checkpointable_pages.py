@@ -56,7 +56,9 @@ def test_the_form_submits_a_checkpointable_job(
         "USR1",
         120,
     )
-    page = " ".join(client_for(alice).get(response.url).content.decode().split())
+    page = " ".join(
+        client_for(alice).get(response["Location"]).content.decode().split()
+    )
     assert (
         'data-field="checkpointable">resumed 0 times, 0 min of work lost;'
         " preempted: SIGUSR1, then SIGKILL after 2m"
