@@ -50,10 +50,13 @@ def record_lost_work(attempt: Attempt, job: Job, ended: datetime) -> int:
     that never started lost nothing."""
     start = attempt.started_at
     at = attempt.checkpoint_at
-    # The line's arrival may trail the agent's exit time: a checkpoint noted
-    # after the end was saved at the end.
-    checkpointed = job.checkpointable and at is not None and start is not None
-    since = start if not checkpointed else min(at, ended)  # type: ignore[type-var]
+    since = start
+    checkpointed = False
+    if start is not None and at is not None and job.checkpointable:
+        # The line's arrival (portal time) may trail the agent's exit time: a
+        # checkpoint noted after the end was saved at the end.
+        since = max(start, min(at, ended))
+        checkpointed = True
     lost = 0 if since is None else max(0, round((ended - since).total_seconds()))
     attempt.lost_work_gpu_s = lost * job.gpus
     attempt.save(update_fields=["lost_work_gpu_s"])
