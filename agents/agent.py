@@ -137,12 +137,13 @@ class Agent(Reaper, Link):
             return
         if job.outcome is None:
             log.info(
-                "attempt %d: kill (%s, grace %d s)",
+                "attempt %d: kill (%s, SIG%s, grace %d s)",
                 data.attempt_id,
                 data.reason,
+                data.signal,
                 data.grace_s,
             )
-            self.launcher.kill(job, data.grace_s, data.reason)
+            self.launcher.kill(job, data.grace_s, data.reason, sig=data.signal)
 
     def on_ack(self, seq: int) -> None:
         """Drop what the server has processed.

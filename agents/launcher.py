@@ -222,9 +222,19 @@ class Launcher:
 
     # ------------------------------------------------------------ stopping
 
-    def kill(self, job: Job, grace_s: int, reason: str, message: str = "") -> None:
-        """Write ``stop`` (grace, reason, message), then SIGTERM the shim."""
+    def kill(
+        self,
+        job: Job,
+        grace_s: int,
+        reason: str,
+        message: str = "",
+        sig: str = "TERM",
+    ) -> None:
+        """Write ``stop_signal`` (the signal the shim sends the job's group first,
+        by name: a checkpointable job's checkpoint signal) and ``stop`` (grace,
+        reason, message), then SIGTERM the shim. The first kill decides both."""
         if not job.stopping:
+            atomic_write(job.dir / "stop_signal", f"{sig}\n")
             atomic_write(
                 job.dir / "stop", f"{grace_s} {reason} {message}".strip() + "\n"
             )

@@ -264,11 +264,17 @@ KillReason = Literal[
 ]
 
 
+# Signals a kill may start with (a checkpointable job's checkpoint signal);
+# SIGKILL follows after ``grace_s``.
+KillSignal = Literal["TERM", "INT", "USR1", "USR2"]
+
+
 class JobKillData(_Model):
     attempt_id: PosInt
     job_id: PosInt
     reason: KillReason
     grace_s: NonNegInt = 30
+    signal: KillSignal = "TERM"
 
 
 class AckData(_Model):

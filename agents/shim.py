@@ -7,8 +7,9 @@ The launcher starts one shim per attempt in its own session, so it outlives the 
 2. starts ``/bin/sh -c <command>`` in its own process group, as ``run_as`` when set
    (by its numbers when the launch carries them: ``resolve_run_as``),
    with stdout and stderr appended to ``output.log``, and records ``pgid``;
-3. on SIGTERM (the agent wrote ``stop`` first) sends SIGTERM to the group, waits the
-   grace period, then SIGKILLs the group;
+3. on SIGTERM (the agent wrote ``stop`` first) sends the group the signal named in
+   ``stop_signal`` (SIGTERM if none: a checkpointable job's checkpoint signal, e.g.
+   SIGUSR1), waits the grace period, then SIGKILLs the group;
    It sleeps in ``sigtimedwait`` (woken by SIGCHLD or SIGTERM), so a long job costs
    next to no CPU;
 4. when the command ends, kills what is left of its group (no orphan keeps a GPU),
@@ -226,6 +227,21 @@ def _stop_grace(job_dir: Path, default: float) -> float:
     return default
 
 
+# The signals a kill may start with (agents.protocol.KillSignal), by name.
+_STOP_SIGNALS = {
+    "TERM": signal.SIGTERM,
+    "INT": signal.SIGINT,
+    "USR1": signal.SIGUSR1,
+    "USR2": signal.SIGUSR2,
+}
+
+
+def _stop_signal(job_dir: Path) -> int:
+    """The signal to stop the job with: ``stop_signal``'s name, else SIGTERM."""
+    name = (read_text(job_dir / "stop_signal") or "").strip()
+    return _STOP_SIGNALS.get(name, signal.SIGTERM)
+
+
 def run(job_dir: Path) -> int:
     """Run the job in ``job_dir`` to completion; returns the shim's exit status."""
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -306,7 +322,7 @@ def run(job_dir: Path) -> int:
         # the window where a SIGTERM could arrive before our handler existed.
         if kill_at is None and (_Stop.requested or (job_dir / "stop").exists()):
             grace = _stop_grace(job_dir, grace)
-            _killpg(pgid, signal.SIGTERM)
+            _killpg(pgid, _stop_signal(job_dir))
             kill_at = time.monotonic() + grace
         if kill_at is not None and time.monotonic() >= kill_at:
             _killpg(pgid, signal.SIGKILL)

@@ -115,6 +115,27 @@ class JobForm(forms.Form):
         help_text="Time between SIGTERM and SIGKILL when the job is stopped, "
         "e.g. 30s, 2m. Empty: the default.",
     )
+    checkpointable = forms.BooleanField(
+        required=False,
+        label="Checkpointable",
+        help_text="The job saves checkpoints and resumes from the last one: "
+        "preempted, it gets the signal below, the grace to save and exit, and is "
+        "requeued (GPULAB_RESTART_COUNT tells it how many times).",
+    )
+    checkpoint_signal = forms.ChoiceField(
+        label="Checkpoint signal",
+        required=False,
+        choices=[(n, f"SIG{n}") for n in services.CHECKPOINT_SIGNALS],
+        initial="TERM",
+        help_text="Sent first when the job is preempted; it should save a "
+        "checkpoint and exit.",
+    )
+    checkpoint_grace = forms.CharField(
+        label="Checkpoint grace",
+        required=False,
+        help_text="Time from the checkpoint signal to SIGKILL, e.g. 60s, 2m. "
+        "Empty: 60 s.",
+    )
     on_node_loss = forms.ChoiceField(
         label="If its node is lost",
         choices=[("requeue", "requeue the job"), ("fail", "fail the job")],
@@ -174,6 +195,12 @@ class JobForm(forms.Form):
             return int(text)  # plain seconds here, unlike time limits
         return parse_duration(text)
 
+    def clean_checkpoint_grace(self) -> int | None:
+        text = self.cleaned_data["checkpoint_grace"].strip().lower()
+        if text.isdigit():
+            return int(text)  # plain seconds, as the stop grace
+        return parse_duration(text)
+
     def clean_env(self) -> dict[str, str]:
         return parse_env(self.cleaned_data["env"])
 
@@ -197,11 +224,15 @@ class JobForm(forms.Form):
             slowdown_cap=data["slowdown_cap"],
             evictable=data["on_partner_hurt"] != "keep",
             after=data["after"],
+            checkpointable=data["checkpointable"],
+            checkpoint_signal=data["checkpoint_signal"],
+            checkpoint_grace_s=data["checkpoint_grace"],
         )
 
     # Service field names -> form field names.
     FIELD_MAP: ClassVar[dict[str, str]] = {
         "kill_grace_s": "kill_grace",
+        "checkpoint_grace_s": "checkpoint_grace",
         "gpu_memory_mib": "gpu_memory",
         "time_limit_s": "time_limit",
     }

@@ -38,6 +38,16 @@ class Text(serializers.CharField):
         return value
 
 
+class StrictBool(serializers.BooleanField):
+    """A JSON true or false only: "false" or 0 read as a bool would turn a
+    client's mistake into a setting it did not ask for."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            raise serializers.ValidationError("Must be true or false.")
+        return data
+
+
 class Moment(serializers.DateTimeField):
     """An ISO 8601 time Python can hold in UTC as in the server's time zone: at
     the calendar's ends (``0001-01-01T00:00`` read in a zone east of UTC) the
@@ -111,6 +121,26 @@ class JobRequestSerializer(serializers.Serializer[Any]):
         max_value=MAX_INT,
     )
     requeue_on_node_loss = serializers.BooleanField(required=False, default=True)
+    checkpointable = StrictBool(
+        required=False,
+        default=False,
+        help_text="It saves checkpoints: preempted, it gets checkpoint_signal,"
+        " checkpoint_grace_s to save and exit, and is requeued.",
+    )
+    checkpoint_signal = Text(
+        required=False,
+        default="",
+        max_length=1000,
+        help_text="TERM (default), INT, USR1 or USR2.",
+    )
+    checkpoint_grace_s = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=-MAX_INT,
+        max_value=MAX_INT,
+        help_text="Seconds from the checkpoint signal to SIGKILL (default 60).",
+    )
     after = Text(
         required=False,
         default="",
@@ -169,6 +199,20 @@ class JobSerializer(serializers.Serializer[Job]):
     requeue_on_node_loss = serializers.BooleanField(
         help_text="Requeued (true) or failed (false) when its node is lost.",
     )
+    checkpointable = serializers.BooleanField()
+    checkpoint_signal = serializers.CharField(
+        help_text="The signal a preemption sends first (checkpointable jobs).",
+    )
+    checkpoint_grace_s = serializers.IntegerField(
+        help_text="Seconds from the checkpoint signal to SIGKILL.",
+    )
+    restarts = serializers.SerializerMethodField(
+        help_text="Times it was resumed after being stopped to be requeued.",
+    )
+    lost_work_gpu_s = serializers.SerializerMethodField(
+        help_text="Work its requeued attempts lost (since their last checkpoint,"
+        " or since their start), in GPU-seconds.",
+    )
     submitted_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
@@ -204,6 +248,12 @@ class JobSerializer(serializers.Serializer[Job]):
             return None
         # written as ``est_start`` and the other times are
         return str(serializers.DateTimeField().to_representation(got.at))
+
+    def get_restarts(self, job: Job) -> int:
+        return job.restarts()[0]
+
+    def get_lost_work_gpu_s(self, job: Job) -> int:
+        return job.restarts()[1]
 
     def get_cancel_requested(self, job: Job) -> bool:
         return job.cancel_requested_at is not None

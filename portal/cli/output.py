@@ -138,6 +138,16 @@ def mib(value: float | None) -> str:
     return f"{value / 1024:.1f}G" if value >= 1024 else f"{value:.0f}M"
 
 
+def checkpoint_summary(job: Mapping[str, Any]) -> str:
+    """ "resumed 2 times, 14 min of work lost": the job page's words, from the
+    API's ``restarts`` and ``lost_work_gpu_s`` (minutes on its GPUs)."""
+    resumed = int(job.get("restarts") or 0)
+    gpus = max(1, int(job.get("gpus") or 1))
+    minutes = round(int(job.get("lost_work_gpu_s") or 0) / gpus / 60)
+    times = "1 time" if resumed == 1 else f"{resumed} times"
+    return f"resumed {times}, {minutes} min of work lost"
+
+
 def job_detail(job: Mapping[str, Any]) -> str:
     """``gpulab show ID``: every field a person asks about, one per line."""
     state = job["state"]
@@ -187,6 +197,14 @@ def job_detail(job: Mapping[str, Any]) -> str:
     ]
     if job.get("kill_grace_s") is not None:
         lines.append(("Stop grace", f"{job['kill_grace_s']}s (SIGTERM, then SIGKILL)"))
+    if job.get("checkpointable"):
+        lines.append(
+            (
+                "Checkpointable",
+                f"SIG{job.get('checkpoint_signal', 'TERM')}, then SIGKILL after"
+                f" {job.get('checkpoint_grace_s', 60)}s; " + checkpoint_summary(job),
+            )
+        )
     lines.append(
         (
             "If node lost",

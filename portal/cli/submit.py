@@ -43,6 +43,9 @@ SUBMIT_FIELDS = {
     "group": "--group",
     "after": "--after",
     "array": "--array",
+    "checkpointable": "--checkpointable",
+    "checkpoint_signal": "--checkpoint-signal",
+    "checkpoint_grace_s": "--checkpoint-grace",
 }
 
 
@@ -160,6 +163,23 @@ def default_name(words: Sequence[str]) -> str:
     metavar="NAME=VALUE",
     help="An environment variable for the job. Repeatable.",
 )
+@click.option(
+    "--checkpointable",
+    is_flag=True,
+    help="The job saves checkpoints: preempted, it gets its checkpoint signal,"
+    " the grace to save and exit, and is requeued (GPULAB_RESTART_COUNT).",
+)
+@click.option(
+    "--checkpoint-signal",
+    default="",
+    metavar="SIG",
+    help="The signal a preemption sends first: TERM (default), INT, USR1, USR2.",
+)
+@click.option(
+    "--checkpoint-grace",
+    type=Parsed("DURATION", parse_duration, DURATION_HELP),
+    help="Time from the checkpoint signal to SIGKILL, e.g. 2m (default 60s).",
+)
 @click.option("--group", default="", help="The lab group to charge.")
 @click.option("--workload", default="", help="A label for similar jobs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
@@ -186,6 +206,9 @@ def submit(
     name: str | None,
     workdir: Path | None,
     env_items: tuple[str, ...],
+    checkpointable: bool,
+    checkpoint_signal: str,
+    checkpoint_grace: int | None,
     group: str,
     workload: str,
     as_json: bool,
@@ -213,6 +236,12 @@ def submit(
         "group": group,
         "after": ",".join(a.strip() for a in after),
     }
+    if checkpointable or checkpoint_signal or checkpoint_grace is not None:
+        # Only when asked: the server names what is wrong (a signal without
+        # --checkpointable) and an older server is not sent fields it lacks.
+        body["checkpointable"] = checkpointable
+        body["checkpoint_signal"] = checkpoint_signal
+        body["checkpoint_grace_s"] = checkpoint_grace
     api = state.api()
     if array_spec is not None:
         body["array"] = array_spec

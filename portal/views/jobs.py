@@ -92,6 +92,12 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
                 "gpu_model": src.gpu_model,
                 "on_node_loss": "requeue" if src.requeue_on_node_loss else "fail",
             }
+            if src.checkpointable:
+                initial |= {
+                    "checkpointable": True,
+                    "checkpoint_signal": src.checkpoint_signal,
+                    "checkpoint_grace": str(src.checkpoint_grace_s),
+                }
     form = JobForm(
         request.POST or None,
         initial=initial,

@@ -97,6 +97,13 @@ class Attempt(models.Model):
     # it ends; the interference model's prior reads its workload's median).
     peak_memory_mib = models.PositiveIntegerField(null=True, blank=True)
     solo_busy = models.FloatField(null=True, blank=True)
+    # When the job last printed a ``GPULAB_CHECKPOINT`` line (as its output
+    # reached the portal), and, for an attempt stopped to be requeued (preempted,
+    # requeued, evicted), the work it lost in GPU-seconds: from its last
+    # checkpoint (a checkpointable job that printed one) or its start to its end,
+    # times its GPUs. Null: nothing lost (it was not requeued).
+    checkpoint_at = models.DateTimeField(null=True, blank=True)
+    lost_work_gpu_s = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ("job", "number")

@@ -186,6 +186,13 @@ class Job(models.Model):
     workload = models.CharField(max_length=128, blank=True)
     requeue_on_node_loss = models.BooleanField(default=True)
     kill_grace_s = models.PositiveIntegerField(default=30)
+    # The job saves checkpoints: a preemption sends it ``checkpoint_signal`` (TERM,
+    # INT, USR1 or USR2), waits ``checkpoint_grace_s``, then SIGKILLs it, and the
+    # job is requeued; only the work since its last checkpoint is lost
+    # (``Attempt.lost_work_gpu_s``). Other stops use SIGTERM and ``kill_grace_s``.
+    checkpointable = models.BooleanField(default=False)
+    checkpoint_signal = models.CharField(max_length=8, default="TERM")
+    checkpoint_grace_s = models.PositiveIntegerField(default=60)
 
     status = models.CharField(
         max_length=16, choices=Status.choices, default=Status.PENDING
@@ -283,6 +290,34 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.pk} {self.name}"
+
+    def restarts(self) -> tuple[int, int]:
+        """(How many times it was resumed, the work its requeued attempts lost in
+        GPU-seconds): an attempt stopped to be requeued records what it lost
+        (``Attempt.lost_work_gpu_s``); it counts as resumed once a later attempt
+        started. One query on the first call (kept), none for a job that never
+        had a second attempt."""
+        if not self.preemptions and self.attempts < 2:
+            return 0, 0
+        cached: tuple[int, int] | None = getattr(self, "_restarts", None)
+        if cached is not None:
+            return cached
+        rows = list(
+            self.attempt_set.values_list("number", "started_at", "lost_work_gpu_s")
+        )
+        last = max((n for n, started, _ in rows if started is not None), default=0)
+        resumed = sum(1 for n, _, lost in rows if lost is not None and n < last)
+        self._restarts = (resumed, sum(lost or 0 for _, _, lost in rows))
+        return self._restarts
+
+    @property
+    def checkpoint_summary(self) -> str:
+        """ "resumed 2 times, 14 min of work lost" (minutes on its GPUs): the job
+        page's line; ``gpulab show`` words the API's numbers the same way."""
+        resumed, lost = self.restarts()
+        minutes = round(lost / max(1, self.gpus) / 60)
+        times = "1 time" if resumed == 1 else f"{resumed} times"
+        return f"resumed {times}, {minutes} min of work lost"
 
     @property
     def queue_position(self) -> int | None:

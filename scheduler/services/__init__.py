@@ -64,6 +64,7 @@ from scheduler.services.dependencies import (
 from scheduler.services.interference import mark_harmful, reset_interference_pairs
 from scheduler.services.jobs import (
     ALLOWED_GPULAB_ENV,
+    CHECKPOINT_SIGNALS,
     MAX_KILL_GRACE_S,
     PREDICTION_HISTORY,
     RESERVED_ENV,
@@ -131,6 +132,7 @@ from scheduler.services.telemetry import (
 
 __all__ = [
     "ALLOWED_GPULAB_ENV",
+    "CHECKPOINT_SIGNALS",
     "MASTER_PORT_BASE",
     "MAX_ARRAY_INDEX",
     "MAX_KILL_GRACE_S",

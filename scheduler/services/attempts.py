@@ -14,7 +14,7 @@ from agents import protocol
 from scheduler import hooks
 from scheduler.lifecycle import Cause, ExitFacts, classify_exit
 from scheduler.models import Attempt, Job, JobEvent, Node
-from scheduler.services import late_reports
+from scheduler.services import checkpoints, late_reports
 from scheduler.services.common import _event, _send_kill_on_commit, _ts
 from scheduler.services.lifecycle import (
     announce,
@@ -177,6 +177,8 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             )
             return True
         verdict = classify_exit(_exit_facts(attempt, job, node_id, data))
+        if verdict.to in (Job.Status.PREEMPTED, Job.Status.PENDING):
+            checkpoints.record_lost_work(attempt, job, ended)
         if verdict.to == Job.Status.PREEMPTED:
             transition(
                 job,

@@ -88,14 +88,38 @@ def request_pass() -> None:
 
 
 def kill_frame(
-    attempt_id: int, job_id: int, reason: protocol.KillReason, grace_s: int
+    attempt_id: int,
+    job_id: int,
+    reason: protocol.KillReason,
+    grace_s: int,
+    signal: protocol.KillSignal = "TERM",
 ) -> dict[str, Any]:
     return events.frame(
         protocol.JobKill,
         protocol.JobKillData(
-            attempt_id=attempt_id, job_id=job_id, reason=reason, grace_s=grace_s
+            attempt_id=attempt_id,
+            job_id=job_id,
+            reason=reason,
+            grace_s=grace_s,
+            signal=signal,
         ),
     )
+
+
+# The scheduler's stops that requeue a job: a checkpointable job gets its
+# checkpoint signal and grace for them, so it saves its work before it goes.
+CHECKPOINT_KILLS: frozenset[str] = frozenset({"preempted", "evicted"})
+
+
+def kill_terms(job: Job, reason: str) -> tuple[int, protocol.KillSignal]:
+    """The grace and first signal of a kill of ``job`` for ``reason``: its
+    checkpoint signal and grace for a checkpointable job the scheduler stops to
+    requeue (``CHECKPOINT_KILLS``), else SIGTERM and its stop grace."""
+    if job.checkpointable and reason in CHECKPOINT_KILLS:
+        name = job.checkpoint_signal
+        if name in get_args(protocol.KillSignal):
+            return job.checkpoint_grace_s, cast("protocol.KillSignal", name)
+    return job.kill_grace_s, "TERM"
 
 
 def stored_kill_reason(value: str) -> protocol.KillReason:
@@ -110,6 +134,7 @@ def _send_kill_on_commit(
     reason: protocol.KillReason,
     grace_s: int,
     *,
+    signal: protocol.KillSignal = "TERM",
     skip: int | None = None,
     nodes: Iterable[int] | None = None,
 ) -> None:
@@ -118,7 +143,7 @@ def _send_kill_on_commit(
     (``kill_sent_at``): ``services.resend_kills`` sends the kill again if no exit
     comes back (the send may be lost: a process dying between the commit and the
     send, an agent not connected at that moment)."""
-    command = kill_frame(attempt.pk, attempt.job_id, reason, grace_s)
+    command = kill_frame(attempt.pk, attempt.job_id, reason, grace_s, signal)
     only = None if nodes is None else set(nodes)
     for node_id in attempt.node_ids:
         if node_id == skip or str(node_id) in attempt.rank_exits:

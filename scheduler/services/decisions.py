@@ -20,7 +20,7 @@ from scheduler.models import (
     Job,
     JobEvent,
 )
-from scheduler.services.common import _event, _send_kill_on_commit, _ts
+from scheduler.services.common import _event, _send_kill_on_commit, _ts, kill_terms
 from scheduler.services.interference import mark_harmful
 from scheduler.services.snapshot import StoredWait, policy_config
 from scheduler.services.starts import start_jobs
@@ -95,7 +95,8 @@ def _stop_for_scheduler(
     job_filter: Q, reason: protocol.KillReason, message: str
 ) -> tuple[Job, Attempt] | None:
     """Ask the node of a job on a node (matching ``job_filter``) to stop its live
-    attempt for ``reason`` (SIGTERM, its grace, SIGKILL), with a job event; its exit
+    attempt for ``reason`` (SIGTERM, its grace, SIGKILL; a checkpointable job
+    stopped to be requeued: its checkpoint signal and grace), with a job event; its exit
     then moves the job on (``finish_attempt``). A job being cancelled or already
     being stopped is left: None. Call inside a transaction."""
     job = (
@@ -115,7 +116,8 @@ def _stop_for_scheduler(
     attempt.kill_reason = reason
     attempt.save(update_fields=["kill_reason"])
     _event(job, message[:500], source=JobEvent.Source.SCHEDULER)
-    _send_kill_on_commit(attempt, reason, job.kill_grace_s)
+    grace, signal = kill_terms(job, reason)
+    _send_kill_on_commit(attempt, reason, grace, signal=signal)
     return job, attempt
 
 

@@ -121,6 +121,12 @@ class JobRequest:
     # Jobs it runs after, in the text form ``services.dependencies``
     # parses: "afterok:12:13,afterany:a7".
     after: str = ""
+    # The job saves checkpoints: when preempted it is sent ``checkpoint_signal``
+    # (a name of CHECKPOINT_SIGNALS; "": TERM), given ``checkpoint_grace_s``
+    # (None: DEFAULT_CHECKPOINT_GRACE_S) to save and exit, and requeued.
+    checkpointable: bool = False
+    checkpoint_signal: str = ""
+    checkpoint_grace_s: int | None = None
 
 
 def cluster_capacity(model: str = "") -> tuple[int, int, int]:
@@ -149,6 +155,18 @@ def gpu_models() -> list[str]:
 
 
 MAX_KILL_GRACE_S = 3600
+# Signals a checkpointable job may ask to be stopped with (by name, without SIG):
+# the ones a training script can trap and that kill nothing else by default.
+CHECKPOINT_SIGNALS = ("TERM", "INT", "USR1", "USR2")
+DEFAULT_CHECKPOINT_GRACE_S = 60
+
+
+def checkpoint_signal_name(value: str) -> str | None:
+    """The canonical name ("USR1") of a checkpoint signal given as "usr1",
+    "SIGUSR1" or "USR1"; "" is TERM; None if it is not one of CHECKPOINT_SIGNALS."""
+    name = value.strip().upper() or "TERM"
+    name = name.removeprefix("SIG")
+    return name if name in CHECKPOINT_SIGNALS else None
 
 
 def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
@@ -285,6 +303,30 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
             f"The grace period must be between 0 and {MAX_KILL_GRACE_S} seconds."
         )
 
+    signal_name = checkpoint_signal_name(req.checkpoint_signal)
+    checkpoint_grace = (
+        DEFAULT_CHECKPOINT_GRACE_S
+        if req.checkpoint_grace_s is None
+        else req.checkpoint_grace_s
+    )
+    if signal_name is None:
+        errors["checkpoint_signal"] = (
+            f"Unknown checkpoint signal {req.checkpoint_signal.strip()[:20]!r};"
+            f" choose one of: {', '.join(CHECKPOINT_SIGNALS)}."
+        )
+    elif not req.checkpointable and signal_name != "TERM":
+        errors["checkpoint_signal"] = (
+            "A checkpoint signal only applies to a checkpointable job."
+        )
+    if not 0 <= checkpoint_grace <= MAX_KILL_GRACE_S:
+        errors["checkpoint_grace_s"] = (
+            f"The checkpoint grace must be between 0 and {MAX_KILL_GRACE_S} seconds."
+        )
+    elif not req.checkpointable and req.checkpoint_grace_s is not None:
+        errors["checkpoint_grace_s"] = (
+            "A checkpoint grace only applies to a checkpointable job."
+        )
+
     if errors:
         raise ValidationError(errors)
     assert pclass is not None and time_limit is not None
@@ -304,6 +346,9 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
         "gpu_model": model,
         "slowdown_cap": cap,
         "evictable": req.evictable,
+        "checkpointable": req.checkpointable,
+        "checkpoint_signal": signal_name,
+        "checkpoint_grace_s": checkpoint_grace,
     }
 
 

@@ -23,6 +23,7 @@ from scheduler.services.common import (
     _event,
     _pass_after_commit,
     _send_kill_on_commit,
+    kill_terms,
     stored_kill_reason,
 )
 from scheduler.services.lifecycle import end_attempt, transition, unlaunched_attempts
@@ -345,10 +346,10 @@ def _resend_kill(attempt_id: int, now: datetime, delay: timedelta) -> bool:
         if attempt is None:
             return False
         job = attempt.job
+        reason = stored_kill_reason(attempt.kill_reason)
+        grace, signal = kill_terms(job, reason)
         sent = attempt.kill_sent_at
-        if sent is not None and now - sent < delay + timedelta(
-            seconds=job.kill_grace_s
-        ):
+        if sent is not None and now - sent < delay + timedelta(seconds=grace):
             return False
         waiting = [n for n in attempt.node_ids if str(n) not in attempt.rank_exits]
         nodes = list(
@@ -358,9 +359,8 @@ def _resend_kill(attempt_id: int, now: datetime, delay: timedelta) -> bool:
         )
         if not nodes:
             return False
-        reason = stored_kill_reason(attempt.kill_reason)
         _send_kill_on_commit(
-            attempt, reason, job.kill_grace_s, nodes=[n.pk for n in nodes]
+            attempt, reason, grace, signal=signal, nodes=[n.pk for n in nodes]
         )
         attempt.kill_sent_at = now
         attempt.kill_resends += 1

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db.models import F, Func, IntegerField, Sum
 
 from scheduler.models import Attempt, Job, JobLogChunk, Node
+from scheduler.services.checkpoints import note_checkpoint
 
 if TYPE_CHECKING:
     from agents import protocol
@@ -27,6 +28,8 @@ def append_log(node_id: int, data: protocol.JobLogData) -> str | None:
     )
     if attempt is None or node_id not in attempt.node_ids or not data.data:
         return None
+    # Checkpoints count past the size cap too (a long job's log may be full).
+    note_checkpoint(attempt.pk, data.data)
     stored = (
         JobLogChunk.objects.filter(attempt__job_id=data.job_id).aggregate(
             n=Sum(Func(F("data"), function="octet_length", output_field=IntegerField()))

@@ -22,6 +22,7 @@ from scheduler.models import Attempt, Gpu, Node, PortalHearing, hash_token
 from scheduler.services.common import (
     _pass_after_commit,
     kill_frame,
+    kill_terms,
     stored_kill_reason,
 )
 from scheduler.services.starts import rank_launch
@@ -155,13 +156,10 @@ def record_hello(node_id: int, hello: protocol.HelloData) -> HelloResult:
                     # (sent while the agent was away); the agent signals a job
                     # once, so a repeat is harmless.
                     stopping.append(attempt.pk)
+                    reason = stored_kill_reason(attempt.kill_reason)
+                    grace, signal = kill_terms(attempt.job, reason)
                     commands.append(
-                        kill_frame(
-                            attempt.pk,
-                            attempt.job_id,
-                            stored_kill_reason(attempt.kill_reason),
-                            attempt.job.kill_grace_s,
-                        )
+                        kill_frame(attempt.pk, attempt.job_id, reason, grace, signal)
                     )
                 continue
             spans = len(attempt.node_ids) > 1

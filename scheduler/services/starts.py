@@ -15,6 +15,7 @@ from agents import protocol
 from scheduler import events
 from scheduler.lifecycle import Cause
 from scheduler.models import Allocation, Attempt, Gpu, Job, JobEvent, Node, Profile
+from scheduler.services.checkpoints import restart_count
 from scheduler.services.lifecycle import END_REASON_MAX, start_many, transition
 
 if TYPE_CHECKING:
@@ -367,6 +368,9 @@ def launch_frame(
         nodes = Node.objects.in_bulk(attempt.node_ids)
     env = {str(k): str(v) for k, v in job.env.items()}
     env.update(rank_env(attempt, node_id, len(gpus), nodes or {}))
+    # How many earlier starts ended in a requeue: a checkpointable job resumes
+    # from its checkpoint when it is above 0.
+    env["GPULAB_RESTART_COUNT"] = str(restart_count(attempt))
     if job.array_id is not None:
         # a task of a job array learns which one it is
         env["GPULAB_ARRAY_ID"] = str(job.array_id)

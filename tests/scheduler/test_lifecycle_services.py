@@ -106,7 +106,7 @@ def test_it_sends_one_launch_to_the_node_after_commit(
     assert launch.data.job_id == job.pk
     assert launch.data.gpu_uuids == [g.uuid for g in gpus]
     assert launch.data.command == job.command
-    assert launch.data.env == {"SEED": "1"}
+    assert launch.data.env == {"SEED": "1", "GPULAB_RESTART_COUNT": "0"}
     assert launch.data.time_limit_s == job.time_limit_s
 
 

@@ -54,6 +54,9 @@ def _request(data: dict[str, Any]) -> services.JobRequest:
         slowdown_cap=data["slowdown_cap"],
         evictable=data["evictable"],
         after=data["after"],
+        checkpointable=data["checkpointable"],
+        checkpoint_signal=data["checkpoint_signal"],
+        checkpoint_grace_s=data["checkpoint_grace_s"],
     )
 
 
