@@ -38,6 +38,13 @@ class SimOptions:
     gpu_job_limit: int = 2  # slots per GPU (GPULAB_GPU_JOB_LIMIT)
     oom_after_s: float = 5.0  # a job that cannot fit beside its partner fails then
     seed: int = 0  # draws the progress reports' noise
+    # Preemption cost of a checkpointable job: it keeps its work up to its last
+    # checkpoint (one every ``checkpoint_interval_s`` of progress; 0: every
+    # moment is checkpointed) and pays ``restart_overhead_s`` when it resumes.
+    checkpoint_interval_s: float = 1800.0
+    restart_overhead_s: float = 60.0
+    # the policy may preempt any running job, whatever its class (tiresias)
+    preempt_any: bool = False
 
 
 @dataclass
@@ -49,6 +56,8 @@ class SimResult:
     decide_ms: list[float] = field(default_factory=list)
     preemptions: int = 0
     lost_gpu_s: float = 0.0  # work thrown away by preemptions
+    kept_gpu_s: float = 0.0  # work of preempted attempts kept by checkpoints
+    resumes: int = 0  # starts from a checkpoint (each paid the restart overhead)
     busy_gpu_s: float = 0.0  # time GPUs held at least one job
     shared_gpu_s: float = 0.0  # time GPUs held two jobs or more
     # co-location: one entry per (joiner, partner) of each shared start:
