@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 NAME = "tiresias"
 # Queue threshold chosen by bench/tiresias_sweep.py on scenario (b) (docs/policy.md).
-DEFAULT_THRESHOLD_GPU_H = 4.0
+DEFAULT_THRESHOLD_GPU_H = 16.0
 DEFAULT_STARVE_LIMIT = 8.0
 
 
