@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_report import COLO_SCENARIOS, POLICIES, ROOT, SCENARIOS, VARIANTS, replay
+from sim_report import (
+    COLO_POLICIES,
+    COLO_SCENARIOS,
+    POLICIES,
+    ROOT,
+    SCENARIOS,
+    VARIANTS,
+    replay,
+)
 
 SIZE_KEYS = ("1", "2-4", "5-8", "9+")
 
@@ -233,11 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"--only: unknown scenario {s!r}; choose from"
                 f" {', '.join(k for k in SCENARIOS if k not in COLO_SCENARIOS)}"
             )
-    bad = [pol for pol in policies if pol not in POLICIES]
+    known = dict.fromkeys((*POLICIES, *COLO_POLICIES))
+    bad = [pol for pol in policies if pol not in known]
     if bad:
-        p.error(
-            f"--policies: unknown {', '.join(bad)}; choose from {', '.join(POLICIES)}"
-        )
+        p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(known)}")
     if args.baseline not in policies:
         p.error(f"--baseline {args.baseline!r} is not one of --policies")
     if args.parallel < 1:
