@@ -1,8 +1,12 @@
 """Policy comparison on real traces with the trace-driven simulator.
 
-Measures, per scenario and policy (``fifo``, ``slurm``, ``gpulab``), the output of
-``python -m scheduler.sim`` (JCT, queueing, bounded slowdown, fairness, utilisation,
-decide() cost, replay wall time). Scenarios:
+Measures, per scenario and policy (``fifo``: strict; ``first-fit``: greedy, simulator
+only; ``slurm``; ``gpulab``; ``tiresias``: 2D-LAS, simulator only, every job
+checkpointable, a checkpoint every 1800 s and a 60 s restart overhead;
+``tiresias-free``: the same with no preemption cost, the yardstick check that it
+beats ``slurm``'s average JCT), the output of ``python -m scheduler.sim`` (JCT,
+queueing, bounded slowdown, fairness over groups and over users, utilisation,
+decide() cost, replay wall time, where every row of the trace went). Scenarios:
 
 - ``a``: Philly VC 6c71a0 (9,953 jobs, 90 days) on ``16x4:p100`` (64 GPUs);
 - ``b``: Gavel-Philly VC 11cb48 (steps timed with Gavel's isolated throughputs),
@@ -47,7 +51,13 @@ PHILLY = DATA / "philly_pollux" / "philly.csv"
 GAVEL = DATA / "gavel_philly_vc_traces" / "gavel_msr_seed0.csv"
 THROUGHPUTS = DATA / "gavel_colocation_throughputs" / "isolated_throughputs.csv"
 COLOCATION = DATA / "gavel_colocation_throughputs" / "colocation_pairs.csv"
-POLICIES = ("fifo", "slurm", "gpulab")
+POLICIES = ("fifo", "first-fit", "slurm", "gpulab", "tiresias", "tiresias-free")
+# report labels that are a policy run with options: label -> (policy, options)
+FREE = ("--checkpoint-interval", "0", "--restart-overhead", "0")
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tiresias": ("tiresias", ("--checkpointable-fraction", "1")),
+    "tiresias-free": ("tiresias", ("--checkpointable-fraction", "1", *FREE)),
+}
 COLO_POLICIES = ("gpulab-exclusive", "pack-by-memory", "gpulab", "oracle")
 COLO_TRACE = [
     "--trace", str(GAVEL), "--vc", "11cb48", "--throughputs", str(THROUGHPUTS),
@@ -106,8 +116,11 @@ TABLE_KEYS = (
     ("gpu_utilization", "util", "{:.3f}"),
     ("avg_slowdown", "avg bounded slowdown", "{:.1f}"),
     ("jain_fairness", "Jain (groups)", "{:.3f}"),
+    ("jain_fairness_users", "Jain (users, mean bounded slowdown)", "{:.3f}"),
+    ("completed", "completed", "{:.0f}"),
     ("timeouts", "timeouts", "{:.0f}"),
     ("preemptions", "preemptions", "{:.0f}"),
+    ("preempted_gpu_s_lost", "GPU-h lost to preemption", "h"),
     ("passes", "passes", "{:.0f}"),
     ("avg_decide_ms", "avg decide (ms)", "{:.2f}"),
     ("p99_decide_ms", "p99 decide (ms)", "{:.2f}"),
@@ -201,14 +214,16 @@ def run_one(
     if args.report_only and not out.is_file():
         sys.stdout.write(f"-- {scenario}/{policy}: no result in {out_dir}\n")
         return None
+    name, extra = VARIANTS.get(policy, (policy, ()))
     result = replay(
         scenario,
-        policy,
+        name,
         args.seed,
         out,
         reuse=args.reuse or args.report_only,
         max_jobs=args.max_jobs,
         timeout=args.timeout,
+        extra=extra,
     )
     if result is None or "process_wall_s" not in result:
         return result  # failed, or reused
@@ -249,6 +264,40 @@ def goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
     )
     verdict = "met" if met else "NOT met"
     return [f"`gpulab` vs `slurm`: {', '.join(parts)}. Goal {verdict}."]
+
+
+def yardstick_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
+    """The yardstick check: ``tiresias`` with every job checkpointable and no
+    preemption cost (``tiresias-free``) must beat ``slurm``'s average JCT, or the
+    simulator (or the baseline) is suspect."""
+    t, s = by_policy.get("tiresias-free"), by_policy.get("slurm")
+    if not t or not s or not t.get("avg_jct_s") or not s.get("avg_jct_s"):
+        return []
+    ok = t["avg_jct_s"] < s["avg_jct_s"]
+    return [
+        f"Yardstick: `tiresias-free` avg JCT {t['avg_jct_s'] / 3600:.2f} h vs"
+        f" `slurm` {s['avg_jct_s'] / 3600:.2f} h"
+        f" ({(t['avg_jct_s'] / s['avg_jct_s'] - 1) * 100:+.1f}%):"
+        f" {'holds' if ok else 'FAILS'}."
+    ]
+
+
+def accounting_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
+    """Where every row of the trace went, per policy (``accounted``)."""
+    lines = []
+    for policy, r in by_policy.items():
+        a = r.get("accounted")
+        if not a:
+            continue
+        skipped = ", ".join(f"{k} {n}" for k, n in a["skipped"].items()) or "none"
+        outside = ", ".join(f"{k} {n}" for k, n in a["outside_case"].items())
+        lines.append(
+            f"- `{policy}`: {a['trace_rows']} rows = {outside or 'none'} outside the"
+            f" case + skipped ({skipped}) + {a['completed']} completed +"
+            f" {a['timed_out']} timed out + {a['unfinished']} unfinished; averages"
+            f" over the {r['avg_jct_over']['jobs']} finished jobs"
+        )
+    return ["Accounting:", "", *lines, ""] if lines else []
 
 
 def colo_goal_lines(by_policy: dict[str, dict[str, Any]]) -> list[str]:
@@ -330,6 +379,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 ]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines += ["", *goal_lines(by_policy), *colo_goal_lines(by_policy)]
+        lines += ["", *yardstick_lines(by_policy), "", *accounting_lines(by_policy)]
         lines += ["", "Assumptions: " + "; ".join(first["assumptions"]), ""]
     return "\n".join(lines) + "\n"
 
@@ -413,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s for s in args.only.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     chosen = [s for s in (args.policies or "").split(",") if s]
-    known = (*POLICIES, *COLO_POLICIES)
+    known = (*POLICIES, *COLO_POLICIES, *VARIANTS)
     if unknown or any(pol not in known for pol in chosen):
         sys.stderr.write(f"sim_report: unknown scenario or policy in {args}\n")
         return 2

@@ -5,8 +5,8 @@ each virtual cluster, the time limits and which jobs have none. One seed's
 comparison can mislead: on scenario ``b`` the p99 JCT (its 18th longest of 1,819
 jobs) moves by 10-30 % between seeds for the same policy. For each scenario of
 ``bench/sim_report.py`` this replays every policy on every seed and writes, per seed,
-each policy's average and p99 JCT and its ratio to the baseline policy on the same
-seed; then, per policy, the mean of those ratios, their standard error, the worst
+each policy's average and p99 JCT, its Jain index over users and its ratio to the
+baseline policy on the same seed; then, per policy, the mean of those ratios, their standard error, the worst
 seed and on how many seeds the policy did better, for the average JCT, the p99 JCT
 and each size class.
 
@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_report import COLO_SCENARIOS, ROOT, SCENARIOS, replay
+from sim_report import (
+    COLO_POLICIES,
+    COLO_SCENARIOS,
+    POLICIES,
+    ROOT,
+    SCENARIOS,
+    VARIANTS,
+    replay,
+)
 
 SIZE_KEYS = ("1", "2-4", "5-8", "9+")
 
@@ -130,7 +138,7 @@ def markdown(
     lines = [f"## ({scenario}) {SCENARIOS[scenario][0]}", ""]
     head = ["seed"]
     for p in policies:
-        head += [f"{p} avg (h)", f"{p} p99 (h)"]
+        head += [f"{p} avg (h)", f"{p} p99 (h)", f"{p} Jain (users)"]
         if p != baseline:
             head += [f"{p} avg vs {baseline}", f"{p} p99 vs {baseline}"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -139,9 +147,11 @@ def markdown(
         base = runs.get((baseline, seed))
         for p in policies:
             r = runs.get((p, seed))
+            jain = None if r is None else metric(r, "jain_fairness_users")
             row += [
                 hours(None if r is None else metric(r, "avg_jct_s")),
                 hours(None if r is None else metric(r, "p99_jct_s")),
+                "-" if jain is None else f"{jain:.3f}",
             ]
             if p != baseline:
                 for key in ("avg_jct_s", "p99_jct_s"):
@@ -180,15 +190,16 @@ def markdown(
 def run_one(
     scenario: str, policy: str, seed: int, out_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any] | None:
+    name, extra = VARIANTS.get(policy, (policy, ()))
     result = replay(
         scenario,
-        policy,
+        name,
         seed,
         out_dir / f"seeds_{scenario}_{policy}_{seed}.json",
         reuse=args.reuse,
         max_jobs=args.max_jobs,
         timeout=args.timeout,
-        extra=("--no-check",),
+        extra=("--no-check", *extra),
     )
     if result is not None:
         sys.stdout.write(
@@ -204,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--only", default="a,b", help="scenarios of sim_report, e.g. a,b")
     p.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,3,7")
-    p.add_argument("--policies", default="slurm,gpulab")
+    p.add_argument(
+        "--policies",
+        default="slurm,gpulab",
+        help=f"of {', '.join(POLICIES)} (tiresias: every job checkpointable;"
+        " tiresias-free: the same at no preemption cost)",
+    )
     p.add_argument("--baseline", default="slurm")
     p.add_argument("--parallel", type=int, default=2, help="replays at once")
     p.add_argument("--max-jobs", type=int)
@@ -225,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"--only: unknown scenario {s!r}; choose from"
                 f" {', '.join(k for k in SCENARIOS if k not in COLO_SCENARIOS)}"
             )
+    known = dict.fromkeys((*POLICIES, *COLO_POLICIES))
+    bad = [pol for pol in policies if pol not in known]
+    if bad:
+        p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(known)}")
     if args.baseline not in policies:
         p.error(f"--baseline {args.baseline!r} is not one of --policies")
     if args.parallel < 1:

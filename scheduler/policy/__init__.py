@@ -2,8 +2,10 @@
 
 ``decide(state)`` dispatches on ``state.config.name``:
 
-- ``fifo``: class weight, then submit order; exclusive first fit on one node (the
-  foundation's policy, kept as the simulator's baseline);
+- ``fifo``: class weight, then submit order, strict (the first job that does not
+  fit blocks every later one); placed like the others, gangs included;
+- ``first-fit`` (simulator only, ``SIM_ONLY``): the same order, greedy (later jobs
+  start where they fit);
 - ``slurm``: Slurm-like multifactor priority + EASY backfill;
 - ``gpulab``: the production policy (multifactor, fair share, backfill, preemption,
   topology-aware multi-node placement).
@@ -64,6 +66,8 @@ from scheduler.policy.state import (
 # that shares whenever memory and the job count allow (fraction-based sharing as
 # elsewhere): both are co-location baselines. The simulator adds ``oracle``.
 POLICIES = ("fifo", "slurm", *GPULAB_FAMILY)
+# Pure references the simulator may replay but production settings do not offer.
+SIM_ONLY = ("first-fit",)
 BACKFILL_PLANS = ("limit", "prediction")
 
 
@@ -93,7 +97,9 @@ def run_pass(state: ClusterState) -> PassResult:
 def _run(state: ClusterState) -> PassResult:
     name = state.config.name
     if name == "fifo":
-        return run_fifo(state)
+        return run_fifo(state, strict=True)
+    if name == "first-fit":
+        return run_fifo(state, strict=False)
     if name == "slurm":
         return run_multifactor(
             state,
@@ -124,13 +130,16 @@ def _run(state: ClusterState) -> PassResult:
                 else state.config.colo_rule
             ),
         )
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    raise ValueError(
+        f"unknown policy {name!r}; choose one of {', '.join((*POLICIES, *SIM_ONLY))}"
+    )
 
 
 __all__ = [
     "BACKFILL_PLANS",
     "DEFAULT_CLASSES",
     "POLICIES",
+    "SIM_ONLY",
     "ClassSpec",
     "ClusterState",
     "Decision",

@@ -2,9 +2,10 @@
 
 ``python -m scheduler.sim --trace F --cluster SPEC --policy P [--throughputs F]
 [--colocation F] [--seed N] [--out F]`` and the options below. Bad input (trace,
-spec, options) exits 2 with one line naming the problem; a decision the physics
-cannot apply (a policy bug) exits 3. ``--policy oracle`` (simulator only) needs
-``--colocation``.
+spec, options; a case whose every row is skipped) exits 2 with one line naming the
+problem; a decision the physics cannot apply (a policy bug) exits 3. Rows skipped
+are counted on stderr. ``--policy oracle`` (simulator only) needs ``--colocation``;
+``first-fit`` and ``tiresias`` are simulator-only references too.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.spec import SpecError, parse_cluster_spec
-from scheduler.policy import BACKFILL_PLANS, POLICIES, PolicyConfig, run_pass
+from scheduler.policy import (
+    BACKFILL_PLANS,
+    POLICIES,
+    SIM_ONLY,
+    PassResult,
+    PolicyConfig,
+    run_pass,
+)
 from scheduler.policy.predict import HISTORY
-from scheduler.sim import oracle
+from scheduler.sim import oracle, tiresias
 from scheduler.sim.colocation import NOISE_SIGMA, REPORT_S, read_colocation
 from scheduler.sim.engine import (
     InvariantError,
@@ -32,9 +40,18 @@ from scheduler.sim.prepare import PrepareOptions, prepare
 from scheduler.sim.progress import ASSUMPTION as PROGRESS_NOTE
 from scheduler.sim.trace import FORMATS, TraceError, read_throughputs, read_trace
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from scheduler.policy import ClusterState
+    from scheduler.sim.jobs import PreparedTrace
+
 CHECKPOINT_NOTE = (
-    "a preempted job returns to the queue with its original submit time (age kept) "
-    "and restarts from scratch: no checkpoint credit"
+    "a preempted job returns to the queue with its original submit time (age kept); "
+    "it restarts from scratch (no checkpoint credit) unless it is checkpointable: "
+    "then it keeps its work up to its last checkpoint (one per --checkpoint-interval "
+    "s of progress; 0: all of it) and its next attempt first pays "
+    "--restart-overhead s"
 )
 COLOCATION_NOTE = (
     "co-location: a sharing job progresses at its normalised co-located throughput "
@@ -44,7 +61,7 @@ COLOCATION_NOTE = (
     f"declared memory and progress reports (one per {REPORT_S:g} s, lognormal "
     f"sigma {NOISE_SIGMA:g}), never the table"
 )
-SIM_POLICIES = (*POLICIES, oracle.NAME)
+SIM_POLICIES = (*POLICIES, *SIM_ONLY, oracle.NAME, tiresias.NAME)
 
 
 def _positive(text: str) -> float:
@@ -129,6 +146,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--period", type=_positive, default=60.0, help="periodic pass, s")
     p.add_argument("--no-limit-fraction", type=_fraction, default=0.5)
     p.add_argument("--best-effort-fraction", type=_fraction, default=0.0)
+    p.add_argument(
+        "--checkpointable-fraction",
+        type=_fraction,
+        default=0.0,
+        help="a seeded share of jobs that checkpoint: preempted, they keep their "
+        "work up to their last checkpoint",
+    )
+    p.add_argument(
+        "--checkpoint-interval",
+        type=_nonneg,
+        default=SimOptions.checkpoint_interval_s,
+        help="s of progress between a checkpointable job's checkpoints (0: every "
+        "moment)",
+    )
+    p.add_argument(
+        "--restart-overhead",
+        type=_nonneg,
+        default=SimOptions.restart_overhead_s,
+        help="s a job resumed from a checkpoint spends before it progresses",
+    )
+    p.add_argument(
+        "--tiresias-threshold",
+        type=_positive,
+        default=tiresias.DEFAULT_THRESHOLD_GPU_H,
+        help="tiresias: attained service (GPU-hours) that demotes a job to queue 1",
+    )
+    p.add_argument(
+        "--tiresias-starve-limit",
+        type=_positive,
+        default=tiresias.DEFAULT_STARVE_LIMIT,
+        help="tiresias: a queue-1 job waiting longer than this x its last run is "
+        "promoted",
+    )
     p.add_argument("--half-life-days", type=_positive, default=7.0)
     p.add_argument("--history-n", type=_count, default=HISTORY)
     p.add_argument("--preempt-grace", type=_nonneg, default=30.0)
@@ -176,14 +226,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         no_limit_fraction=args.no_limit_fraction,
         best_effort_fraction=args.best_effort_fraction,
         assume_memory_fraction=args.assume_memory_fraction,
+        checkpointable_fraction=args.checkpointable_fraction,
     )
     prepared = prepare(fmt, raw, nodes, table, opts, colocation)
     prepare_s = time.perf_counter() - t0 - read_s
-    pass_fn = (
-        oracle.runner(colocation, (n.model for n in nodes))
-        if args.policy == oracle.NAME and colocation is not None
-        else run_pass
-    )
+    if prepared.skipped:
+        sys.stderr.write(
+            f"skipped {sum(prepared.skipped.values())} of "
+            f"{sum(prepared.skipped.values()) + len(prepared.jobs)} rows of the case: "
+            + ", ".join(f"{k} {n}" for k, n in prepared.skipped.items())
+            + "\n"
+        )
+    policy: tiresias.Tiresias | None = None
+    pass_fn: Callable[[ClusterState], PassResult] = run_pass
+    if args.policy == oracle.NAME and colocation is not None:
+        pass_fn = oracle.runner(colocation, (n.model for n in nodes))
+    elif args.policy == tiresias.NAME:
+        policy = tiresias.runner(
+            tiresias.TiresiasParams(
+                threshold_gpu_s=args.tiresias_threshold * 3600.0,
+                starve_limit=args.tiresias_starve_limit,
+            ),
+            {j.id: j for j in prepared.jobs},
+        )
+        pass_fn = policy.run
     sim = Simulator(
         prepared.jobs,
         nodes,
@@ -204,6 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress_fraction=args.progress_fraction,
             early_stop_fraction=args.early_stop_fraction,
             progress_noise=args.progress_noise,
+            checkpoint_interval_s=args.checkpoint_interval,
+            restart_overhead_s=args.restart_overhead,
+            preempt_any=args.policy == tiresias.NAME,
         ),
         throughputs=table,
         colocation=colocation,
@@ -212,8 +281,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = sim.run()
     out: dict[str, Any] = summarize(result)
     out.update(sim.tracker.summary())
+    if policy is not None:
+        out["tiresias"] = {
+            "threshold_gpu_h": args.tiresias_threshold,
+            "starve_limit": args.tiresias_starve_limit,
+            "promotions": policy.promotions,
+        }
     out.update(
         {
+            "accounted": accounted(prepared, out),
             "offered_load": prepared.offered_load,
             "skipped": prepared.skipped,
             "policy": args.policy,
@@ -247,6 +323,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "progress_fraction": args.progress_fraction,
                 "early_stop_fraction": args.early_stop_fraction,
                 "progress_noise": args.progress_noise,
+                "checkpointable_fraction": args.checkpointable_fraction,
+                "checkpoint_interval_s": args.checkpoint_interval,
+                "restart_overhead_s": args.restart_overhead,
             },
             "assumptions": [
                 *prepared.assumptions,
@@ -259,6 +338,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     )
     return out
+
+
+def accounted(prepared: PreparedTrace, out: dict[str, Any]) -> dict[str, Any]:
+    """Where every row of the trace went: outside the case (``--vc``,
+    ``--max-jobs``), skipped (by reason), completed, timed out or unfinished at
+    the end (never started or still running); the counts add up to the rows."""
+    unfinished = sum(out["unfinished"].values())
+    got = {
+        "trace_rows": prepared.read_rows,
+        "outside_case": dict(prepared.outside_case),
+        "skipped": dict(prepared.skipped),
+        "completed": out["completed"],
+        "timed_out": out["timeouts"],
+        "unfinished": unfinished,
+    }
+    total = (
+        sum(prepared.outside_case.values())
+        + sum(prepared.skipped.values())
+        + out["completed"]
+        + out["timeouts"]
+        + unfinished
+    )
+    if total != prepared.read_rows:
+        raise InvariantError(
+            f"{prepared.read_rows} rows read, {total} accounted for: {got}"
+        )
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text + "\n")
     if not args.quiet:
         sys.stderr.write(
-            f"{out['policy']}: {out['jobs']} jobs, avg JCT {out['avg_jct_s'] or 0:.0f} s, "
+            f"{out['policy']}: {out['jobs']} jobs finished"
+            f" ({out['completed']} completed, {out['timeouts']} timed out,"
+            f" {out['accounted']['unfinished']} unfinished), avg JCT {out['avg_jct_s'] or 0:.0f} s, "
             f"util {out['gpu_utilization']:.3f}, load {out['offered_load']:.3f}, "
             f"{out['passes']} passes, read {out['read_s']:.2f} s, "
             f"replay {out['replay_wall_s']:.1f} s\n"

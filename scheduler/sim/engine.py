@@ -5,8 +5,11 @@ periodic); starts, ends, preemptions, evictions and OOM failures applied.
 The modules beside it: ``cluster`` (the state and the event heap), ``gpus`` (GPU
 occupancy, progress rates, usage), ``views`` (the ``ClusterState`` the policy sees,
 built like the Celery pass builds it: true durations stay in the physics),
-``results`` (options and the recorded result), ``usage`` (decayed usage). A preempted job is requeued with its original submit time and
-restarts from scratch (no checkpoint credit).
+``results`` (options and the recorded result), ``usage`` (decayed usage). A
+preempted job is requeued with its original submit time; it restarts from scratch
+(no checkpoint credit) unless it is checkpointable: then it keeps its work up to its
+last checkpoint (``SimOptions.checkpoint_interval_s`` of progress apart; 0: all of
+it) and its next attempt pays ``restart_overhead_s`` before it progresses.
 
 Co-location (``--colocation``): a GPU has ``gpu_job_limit`` slots. A shareable
 single-GPU job takes one slot (alone, a partner may join it later; or beside jobs
@@ -89,7 +92,7 @@ class Simulator(PolicyViews):
                 self.real_events -= 1
                 job = self.by_id[job_id]
                 if kind == ARRIVAL:
-                    self._arrive(job)
+                    self._arrive(job, now)
                     changed = True
                 elif kind == END:
                     if job.epoch == stamp and job.state in ("running", "stopping"):
@@ -130,8 +133,9 @@ class Simulator(PolicyViews):
 
     # ------------------------------------------------------------------ starts, ends
 
-    def _arrive(self, job: SimJob) -> None:
+    def _arrive(self, job: SimJob, now: float) -> None:
         job.state = "pending"
+        job.queued_at = now
         self._enqueue(job)
 
     def _enqueue(self, job: SimJob) -> None:
@@ -226,6 +230,19 @@ class Simulator(PolicyViews):
             if job.first_est is not None and now > job.first_est + SLIP_TOLERANCE_S:
                 self.result.slipped += 1
         job.run_duration = self._true_duration(job, start)
+        job.overhead_s = 0.0
+        job.attempt_limit = job.time_limit
+        if job.done_fraction > 0:
+            # resumed from a checkpoint: what is left of the work, after a restart
+            job.overhead_s = self.opts.restart_overhead_s
+            job.run_duration = (
+                job.run_duration * (1.0 - job.done_fraction) + job.overhead_s
+            )
+            job.attempt_limit = (
+                max(job.time_limit - job.limit_used_s, 0.0) + job.overhead_s
+            )
+            job.resumes += 1
+            self.result.resumes += 1
         job.slots_taken = 1 if job.shareable and job.gpus == 1 else self.slots
         job.done_work = 0.0
         job.rate = 1.0
@@ -324,10 +341,12 @@ class Simulator(PolicyViews):
         self.running_views[job.id] = self._running_view(job, now)
         self._push(now + self.opts.preempt_grace_s, PREEMPT_DONE, job.id, job.attempt)
 
-    def _back_to_queue(self, job: SimJob, ran: float) -> None:
-        """Requeue after a stopped attempt: original submit time (age kept), no
-        checkpoint credit; its pending END and OOM events go stale."""
+    def _back_to_queue(self, job: SimJob, ran: float, now: float) -> None:
+        """Requeue after a stopped attempt: original submit time (age kept); its
+        pending END and OOM events go stale."""
         job.run_total += ran
+        job.last_run_s = ran
+        job.queued_at = now
         job.attempt += 1
         job.epoch += 1
         job.doomed = False
@@ -336,9 +355,27 @@ class Simulator(PolicyViews):
         self._enqueue(job)
 
     def _requeue(self, job: SimJob, now: float) -> None:
+        """A preempted job's stop is done: it goes back to the queue, keeping the
+        work up to its last checkpoint when it is checkpointable."""
         ran = self._release(job, now)
-        self.result.lost_gpu_s += ran * job.gpus
-        self._back_to_queue(job, ran)
+        kept = self._checkpointed(job) if job.checkpointable else 0.0
+        self.result.lost_gpu_s += (ran - kept) * job.gpus
+        self.result.kept_gpu_s += kept * job.gpus
+        self._back_to_queue(job, ran, now)
+
+    def _checkpointed(self, job: SimJob) -> float:
+        """Seconds of this attempt's progress saved by its last checkpoint (one
+        per ``checkpoint_interval_s`` of progress after the restart overhead);
+        ``done_fraction`` grows by their share of the attempt's work."""
+        work = job.run_duration - job.overhead_s  # this attempt's share of the job
+        useful = min(max(job.done_work - job.overhead_s, 0.0), work)
+        every = self.opts.checkpoint_interval_s
+        saved = useful if every <= 0 else (useful // every) * every
+        if saved > 0 and work > 0:
+            job.limit_used_s += saved
+            left = 1.0 - job.done_fraction
+            job.done_fraction = min(1.0, job.done_fraction + left * saved / work)
+        return saved
 
     def _evict(self, decision: Evict, now: float) -> None:
         job = self.by_id.get(decision.job_id)
@@ -359,7 +396,7 @@ class Simulator(PolicyViews):
         self.result.evicted_work_s += job.done_work
         if self.meter is not None:
             self.meter.refuse(job.label, partner.label)
-        self._back_to_queue(job, ran)
+        self._back_to_queue(job, ran, now)
 
     def _oom(self, job: SimJob, now: float) -> None:
         """The joiner could not fit beside its partner: it fails at start and is
@@ -375,7 +412,7 @@ class Simulator(PolicyViews):
         if self.meter is not None:
             for p in beside:
                 self.meter.refuse(job.label, self.by_id[p].label)
-        self._back_to_queue(job, ran)
+        self._back_to_queue(job, ran, now)
 
     # ------------------------------------------------------------------ the pass
 
@@ -468,7 +505,7 @@ class Simulator(PolicyViews):
         for job in done:
             final_run = job.end - job.started_at
             if job.outcome == "timeout":
-                expected = job.time_limit
+                expected = job.attempt_limit
             elif not job.shared_attempt:
                 expected = job.progress_from - job.started_at + job.run_duration
             else:

@@ -120,7 +120,7 @@ class GpuPhysics(SimCluster):
         # its end at this rate, or its (wall-clock) limit if that comes first
         left = max(job.run_duration - job.done_work, 0.0)
         t_done = now + left / rate
-        t_limit = job.started_at + job.time_limit
+        t_limit = job.started_at + job.attempt_limit
         job.epoch += 1
         if t_done <= t_limit:
             job.end_cause = "completed"

@@ -49,6 +49,9 @@ class SimJob:
     gpu_mem_mib: int | None = None
     shareable: bool = False
     steps: float | None = None  # workload jobs: steps / throughput(placement)
+    # a preempted checkpointable job keeps its work up to its last checkpoint and
+    # pays a restart overhead when it resumes; any other loses its attempt
+    checkpointable: bool = False
     # --- physics and bookkeeping, owned by the engine
     state: str = "future"  # future | pending | running | stopping | done
     outcome: str = ""  # completed | timeout
@@ -66,6 +69,16 @@ class SimJob:
     preempt_times: list[float] = field(default_factory=list)
     first_est: float | None = None
     last_reason: str = ""
+    queued_at: float = 0.0  # when it last became pending (arrival or requeue)
+    last_run_s: float = 0.0  # the length of its last stopped attempt
+    done_fraction: float = 0.0  # of its work, kept by checkpoints of stopped attempts
+    overhead_s: float = 0.0  # restart overhead paid in the current attempt
+    # the limit counts the progress a job keeps: a resumed attempt may run what
+    # its kept progress left of the limit (plus its restart overhead), so a job
+    # longer than its limit times out under every policy
+    limit_used_s: float = 0.0
+    attempt_limit: float = 0.0  # this attempt's limit, from its start
+    resumes: int = 0  # attempts started from a checkpoint
     # --- co-location physics (engine): work in solo-seconds, done at ``rate``
     epoch: int = 0  # bumped at every (re)scheduled end: stale END events skip
     slots_taken: int = 0  # per GPU: 1 for a shareable single-GPU job, else all
@@ -97,3 +110,6 @@ class PreparedTrace:
     span_s: float
     assumptions: list[str]
     throughput_fallbacks: int = 0
+    # rows of the trace left out of the case before any was looked at:
+    # ``other_vc`` (``--vc``) and ``beyond_max_jobs`` (``--max-jobs``)
+    outside_case: dict[str, int] = field(default_factory=dict)

@@ -54,6 +54,13 @@ def bounded_slowdown(job: SimJob) -> float:
     return jct(job) / max(job.ref_duration, SLOWDOWN_FLOOR_S)
 
 
+def user_slowdown(job: SimJob) -> float:
+    """Bounded slowdown as Jain's index over users reads it: max(1, JCT /
+    max(true run time, 10 s)); the floor of 1 keeps a job that timed out before
+    its true run time from counting as faster than alone."""
+    return max(1.0, bounded_slowdown(job))
+
+
 def colocation(result: SimResult) -> dict[str, Any]:
     """Co-location keys (see docs/policy.md, "Co-location in the simulator").
 
@@ -108,6 +115,10 @@ def summarize(result: SimResult) -> dict[str, Any]:
     for j, s in zip(done, slow, strict=True):
         by_group[j.group].append(s)
     group_means = {g: statistics.fmean(v) for g, v in sorted(by_group.items())}
+    by_user: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for j in done:
+        by_user[(j.group, j.user)].append(user_slowdown(j))
+    user_means = [statistics.fmean(v) for v in by_user.values()]
     by_size: dict[str, float | None] = {}
     for name, lo, hi in SIZE_BUCKETS:
         by_size[name] = mean([jct(j) for j in done if lo <= j.gpus <= hi])
@@ -143,6 +154,17 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "gpu_utilization": result.busy_gpu_s / capacity if capacity > 0 else 0.0,
         "avg_slowdown": mean(slow),
         "jain_fairness": jain(list(group_means.values())),
+        # Jain's index over users (each case is one virtual cluster, so the group
+        # index above is 1.0 for every policy): per user, the mean of
+        # max(1, bounded slowdown) over the user's finished jobs
+        "jain_fairness_users": jain(user_means),
+        "users": len(user_means),
+        # every average and percentile of JCT, queue and slowdown is over these
+        "avg_jct_over": {
+            "jobs": len(done),
+            "which": "finished jobs: completed and timed out (a timed-out job's"
+            " JCT ends at its limit); unfinished and skipped jobs are left out",
+        },
         "jct_by_size": by_size,
         "preemptions": result.preemptions,
         "passes": result.passes,
@@ -155,6 +177,8 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "passes_by_trigger": dict(sorted(result.passes_by_trigger.items())),
         "periodic_passes_skipped": result.periodic_skipped,
         "preempted_gpu_s_lost": result.lost_gpu_s,
+        "preempted_gpu_s_kept": result.kept_gpu_s,
+        "resumes": result.resumes,
         "slowdown_by_group": group_means,
         "prediction": {
             "jobs_by_source": dict(sorted(sources.items())),

@@ -47,6 +47,13 @@ def user_limit_for(duration: float, factor: float) -> float:
     return math.ceil(target / 86400.0) * 86400.0
 
 
+def _checkpoint_draw(seed: int, name: str) -> float:
+    """A fifth uniform draw, for ``checkpointable``: keyed apart so the four of
+    ``_draws`` (users, limits, classes) stay what they were."""
+    digest = hashlib.blake2b(f"{seed}/{name}/checkpoint".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") / 2.0**64
+
+
 def _draws(seed: int, name: str) -> tuple[float, float, float, float]:
     """Four uniform [0, 1) draws seeded by (seed, job name): the same for every
     policy and independent of which other jobs are kept."""
@@ -64,6 +71,8 @@ class PrepareOptions:
     max_jobs: int | None = None
     no_limit_fraction: float = 0.5
     best_effort_fraction: float = 0.0
+    # a preempted checkpointable job keeps its work up to its last checkpoint
+    checkpointable_fraction: float = 0.0
     class_default_limit_s: float = 86400.0
     users_min: int = 5
     users_max: int = 20
@@ -88,8 +97,14 @@ def prepare(
     one of the cluster's GPU models (multi-GPU jobs never share)."""
     read_rows = len(raw)
     rows = [r for r in raw if opts.vc is None or r.group == opts.vc]
+    outside: dict[str, int] = {}
+    if len(rows) < read_rows:
+        outside["other_vc"] = read_rows - len(rows)
+    if not rows:
+        raise TraceError(_no_rows(raw, opts.vc))
     rows.sort(key=lambda r: (r.submit, r.line))
-    if opts.max_jobs is not None:
+    if opts.max_jobs is not None and len(rows) > opts.max_jobs:
+        outside["beyond_max_jobs"] = len(rows) - opts.max_jobs
         rows = rows[: opts.max_jobs]
     origin = rows[0].submit if rows else 0.0
     total_gpus = sum(n.gpus for n in nodes)
@@ -160,6 +175,10 @@ def prepare(
         else:
             limit, user_limit = user_limit_for(duration, factor), True
         cls = r.priority or ("best-effort" if best_effort else DEFAULT_CLASS)
+        checkpointable = (
+            opts.checkpointable_fraction > 0
+            and _checkpoint_draw(opts.seed, r.name) < opts.checkpointable_fraction
+        )
         shareable = (
             r.shareable
             if r.shareable is not None
@@ -184,8 +203,11 @@ def prepare(
                 gpu_mem_mib=mem,
                 shareable=shareable,
                 steps=r.steps if r.duration is None else None,
+                checkpointable=checkpointable,
             )
         )
+    if not jobs:
+        raise TraceError(_all_skipped(rows, skipped, nodes, table))
     if groups_users:
         assumptions.append(
             "users: the trace names none; each group gets a seeded "
@@ -219,6 +241,12 @@ def prepare(
             f"{assumed_mib} MiB ({opts.assume_memory_fraction:g} of the smallest "
             "GPU); whether a pair truly fits is the co-location table's 'feasible'"
         )
+    if opts.checkpointable_fraction > 0:
+        assumptions.append(
+            f"checkpointable: a seeded {opts.checkpointable_fraction:g} of jobs "
+            f"({sum(j.checkpointable for j in jobs)} of {len(jobs)}); a preempted one "
+            "keeps its work up to its last checkpoint and pays a restart overhead"
+        )
     span = (jobs[-1].submit - jobs[0].submit) if len(jobs) > 1 else 0.0
     asked = sum(j.gpus * j.ref_duration for j in jobs)
     load = asked / (total_gpus * span) if span > 0 and total_gpus else 0.0
@@ -230,4 +258,56 @@ def prepare(
         offered_load=load,
         span_s=span,
         assumptions=assumptions,
+        outside_case=outside,
+    )
+
+
+def _no_rows(raw: list[RawJob], vc: str | None) -> str:
+    if not raw:
+        return "the trace has no job rows"
+    groups = sorted({r.group for r in raw if r.group})
+    shown = ", ".join(groups[:20]) + (", ..." if len(groups) > 20 else "")
+    return (
+        f"no row of the trace is in virtual cluster {vc!r} "
+        f"({len(raw)} rows; its virtual clusters: {shown or 'none named'})"
+    )
+
+
+def _all_skipped(
+    rows: list[RawJob],
+    skipped: Counter[str],
+    nodes: Sequence[NodeSpec],
+    table: Throughputs | None,
+) -> str:
+    """Why every row was skipped, naming the mismatch behind each reason."""
+    counts = ", ".join(f"{k}: {n}" for k, n in sorted(skipped.items()))
+    why = []
+    models = sorted({n.model.lower() for n in nodes})
+    if skipped.get("no_throughput_for_gpu_count") and table is not None:
+        have = sorted({m for m, _, _ in table if not m.endswith("_unconsolidated")})
+        workloads = sorted({r.workload for r in rows if r.duration is None})
+        matched = [m for m in models if m in have]
+        if not matched:
+            why.append(
+                f"the throughput table has no rows for the cluster's GPU model(s) "
+                f"{', '.join(models)} (its models: {', '.join(have) or 'none'})"
+            )
+        else:
+            why.append(
+                f"the throughput table has no row for these jobs' workloads and GPU "
+                f"counts on {', '.join(matched)} (workloads: {', '.join(workloads[:10])})"
+            )
+    if skipped.get("more_gpus_than_cluster"):
+        total = sum(n.gpus for n in nodes)
+        smallest = min(r.gpus for r in rows)
+        why.append(
+            f"the cluster has {total} GPUs and the smallest job asks for {smallest}"
+        )
+    if skipped.get("more_memory_than_any_gpu"):
+        why.append(
+            f"the largest GPU has {max(n.memory_mib for n in nodes)} MiB, less than "
+            "every job asks"
+        )
+    return f"every one of the {len(rows)} rows of the case was skipped ({counts})" + (
+        ": " + "; ".join(why) if why else ""
     )

@@ -42,6 +42,13 @@ class SimOptions:
     progress_fraction: float = 0.5
     early_stop_fraction: float = 0.2
     progress_noise: float = 1.0
+    # Preemption cost of a checkpointable job: it keeps its work up to its last
+    # checkpoint (one every ``checkpoint_interval_s`` of progress; 0: every
+    # moment is checkpointed) and pays ``restart_overhead_s`` when it resumes.
+    checkpoint_interval_s: float = 1800.0
+    restart_overhead_s: float = 60.0
+    # the policy may preempt any running job, whatever its class (tiresias)
+    preempt_any: bool = False
 
 
 @dataclass
@@ -53,6 +60,8 @@ class SimResult:
     decide_ms: list[float] = field(default_factory=list)
     preemptions: int = 0
     lost_gpu_s: float = 0.0  # work thrown away by preemptions
+    kept_gpu_s: float = 0.0  # work of preempted attempts kept by checkpoints
+    resumes: int = 0  # starts from a checkpoint (each paid the restart overhead)
     busy_gpu_s: float = 0.0  # time GPUs held at least one job
     shared_gpu_s: float = 0.0  # time GPUs held two jobs or more
     # co-location: one entry per (joiner, partner) of each shared start:

@@ -57,10 +57,12 @@ def test_an_empty_queue_considers_nothing():
     assert counts(got.stats) == (0, 0, 0, 0, 0, STOP_QUEUE_EXHAUSTED)
 
 
-def test_fifo_counts_its_starts_and_always_reaches_the_end():
+@pytest.mark.parametrize(("name", "started"), [("first-fit", 2), ("fifo", 1)])
+def test_fifo_counts_its_starts_and_always_reaches_the_end(name, started):
+    # job 2 does not fit: first-fit still starts job 3, strict fifo holds it
     jobs = [pending(1), pending(2, gpus=2), pending(3)]
-    got = run_pass(cluster(node_gpus(1, 2), jobs, config=PolicyConfig(name="fifo")))
-    assert counts(got.stats) == (3, 2, 0, 0, 0, STOP_QUEUE_EXHAUSTED)
+    got = run_pass(cluster(node_gpus(1, 2), jobs, config=PolicyConfig(name=name)))
+    assert counts(got.stats) == (3, started, 0, 0, 0, STOP_QUEUE_EXHAUSTED)
     assert set(got.stats.stage_s) == {"ordering", "placement"}
 
 

@@ -283,8 +283,8 @@ def test_decayed_usage_half_life():
 
 
 def test_stuck_job_ends_the_run():
-    # fifo never spans nodes: an 8-GPU job on 4-GPU nodes stays pending, reported.
-    jobs = [job(1, 0, 10, 8), job(2, 0, 10, 1)]
+    # a 16-GPU job on 8 GPUs can never start: it stays pending, reported.
+    jobs = [job(1, 0, 10, 16), job(2, 0, 10, 1)]
     _, result = simulate(jobs, cluster="2x4:p100")
     out = summarize(result)
     assert out["jobs"] == 1
