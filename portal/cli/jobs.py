@@ -35,7 +35,7 @@ def _array_param(value: str | None) -> int | None:
     if value is None:
         return None
     text = value.strip().lower().removeprefix("a")
-    if not text.isdigit() or not 0 < int(text) < 2**62:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 2**62:
         raise click.BadParameter(
             f"{value!r} is not an array id (e.g. a7 or 7)", param_hint="'--array'"
         )
@@ -108,7 +108,7 @@ def parse_id(text: str) -> tuple[str, int]:
     raw = text.strip().lower()
     kind = "array" if raw.startswith("a") else "job"
     digits = raw[1:] if kind == "array" else raw
-    if not digits.isdigit() or not 0 < int(digits) < 2**62:
+    if not (digits.isascii() and digits.isdigit()) or not 0 < int(digits) < 2**62:
         raise click.BadParameter(
             f"{text!r} is not a job id (e.g. 42) or an array id (e.g. a7)",
             param_hint="'ID'",
