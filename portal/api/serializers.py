@@ -6,11 +6,13 @@ are read-only views of the rows."""
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+import re
+from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import RegexValidator
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import OpenApiParameter, extend_schema_field
 from rest_framework import serializers
 
 from scheduler.models import Job, JobDependency, JobEvent
@@ -65,9 +67,9 @@ class StrictBoolean(serializers.BooleanField):
     """A JSON boolean: not 1, "yes", "true" or "on" (DRF's ``BooleanField``
     takes each of them)."""
 
-    default_error_messages: ClassVar[dict[str, str]] = {
-        "invalid": "Must be true or false."
-    }
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.error_messages["invalid"] = "Must be true or false."
 
     def to_internal_value(self, data: Any) -> bool:
         if not isinstance(data, bool):
@@ -92,16 +94,25 @@ class ErrorSerializer(serializers.Serializer[Any]):
 # ------------------------------------------------------------------ jobs in
 
 
-def _no_chars(forbidden: str, *, non_blank: bool = False) -> str:
+def _no_chars(forbidden: str, *, non_blank: bool = False, empty: bool = False) -> str:
     """A pattern (Python's ``re`` and ECMA-262 read it alike) for text without
     the ``forbidden`` characters (a character class body) and, when
     ``non_blank``, with a character other than whitespace. Leading whitespace
-    and the first other character cannot overlap, so matching is linear."""
+    and the first other character cannot overlap, so matching is linear.
+
+    Without ``empty`` the pattern refuses "": a field that may be blank takes
+    "" before its validators run, and its schema says so apart (``oneOf`` a
+    pattern or ``maxLength: 0``: exactly one of them must match)."""
     if not non_blank:
-        return f"^[^{forbidden}]*$"
-    return rf"^[^{forbidden}\S]*[^{forbidden}\s][^{forbidden}]*$"
+        return f"^[^{forbidden}]{'*' if empty else '+'}$"
+    return f"^[{SPACE}]*[^{forbidden}{SPACE}][^{forbidden}]*$"
 
 
+# What str.strip() removes (str.isspace()), spelled out: ECMA's \s differs.
+SPACE = (
+    r"\t\n\u000b\u000c\r\u001c-\u001f \u0085\u00a0\u1680\u2000-\u200a"
+    r"\u2028\u2029\u202f\u205f\u3000"
+)
 # C0 and C1 controls (Unicode's Cc); with tab, newline and carriage return
 # allowed (commands, environment values); bidirectional-text controls, which
 # make a name display as something else.
@@ -110,9 +121,23 @@ CONTROLS_BUT_LINES = r"\u0000-\u0008\u000b\u000c\u000e-\u001f\u007f-\u009f"
 BIDI = r"\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 
 
-def _matching(pattern: str, message: str) -> RegexValidator:
-    # Django %-formats a validator's message with the value
-    return RegexValidator(pattern, message=message.replace("%", "%%"))
+class Matching(RegexValidator):
+    """A pattern the schema states as written (``self.regex``, which
+    drf-spectacular reads) and the server checks as ECMA-262 does: ``$`` at
+    the very end, where Python's ``$`` also matches before a final newline."""
+
+    def __init__(self, pattern: str, message: str) -> None:
+        # Django %-formats a validator's message with the value
+        super().__init__(pattern, message=message.replace("%", "%%"))
+        self.whole = re.compile(pattern.removesuffix("$") + r"\Z")
+
+    def __call__(self, value: Any) -> None:
+        if self.whole.search(str(value)) is None:
+            raise DjangoValidationError(self.message, code=self.code)
+
+
+def _matching(pattern: str, message: str) -> Matching:
+    return Matching(pattern, message)
 
 
 LINE = "no control or bidirectional-text characters"
@@ -125,12 +150,13 @@ MAX_TIME_LIMIT_S = max(
 MAX_JOB_GPUS = 1024
 # An array spec: comma-separated N, A-B or A-B:STEP, then optionally %LIMIT.
 _INDEXES = r"[0-9]{1,7}(-[0-9]{1,7}(:[0-9]{1,7})?)?"
-ARRAY_PATTERN = rf"^\s*{_INDEXES}\s*(,\s*{_INDEXES}\s*)*(%[0-9]{{1,7}})?\s*$"
+_S = f"[{SPACE}]*"
+ARRAY_PATTERN = f"^{_S}{_INDEXES}{_S}(,{_S}{_INDEXES}{_S})*(%[0-9]{{1,7}})?{_S}$"
 
 
 MAX_ENV = 200
 MAX_ENV_VALUE = 100_000
-ENV_VALUE_PATTERN = _no_chars(CONTROLS_BUT_LINES)
+ENV_VALUE_PATTERN = _no_chars(CONTROLS_BUT_LINES, empty=True)
 
 
 @extend_schema_field(
@@ -202,7 +228,7 @@ class JobRequestSerializer(serializers.Serializer[Any]):
         help_text="An absolute path (default: GPULAB_DEFAULT_WORKDIR).",
         validators=[
             _matching(
-                rf"^\s*(/[^{CONTROLS}]*)?$",
+                f"^([{SPACE}]+|[{SPACE}]*/[^{CONTROLS}]*)$",
                 "The working directory must be an absolute path without control"
                 " characters.",
             )
@@ -390,14 +416,34 @@ class JobPageSerializer(serializers.Serializer[Any]):
     results = JobSerializer(many=True)
 
 
+STATE_HELP = (
+    f"States, comma-separated: {', '.join(STATES)}; 'active' for pending, held,"
+    " starting and running."
+)
+# The job list's ``state`` as the schema states it: a list of names, sent
+# comma-separated (``style: form, explode: false``): ?state=pending,running.
+STATE_PARAMETER = OpenApiParameter(
+    "state",
+    {
+        "type": "array",
+        "items": {"type": "string", "enum": [*STATES, "active"]},
+        "minItems": 1,
+    },
+    OpenApiParameter.QUERY,
+    required=False,
+    style="form",
+    explode=False,
+    description=STATE_HELP,
+)
+
+
 class JobListQuery(serializers.Serializer[Any]):
     """Filters of the job list."""
 
     state = Text(
         required=False,
         max_length=1000,
-        help_text=f"States, comma-separated: {', '.join(STATES)}; 'active' for"
-        " pending, held, starting and running.",
+        help_text=STATE_HELP,
     )
     owner = Text(required=False, max_length=150, help_text="A username.")
     group = Text(required=False, max_length=64, help_text="A group name.")
@@ -419,15 +465,18 @@ class JobListQuery(serializers.Serializer[Any]):
     )
 
     def validate_state(self, value: str) -> list[str]:
+        """Exactly the schema's list (``STATE_PARAMETER``): names as written,
+        comma-separated, no blanks."""
         states: list[str] = []
-        for part in (p.strip().lower() for p in value.split(",")):
+        for part in value.split(","):
             if part == "active":
                 states += [str(s) for s in Job.ACTIVE]
             elif part in STATES:
                 states.append(part)
-            elif part:
+            else:
                 raise serializers.ValidationError(
-                    f"Unknown state {part!r}; use {', '.join(STATES)} or active."
+                    f"Unknown state {part[:40]!r}; use {', '.join(STATES)} or active,"
+                    " comma-separated."
                 )
         return states
 

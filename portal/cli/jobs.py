@@ -78,7 +78,11 @@ def ls(
     array = _array_param(array_id)
     api = state.api()
     me = api.get("me/")
-    wanted = states if states is not None else (None if show_all else "active")
+    wanted = (
+        ",".join(p.strip().lower() for p in states.split(",") if p.strip())
+        if states is not None
+        else (None if show_all else "active")
+    )
     jobs = _pages(api, limit, owner=me["username"], state=wanted, array=array)
     jobs.reverse()  # the API gives the newest first
     if as_json:
