@@ -2,11 +2,12 @@
 
 Runs ``tests/api/test_schema_fuzz.py`` (schemathesis: every check, the
 examples, coverage and fuzzing phases, positive and negative data, as a member
-and as staff, in process on real PostgreSQL and Redis) with ``--examples``
-fuzzed cases per operation and persona and a fixed ``--seed``, and reports
-what it sent and what failed: cases per phase, mode and status, each failing
-operation with schemathesis' own words, and the wall time with the machine's
-load. It exits non-zero only when it could not run; failures are figures.
+and as staff, every phase for both, in process on real PostgreSQL and Redis)
+with ``--examples`` fuzzed cases per operation and persona and a fixed
+``--seed``, and reports what it sent and what failed: cases per phase, mode
+and status, each failing operation with schemathesis' own words, and the wall
+time with the machine's load. It exits non-zero only when it could not run;
+failures are figures.
 
 Run: ``python -m portal.stack.run -- python bench/schema_fuzz.py --examples 200``.
 """
@@ -46,6 +47,7 @@ def main() -> int:
             "GPULAB_FUZZ_EXAMPLES": str(args.examples),
             "GPULAB_FUZZ_SEED": str(args.seed),
             "GPULAB_FUZZ_LOG": str(log),
+            "GPULAB_FUZZ_FULL": "1",
         }
         cmd = [
             sys.executable,

@@ -123,6 +123,40 @@ def test_a_deep_array_at_the_top_names_the_body(
     _refused(got, "body", code="parse_error")
 
 
+@pytest.mark.parametrize(
+    ("content_type", "raw", "code"),
+    [
+        # Django ignores a charset it does not know: read as UTF-8
+        ("application/json; charset=nonsense", b'{"name": "n"}', "invalid"),
+        ("application/json", b'{"name": "\xff"}', "parse_error"),
+        (
+            "application/json",
+            b'{"name": "n", "command": "c", "gpus": NaN}',
+            "parse_error",
+        ),
+    ],
+)
+def test_a_body_that_cannot_be_read_is_a_400(
+    as_alice: Api,
+    cluster: list[Node],
+    content_type: str,
+    raw: bytes,
+    code: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO):
+        got = as_alice.client.generic(
+            "POST",
+            "/api/v1/jobs/",
+            raw,
+            content_type=content_type,
+            headers=as_alice.headers,
+        )
+    assert got.status_code == 400, got.content[:300]
+    assert got.json()["error"] == code
+    _no_traceback(caplog)
+
+
 # ------------------------------------------------------------------ array specs
 
 
