@@ -73,6 +73,9 @@ def main() -> int:
             sys.stdout.write(run.stdout[-5000:] + run.stderr[-5000:])
             return 2
         cases = [json.loads(line) for line in log.read_text().splitlines()]
+        if args.out_dir is not None:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            (args.out_dir / "schema_fuzz.log").write_text(run.stdout + run.stderr)
         report = _report(cases, run.stdout, wall, args, load_before)
     print(json.dumps(report, indent=2))
     if args.out_dir is not None:
@@ -92,10 +95,23 @@ def _report(
         c = collections.Counter("/".join(str(x[k]) for k in keys) for x in cases)
         return dict(sorted(c.items()))
 
-    failed = re.findall(r"^FAILED (\S+(?: \S+)*?)(?: - |$)", output, re.MULTILINE)
-    checks = collections.Counter(
-        m.strip() for m in re.findall(r"^\s*\|?\s*- (ST\d+ [^\n]+)$", output, re.M)
-    )
+    failures = []
+    for section in re.split(r"^_{3,} ", output, flags=re.M)[1:]:
+        title = section.split(" _", 1)[0].strip()
+        found = re.findall(r"^\s*\|?\s*- (ST\d+ [^\n]+)$", section, re.M)
+        answers = re.findall(r"^\s*\|?\s*(\[\d{3}\] [^\n]*)$", section, re.M)
+        bodies = re.findall(r"^\s*\|?\s*`(\{[^\n]*)`$", section, re.M)
+        calls = re.findall(r"^\s*\|?\s*(curl [^\n]*)$", section, re.M)
+        failures.append(
+            {
+                "test": title,
+                "checks": sorted(set(found)),
+                "answers": [a[:300] for a in answers[:3]],
+                "bodies": [b[:300] for b in bodies[:3]],
+                "calls": [c[:300] for c in calls[:3]],
+            }
+        )
+    checks = collections.Counter(c for f in failures for c in f["checks"])
     summary = re.findall(r"^=*\s*(\d+ (?:passed|failed)[^\n]*?)\s*=*$", output, re.M)
     return {
         "examples_per_operation": args.examples,
@@ -106,7 +122,7 @@ def _report(
         "by_status": count("status"),
         "positive_400_beyond_schema": sum(1 for c in cases if c["beyond"]),
         "server_errors": sum(1 for c in cases if c["status"] >= 500),
-        "failed_tests": failed,
+        "failures": failures,
         "failed_checks": dict(checks),
         "pytest": summary[-1] if summary else output.strip().splitlines()[-1:],
         "wall_s": round(wall, 1),

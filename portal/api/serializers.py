@@ -29,6 +29,11 @@ class Text(serializers.CharField):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("allow_blank", True)
         kwargs.setdefault("trim_whitespace", False)
+        # a pattern the schema states (DRF refuses NUL without saying so)
+        kwargs.setdefault(
+            "validators",
+            [_matching(r"^[^\u0000]+$", "Null characters are not allowed.")],
+        )
         super().__init__(**kwargs)
 
     def to_internal_value(self, data: Any) -> str:
