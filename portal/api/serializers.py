@@ -1,7 +1,9 @@
-"""What the API reads and writes. Input serializers only parse JSON into typed
-values (like the submit form parses text): every rule about a job lives in
-``scheduler.services`` and comes back as a field-keyed 400. Output serializers
-are read-only views of the rows."""
+"""What the API reads and writes. Input serializers parse JSON into strictly
+typed values (like the submit form parses text) and check the static limits the
+OpenAPI schema states (lengths, ranges, characters, choices), so that the schema
+is the contract; the rules that depend on the cluster, the database or another
+field live in ``scheduler.services`` and come back as a field-keyed 400 too.
+Output serializers are read-only views of the rows."""
 
 from __future__ import annotations
 
