@@ -59,6 +59,7 @@ def main() -> int:
             "-p",
             "no:cacheprovider",
             f"--junitxml={junit}",
+            "--timeout=0",  # a run as long as its cases take
             "tests/api/test_schema_fuzz.py",
         ]
         if args.k:

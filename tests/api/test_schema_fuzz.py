@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from scheduler.models import Node
 
 # bench/schema_fuzz.py sets more examples and a log of the cases sent
+# The submission operations' coverage phase alone sends some 200 requests: on
+# a loaded 2-core machine that takes longer than the suite's default limit.
+pytestmark = pytest.mark.timeout(900)
+
 SEED = int(os.environ.get("GPULAB_FUZZ_SEED", "27"))
 MAX_EXAMPLES = int(os.environ.get("GPULAB_FUZZ_EXAMPLES", "12"))
 CASE_LOG = os.environ.get("GPULAB_FUZZ_LOG")
