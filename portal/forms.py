@@ -191,7 +191,7 @@ class JobForm(forms.Form):
 
     def clean_kill_grace(self) -> int | None:
         text = self.cleaned_data["kill_grace"].strip().lower()
-        if text.isdigit():
+        if text.isascii() and text.isdigit() and len(text) <= 12:
             return int(text)  # plain seconds here, unlike time limits
         return parse_duration(text)
 

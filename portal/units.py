@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import re
 
+# ASCII digits only (str.isdigit() and \d accept other scripts' digits, which
+# int() refuses or reads), at most 12 of them: no number too large for int()
+# or float(), and any larger amount is refused by the service's limits anyway.
+_N = "[0-9]{1,12}"
 _DURATION_RE = re.compile(
-    r"^(?:(?P<d>\d+)d)?\s*(?:(?P<h>\d+)h)?\s*(?:(?P<m>\d+)m)?\s*(?:(?P<s>\d+)s)?$"
+    rf"(?:(?P<d>{_N})d)?\s*(?:(?P<h>{_N})h)?\s*(?:(?P<m>{_N})m)?\s*(?:(?P<s>{_N})s)?"
 )
-_MEMORY_RE = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[MG]i?B?|[MG])?$", re.I)
+_CLOCK_RE = re.compile(rf"({_N}):([0-9]{{1,2}}):([0-9]{{1,2}})")
+_MINUTES_RE = re.compile(_N)
+_MEMORY_RE = re.compile(
+    rf"(?P<n>{_N}(?:\.[0-9]{{1,12}})?)\s*(?P<unit>[MG]i?B?|[MG])?", re.I
+)
 
 DURATION_HELP = "Write a duration like 4h, 90m, 1d12h or 02:30:00."
 MEMORY_HELP = "Write an amount like 12G, 16GiB or 2048M."
@@ -21,12 +29,12 @@ def parse_duration(text: str) -> int | None:
     text = text.strip().lower()
     if not text:
         return None
-    if text.isdigit():
+    if _MINUTES_RE.fullmatch(text):
         return int(text) * 60
-    if re.fullmatch(r"\d+:\d{1,2}:\d{1,2}", text):
-        h, m, s = (int(p) for p in text.split(":"))
+    if clock := _CLOCK_RE.fullmatch(text):
+        h, m, s = (int(p) for p in clock.groups())
         return h * 3600 + m * 60 + s
-    match = _DURATION_RE.match(text)
+    match = _DURATION_RE.fullmatch(text)
     if not match or not any(match.groupdict().values()):
         raise ValueError(DURATION_HELP)
     parts = {k: int(v or 0) for k, v in match.groupdict().items()}
@@ -49,7 +57,7 @@ def parse_memory_mib(text: str) -> int | None:
     text = text.strip()
     if not text:
         return None
-    match = _MEMORY_RE.match(text)
+    match = _MEMORY_RE.fullmatch(text)
     if not match:
         raise ValueError(MEMORY_HELP)
     number = float(match.group("n"))

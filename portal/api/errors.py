@@ -6,7 +6,7 @@
 | raised | status | error |
 | --- | --- | --- |
 | DRF ``ValidationError``, Django ``ValidationError`` (a service's rules) | 400 | ``invalid`` |
-| ``ParseError`` (bad JSON) | 400 | ``parse_error`` |
+| ``ParseError`` (bad JSON; nested too deep: the field named) | 400 | ``parse_error`` |
 | not authenticated / bad token | 401 | ``not_authenticated`` / ``authentication_failed`` |
 | ``PermissionDenied`` (DRF's or Django's) | 403 | ``permission_denied`` |
 | ``Http404`` / ``NotFound`` | 404 | ``not_found`` |
@@ -112,5 +112,6 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
                 if wait is not None
                 else "Too many requests."
             )
-        response.data = body(str(code), text)
+        # a parse error may name where (parsers.TooDeep)
+        response.data = body(str(code), text, getattr(exc, "fields", None))
     return response

@@ -1,7 +1,10 @@
 """Keeps every response under ``/api/`` JSON with the one error body, also for
 what happens outside a view: a body over ``GPULAB_API_MAX_BODY_BYTES`` (413,
-refused before anything reads it), a path no view matches (404), an unhandled
-exception (500, logged with its traceback, no details sent).
+refused before anything reads it), more query parameters than Django reads
+(``DATA_UPLOAD_MAX_NUMBER_FIELDS``: 400 naming ``query``, before any view or
+authentication parses them), a request Django calls suspicious (400), a path no
+view matches (404), an unhandled exception (500, logged with its traceback, no
+details sent).
 
 Two layers share the size rule (``size_refusal``): ``BodyLimit`` wraps the
 ASGI application (``portal/asgi.py``), because Django's ASGI handler reads the
@@ -16,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
+from django.core.exceptions import SuspiciousOperation, TooManyFieldsSent
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from portal.api.errors import body
@@ -46,6 +50,19 @@ def size_refusal(content_length: str | None) -> tuple[int, dict[str, Any]] | Non
         return 400, body("parse_error", "Content-Length is not a number.")
     if size > limit:
         return 413, _too_large(f"The request body is {size} bytes", limit)
+    return None
+
+
+def query_refusal(request: HttpRequest) -> dict[str, Any] | None:
+    """The error body for a query string with more parameters than Django
+    reads, or None. Parsing ``request.GET`` here, once, is what any later
+    reader gets: nothing after this can meet ``TooManyFieldsSent``."""
+    try:
+        request.GET  # parsed on first access
+    except TooManyFieldsSent:
+        limit = settings.DATA_UPLOAD_MAX_NUMBER_FIELDS
+        message = f"More than {limit} query parameters; send at most {limit}."
+        return body("invalid", message, {"query": [message]})
     return None
 
 
@@ -132,6 +149,8 @@ class ApiErrorMiddleware:
         if refused is not None:
             status, error = refused
             return JsonResponse(error, status=status)
+        if (bad_query := query_refusal(request)) is not None:
+            return JsonResponse(bad_query, status=400)
         response = self.get_response(request)
         if response.status_code == 404 and not response.get(
             "Content-Type", ""
@@ -148,6 +167,13 @@ class ApiErrorMiddleware:
             return None
         if database_down(exception):  # a 503 saying so, not a 500
             return unavailable(request, exception)
+        if isinstance(exception, SuspiciousOperation):
+            # Django's own answer to these is a 400 (logged by django.security,
+            # without a traceback): the same, in the API's body.
+            log.warning("Refused %s %s: %s", request.method, request.path, exception)
+            return JsonResponse(
+                body("bad_request", str(exception) or "Bad request."), status=400
+            )
         log.exception("API error on %s %s", request.method, request.path)
         return JsonResponse(
             body("server_error", "Internal error; it was logged."), status=500

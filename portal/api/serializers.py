@@ -1,18 +1,26 @@
-"""What the API reads and writes. Input serializers only parse JSON into typed
-values (like the submit form parses text): every rule about a job lives in
-``scheduler.services`` and comes back as a field-keyed 400. Output serializers
-are read-only views of the rows."""
+"""What the API reads and writes. Input serializers parse JSON into strictly
+typed values (like the submit form parses text) and check the static limits the
+OpenAPI schema states (lengths, ranges, characters, choices), so that the schema
+is the contract; the rules that depend on the cluster, the database or another
+field live in ``scheduler.services`` and come back as a field-keyed 400 too.
+Output serializers are read-only views of the rows."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import RegexValidator
 from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema_field
 from rest_framework import serializers
 
 from portal import expected_end
 from scheduler.models import Job, JobDependency, JobEvent
+from scheduler.services import MAX_ARRAY_INDEX, MAX_KILL_GRACE_S
 
 MAX_INT = 2**31 - 1
 STATES = [s.value for s in Job.Status]
@@ -25,6 +33,11 @@ class Text(serializers.CharField):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("allow_blank", True)
         kwargs.setdefault("trim_whitespace", False)
+        # a pattern the schema states (DRF refuses NUL without saying so)
+        kwargs.setdefault(
+            "validators",
+            [_matching(r"^[^\u0000]+$", "Null characters are not allowed.")],
+        )
         super().__init__(**kwargs)
 
     def to_internal_value(self, data: Any) -> str:
@@ -36,16 +49,6 @@ class Text(serializers.CharField):
         except UnicodeEncodeError:
             raise serializers.ValidationError("Must be valid UTF-8 text.") from None
         return value
-
-
-class StrictBool(serializers.BooleanField):
-    """A JSON true or false only: "false" or 0 read as a bool would turn a
-    client's mistake into a setting it did not ask for."""
-
-    def to_internal_value(self, data: Any) -> bool:
-        if not isinstance(data, bool):
-            raise serializers.ValidationError("Must be true or false.")
-        return data
 
 
 class Moment(serializers.DateTimeField):
@@ -61,6 +64,41 @@ class Moment(serializers.DateTimeField):
                 "Out of range: the time falls outside years 1 to 9999 in UTC or in"
                 " the server's time zone."
             ) from None
+
+
+class StrictInteger(serializers.IntegerField):
+    """A JSON integer: not a boolean (``true`` is not 1), a string ("12") or
+    a fraction (2.0), which DRF's ``IntegerField`` would take."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))
+
+
+class StrictNumber(serializers.FloatField):
+    """A finite JSON number: not a boolean or a string ("1.5", "nan")."""
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            self.fail("invalid")
+        if not math.isfinite(data):
+            self.fail("invalid")
+        return float(super().to_internal_value(data))
+
+
+class StrictBoolean(serializers.BooleanField):
+    """A JSON boolean: not 1, "yes", "true" or "on" (DRF's ``BooleanField``
+    takes each of them)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.error_messages["invalid"] = "Must be true or false."
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
 
 
 # ------------------------------------------------------------------ errors
@@ -80,48 +118,227 @@ class ErrorSerializer(serializers.Serializer[Any]):
 # ------------------------------------------------------------------ jobs in
 
 
-class JobRequestSerializer(serializers.Serializer[Any]):
-    """A job to submit (``services.JobRequest``)."""
+def _no_chars(forbidden: str, *, non_blank: bool = False, empty: bool = False) -> str:
+    """A pattern (Python's ``re`` and ECMA-262 read it alike) for text without
+    the ``forbidden`` characters (a character class body) and, when
+    ``non_blank``, with a character other than whitespace. Leading whitespace
+    and the first other character cannot overlap, so matching is linear.
 
-    name = Text(max_length=10_000)
-    command = Text(max_length=200_000)
-    workdir = Text(required=False, default="", max_length=10_000)
-    env = serializers.DictField(
-        child=Text(max_length=100_000), required=False, default=dict
+    Without ``empty`` the pattern refuses "": a field that may be blank takes
+    "" before its validators run, and its schema says so apart (``oneOf`` a
+    pattern or ``maxLength: 0``: exactly one of them must match)."""
+    if not non_blank:
+        return f"^[^{forbidden}]{'*' if empty else '+'}$"
+    return f"^[{SPACE}]*[^{forbidden}{SPACE}][^{forbidden}]*$"
+
+
+# What str.strip() removes (str.isspace()), spelled out: ECMA's \s differs.
+SPACE = (
+    r"\t\n\u000b\u000c\r\u001c-\u001f \u0085\u00a0\u1680\u2000-\u200a"
+    r"\u2028\u2029\u202f\u205f\u3000"
+)
+# C0 and C1 controls (Unicode's Cc); with tab, newline and carriage return
+# allowed (commands, environment values); bidirectional-text controls, which
+# make a name display as something else.
+CONTROLS = r"\u0000-\u001f\u007f-\u009f"
+CONTROLS_BUT_LINES = r"\u0000-\u0008\u000b\u000c\u000e-\u001f\u007f-\u009f"
+BIDI = r"\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+
+
+class Matching(RegexValidator):
+    """A pattern the schema states as written (``self.regex``, which
+    drf-spectacular reads) and the server checks as ECMA-262 does: ``$`` at
+    the very end, where Python's ``$`` also matches before a final newline."""
+
+    def __init__(self, pattern: str, message: str) -> None:
+        # Django %-formats a validator's message with the value
+        super().__init__(pattern, message=message.replace("%", "%%"))
+        self.whole = re.compile(pattern.removesuffix("$") + r"\Z")
+
+    def __call__(self, value: Any) -> None:
+        if self.whole.search(str(value)) is None:
+            raise DjangoValidationError(self.message, code=self.code)
+
+
+def _matching(pattern: str, message: str) -> Matching:
+    return Matching(pattern, message)
+
+
+LINE = "no control or bidirectional-text characters"
+CLASSES = list(settings.GPULAB_PRIORITY_CLASSES)
+MAX_TIME_LIMIT_S = max(
+    int(c["max_time_limit"]) for c in settings.GPULAB_PRIORITY_CLASSES.values()
+)
+# The most GPUs one job may ask for; the cluster's own size (of the model
+# asked for) is the real bound, checked at submission.
+MAX_JOB_GPUS = 1024
+# An array spec: comma-separated N, A-B or A-B:STEP, then optionally %LIMIT.
+_INDEXES = r"[0-9]{1,7}(-[0-9]{1,7}(:[0-9]{1,7})?)?"
+_S = f"[{SPACE}]*"
+ARRAY_PATTERN = f"^{_S}{_INDEXES}{_S}(,{_S}{_INDEXES}{_S})*(%[0-9]{{1,7}})?{_S}$"
+
+
+MAX_ENV = 200
+MAX_ENV_VALUE = 100_000
+ENV_VALUE_PATTERN = _no_chars(CONTROLS_BUT_LINES, empty=True)
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "maxProperties": MAX_ENV,
+        "additionalProperties": {
+            "type": "string",
+            "maxLength": MAX_ENV_VALUE,
+            "pattern": ENV_VALUE_PATTERN,
+        },
+    }
+)
+class Env(serializers.DictField):
+    """Environment variables: a JSON object of at most ``MAX_ENV`` strings."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        value = Text(
+            max_length=MAX_ENV_VALUE,
+            validators=[
+                _matching(
+                    ENV_VALUE_PATTERN,
+                    "Has control characters (other than tab and line breaks).",
+                )
+            ],
+        )
+        super().__init__(child=value, **kwargs)
+
+    def to_internal_value(self, data: Any) -> dict[str, str]:
+        if isinstance(data, dict) and len(data) > MAX_ENV:
+            raise serializers.ValidationError(f"At most {MAX_ENV} variables.")
+        return dict(super().to_internal_value(data))
+
+
+class JobRequestSerializer(serializers.Serializer[Any]):
+    """A job to submit (``services.JobRequest``). Each field's JSON type is
+    strict, and its static limits (lengths, ranges, characters, choices) are
+    checked here, so that the OpenAPI schema states them; the rules that
+    depend on the cluster, on the database or on another field are the
+    services' (``validate_job_request``), and also answer 400 naming the field."""
+
+    name = Text(
+        max_length=128,
+        allow_blank=False,
+        validators=[
+            _matching(
+                _no_chars(CONTROLS + BIDI, non_blank=True),
+                f"Give the job a name: not blank, {LINE}.",
+            )
+        ],
     )
-    gpus = serializers.IntegerField(
-        required=False, default=1, min_value=-MAX_INT, max_value=MAX_INT
+    command = Text(
+        max_length=settings.GPULAB_MAX_COMMAND_BYTES,
+        allow_blank=False,
+        help_text="Run by /bin/sh in the working directory; at most"
+        f" {settings.GPULAB_MAX_COMMAND_BYTES} bytes of UTF-8.",
+        validators=[
+            _matching(
+                _no_chars(CONTROLS_BUT_LINES, non_blank=True),
+                "The command is blank or has control characters (other than"
+                " tab and line breaks).",
+            )
+        ],
     )
-    gpu_memory_mib = serializers.IntegerField(
+    workdir = Text(
+        required=False,
+        default="",
+        max_length=1024,
+        help_text="An absolute path (default: GPULAB_DEFAULT_WORKDIR).",
+        validators=[
+            _matching(
+                f"^([{SPACE}]+|[{SPACE}]*/[^{CONTROLS}]*)$",
+                "The working directory must be an absolute path without control"
+                " characters.",
+            )
+        ],
+    )
+    env = Env(
+        required=False,
+        default=dict,
+        help_text="Variables: names as in the shell ([A-Za-z_][A-Za-z0-9_]*), not"
+        " CUDA_VISIBLE_DEVICES or GPULAB_*; at most 200.",
+    )
+    gpus = StrictInteger(
+        required=False,
+        default=1,
+        min_value=1,
+        max_value=MAX_JOB_GPUS,
+        help_text="At most the cluster's GPUs (of gpu_model, if given).",
+    )
+    gpu_memory_mib = StrictInteger(
         required=False,
         allow_null=True,
         default=None,
-        min_value=-MAX_INT,
+        min_value=1,
         max_value=MAX_INT,
+        help_text="At most the largest GPU's memory.",
     )
-    gpu_model = Text(required=False, default="", max_length=10_000)
-    time_limit_s = serializers.IntegerField(
+    gpu_model = Text(
+        required=False,
+        default="",
+        max_length=64,
+        help_text="Part of a GPU model's name the cluster has.",
+        validators=[_matching(_no_chars(CONTROLS), "Has control characters.")],
+    )
+    time_limit_s = StrictInteger(
         required=False,
         allow_null=True,
         default=None,
-        min_value=-MAX_INT,
-        max_value=MAX_INT,
+        min_value=1,
+        max_value=MAX_TIME_LIMIT_S,
+        help_text="Seconds; at most the priority class's limit (default: the"
+        " class's default).",
     )
-    priority_class = Text(required=False, default="", max_length=1000)
-    shareable = serializers.BooleanField(required=False, default=False)
-    slowdown_cap = serializers.FloatField(required=False, allow_null=True, default=None)
-    evictable = serializers.BooleanField(required=False, default=True)
-    workload = Text(required=False, default="", max_length=10_000)
-    group = Text(required=False, default="", max_length=1000)
-    kill_grace_s = serializers.IntegerField(
+    priority_class = serializers.ChoiceField(
+        choices=CLASSES,
+        required=False,
+        default="",
+        allow_blank=True,
+        help_text=f"Default: {settings.GPULAB_DEFAULT_CLASS}.",
+        error_messages={
+            "invalid_choice": f"Unknown class {{input!r}}; choose one of:"
+            f" {', '.join(CLASSES)}."
+        },
+    )
+    shareable = StrictBoolean(required=False, default=False)
+    slowdown_cap = StrictNumber(
         required=False,
         allow_null=True,
         default=None,
-        min_value=-MAX_INT,
-        max_value=MAX_INT,
+        min_value=1.0,
+        help_text="Only with shareable; at most the class's cap.",
     )
-    requeue_on_node_loss = serializers.BooleanField(required=False, default=True)
-    checkpointable = StrictBool(
+    evictable = StrictBoolean(required=False, default=True)
+    workload = Text(
+        required=False,
+        default="",
+        max_length=128,
+        validators=[
+            _matching(_no_chars(CONTROLS + BIDI), f"The workload label has {LINE}.")
+        ],
+    )
+    group = Text(
+        required=False,
+        default="",
+        max_length=64,
+        help_text="A group you are a member of (default: your primary group).",
+    )
+    kill_grace_s = StrictInteger(
+        required=False,
+        allow_null=True,
+        default=None,
+        min_value=0,
+        max_value=MAX_KILL_GRACE_S,
+        help_text="Seconds between SIGTERM and SIGKILL (default: GPULAB_KILL_GRACE).",
+    )
+    requeue_on_node_loss = StrictBoolean(required=False, default=True)
+    checkpointable = StrictBoolean(
         required=False,
         default=False,
         help_text="It saves checkpoints: preempted, it gets checkpoint_signal,"
@@ -130,16 +347,24 @@ class JobRequestSerializer(serializers.Serializer[Any]):
     checkpoint_signal = Text(
         required=False,
         default="",
-        max_length=1000,
-        help_text="TERM (default), INT, USR1 or USR2.",
+        max_length=16,
+        help_text="TERM (default), INT, USR1 or USR2 (any case, SIG prefix"
+        " optional); only for a checkpointable job.",
+        validators=[
+            _matching(
+                r"^(|([Ss][Ii][Gg])?([Tt][Ee][Rr][Mm]|[Ii][Nn][Tt]|[Uu][Ss][Rr][12]))$",
+                "Unknown checkpoint signal; choose one of: TERM, INT, USR1, USR2.",
+            )
+        ],
     )
-    checkpoint_grace_s = serializers.IntegerField(
+    checkpoint_grace_s = StrictInteger(
         required=False,
         allow_null=True,
         default=None,
-        min_value=-MAX_INT,
-        max_value=MAX_INT,
-        help_text="Seconds from the checkpoint signal to SIGKILL (default 60).",
+        min_value=0,
+        max_value=MAX_KILL_GRACE_S,
+        help_text="Seconds from the checkpoint signal to SIGKILL (default 60);"
+        " only for a checkpointable job.",
     )
     after = Text(
         required=False,
@@ -153,8 +378,17 @@ class JobRequestSerializer(serializers.Serializer[Any]):
 class ArrayRequestSerializer(JobRequestSerializer):
     array = Text(
         max_length=10_000,
+        allow_blank=False,
         help_text="The tasks' indexes and the run-at-once limit: 0-99%8, 1,3,5-7,"
-        " 0-10:2.",
+        f" 0-10:2; at most {settings.GPULAB_MAX_ARRAY_SIZE} tasks, indexes up to"
+        f" {MAX_ARRAY_INDEX}, a limit of 1 to {settings.GPULAB_MAX_ARRAY_SIZE}.",
+        validators=[
+            _matching(
+                ARRAY_PATTERN,
+                "Write the indexes as N, A-B or A-B:STEP, comma-separated, then"
+                " optionally %LIMIT: e.g. 0-99%8 or 1,3,5-7.",
+            )
+        ],
     )
 
 
@@ -284,14 +518,34 @@ class JobPageSerializer(serializers.Serializer[Any]):
     results = JobSerializer(many=True)
 
 
+STATE_HELP = (
+    f"States, comma-separated: {', '.join(STATES)}; 'active' for pending, held,"
+    " starting and running."
+)
+# The job list's ``state`` as the schema states it: a list of names, sent
+# comma-separated (``style: form, explode: false``): ?state=pending,running.
+STATE_PARAMETER = OpenApiParameter(
+    "state",
+    {
+        "type": "array",
+        "items": {"type": "string", "enum": [*STATES, "active"]},
+        "minItems": 1,
+    },
+    OpenApiParameter.QUERY,
+    required=False,
+    style="form",
+    explode=False,
+    description=STATE_HELP,
+)
+
+
 class JobListQuery(serializers.Serializer[Any]):
     """Filters of the job list."""
 
     state = Text(
         required=False,
         max_length=1000,
-        help_text=f"States, comma-separated: {', '.join(STATES)}; 'active' for"
-        " pending, held, starting and running.",
+        help_text=STATE_HELP,
     )
     owner = Text(required=False, max_length=150, help_text="A username.")
     group = Text(required=False, max_length=64, help_text="A group name.")
@@ -324,15 +578,18 @@ class JobListQuery(serializers.Serializer[Any]):
     )
 
     def validate_state(self, value: str) -> list[str]:
+        """Exactly the schema's list (``STATE_PARAMETER``): names as written,
+        comma-separated, no blanks."""
         states: list[str] = []
-        for part in (p.strip().lower() for p in value.split(",")):
+        for part in value.split(","):
             if part == "active":
                 states += [str(s) for s in Job.ACTIVE]
             elif part in STATES:
                 states.append(part)
-            elif part:
+            else:
                 raise serializers.ValidationError(
-                    f"Unknown state {part!r}; use {', '.join(STATES)} or active."
+                    f"Unknown state {part[:40]!r}; use {', '.join(STATES)} or active,"
+                    " comma-separated."
                 )
         return states
 

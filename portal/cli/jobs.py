@@ -49,7 +49,7 @@ def _array_param(value: str | None) -> int | None:
     if value is None:
         return None
     text = value.strip().lower().removeprefix("a")
-    if not text.isdigit() or not 0 < int(text) < 2**62:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 2**62:
         raise click.BadParameter(
             f"{value!r} is not an array id (e.g. a7 or 7)", param_hint="'--array'"
         )
@@ -92,7 +92,11 @@ def ls(
     array = _array_param(array_id)
     api = state.api()
     me = api.get("me/")
-    wanted = states if states is not None else (None if show_all else "active")
+    wanted = (
+        ",".join(p.strip().lower() for p in states.split(",") if p.strip())
+        if states is not None
+        else (None if show_all else "active")
+    )
     jobs = _pages(api, limit, owner=me["username"], state=wanted, array=array)
     jobs.reverse()  # the API gives the newest first
     if as_json:
@@ -122,7 +126,7 @@ def parse_id(text: str) -> tuple[str, int]:
     raw = text.strip().lower()
     kind = "array" if raw.startswith("a") else "job"
     digits = raw[1:] if kind == "array" else raw
-    if not digits.isdigit() or not 0 < int(digits) < 2**62:
+    if not (digits.isascii() and digits.isdigit()) or not 0 < int(digits) < 2**62:
         raise click.BadParameter(
             f"{text!r} is not a job id (e.g. 42) or an array id (e.g. a7)",
             param_hint="'ID'",

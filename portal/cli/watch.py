@@ -163,7 +163,11 @@ def top(state: State, *, once: bool, interval: float) -> None:
     if once or not sys.stdout.isatty():
         # a pipe or a file gets one frame at a readable width
         columns = os.environ.get("COLUMNS", "")
-        width = int(columns) if columns.isdigit() else 120
+        width = (
+            int(columns)
+            if columns.isascii() and columns.isdigit() and len(columns) < 5
+            else 120
+        )
         view.print_once(api, Console(width=width, highlight=False))
         return
     with _interruptible():

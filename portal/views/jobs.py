@@ -74,7 +74,7 @@ def job_new(request: AuthenticatedHttpRequest) -> HttpResponse:
     group_names = [g.name for g in groups]
     initial = {}
     copy_of = request.GET.get("copy")
-    if copy_of and copy_of.isdigit():
+    if copy_of and copy_of.isascii() and copy_of.isdigit() and len(copy_of) < 19:
         src = Job.objects.visible_to(request.user).filter(pk=int(copy_of)).first()
         if src is not None:
             initial = {

@@ -37,16 +37,18 @@ if TYPE_CHECKING:
 # The largest index a task may have (Slurm's MaxArraySize - 1 is 1000 by default;
 # ours is wider so that sweeps can encode parameters in the index).
 MAX_ARRAY_INDEX = 1_000_000
-_RANGE_RE = re.compile(r"^([0-9]{1,7})(?:-([0-9]{1,7})(?::([0-9]{1,7}))?)?$")
+_RANGE_RE = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7})(?::([0-9]{1,7}))?)?")
+_LIMIT_RE = re.compile(r"[0-9]{1,7}")
 
 
 def parse_array_spec(text: str) -> tuple[list[int], int | None, str]:
     """``"0-99%8"`` -> (indexes 0..99, run at most 8 at once, ``"0-99%8"``).
 
     Grammar (Slurm's ``--array``): comma-separated ``N``, ``A-B`` or ``A-B:STEP``,
-    optionally ``%LIMIT`` at the end. At most ``GPULAB_MAX_ARRAY_SIZE`` tasks,
-    indexes 0 to ``MAX_ARRAY_INDEX``, each once. A ``ValidationError`` on
-    ``array`` names what is wrong."""
+    optionally ``%LIMIT`` at the end, in ASCII digits. At most
+    ``GPULAB_MAX_ARRAY_SIZE`` tasks, indexes 0 to ``MAX_ARRAY_INDEX``, each
+    once; a limit of 1 to ``GPULAB_MAX_ARRAY_SIZE`` (more could never bind). A
+    ``ValidationError`` on ``array`` names what is wrong."""
 
     def bad(message: str) -> ValidationError:
         return ValidationError({"array": message})
@@ -55,21 +57,27 @@ def parse_array_spec(text: str) -> tuple[list[int], int | None, str]:
     if not text:
         raise bad("Give the array's indexes, e.g. 0-99 or 0-99%8 or 1,3,5-7.")
     body, sep, limit_text = text.partition("%")
+    maximum = settings.GPULAB_MAX_ARRAY_SIZE
     limit: int | None = None
     if sep:
-        if not limit_text.isdigit() or int(limit_text) < 1:
+        # ASCII digits only: str.isdigit() also says yes to "²", which int()
+        # refuses, and int() reads other scripts' digits ("٣").
+        digits = _LIMIT_RE.fullmatch(limit_text)
+        limit = int(limit_text) if digits is not None else 0
+        if not 1 <= limit <= maximum:
             raise bad(
-                f"{'%' + limit_text!r}: the limit after % is a whole number >= 1."
+                f"{'%' + limit_text[:20]!r}: the limit after % is a whole number"
+                f" from 1 to {maximum}."
             )
-        limit = int(limit_text)
-    maximum = settings.GPULAB_MAX_ARRAY_SIZE
     seen: set[int] = set()
     indexes: list[int] = []
     for raw in body.split(","):
         part = raw.strip()
-        match = _RANGE_RE.match(part)
+        match = _RANGE_RE.fullmatch(part)
         if match is None:
-            raise bad(f"{part!r} is not an index, a range A-B or a range A-B:STEP.")
+            raise bad(
+                f"{part[:40]!r} is not an index, a range A-B or a range A-B:STEP."
+            )
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
         step = int(match.group(3)) if match.group(3) is not None else 1

@@ -341,6 +341,9 @@ def test_ls_is_mine_and_queue_is_everyones(
     assert [j["id"] for j in json.loads(every.stdout)] == [mine.pk, ended.pk]
     failed = gpulab("ls", "--state", "completed", "--json", user=admin_user)
     assert [j["id"] for j in json.loads(failed.stdout)] == [ended.pk]
+    # the API takes the schema's exact names; the CLI takes what people type
+    typed = gpulab("ls", "--state", " Completed , ", "--json", user=admin_user)
+    assert [j["id"] for j in json.loads(typed.stdout)] == [ended.pk]
     queue = gpulab("queue", user=alice)
     assert queue.exit_code == 0, queue.output
     rows = queue.stdout.splitlines()[1:]

@@ -111,7 +111,7 @@ def _job_response(request: Request, job_id: int, code: int = 200) -> Response:
 class JobList(APIView):
     @extend_schema(
         operation_id="jobs_list",
-        parameters=[s.JobListQuery],
+        parameters=[s.JobListQuery, s.STATE_PARAMETER],
         responses={200: s.JobPageSerializer, **errors(400)},
         summary="Jobs you may see (yours; staff: everyone's), newest first",
     )
