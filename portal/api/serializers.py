@@ -153,11 +153,25 @@ class Matching(RegexValidator):
     def __init__(self, pattern: str, message: str) -> None:
         # Django %-formats a validator's message with the value
         super().__init__(pattern, message=message.replace("%", "%%"))
+        self.plain = message  # raised below without params: no %-formatting
         self.whole = re.compile(pattern.removesuffix("$") + r"\Z")
 
     def __call__(self, value: Any) -> None:
-        if self.whole.search(str(value)) is None:
-            raise DjangoValidationError(self.message, code=self.code)
+        text = str(value)
+        if self.whole.search(text) is None:
+            raise DjangoValidationError(
+                self.plain + _first_hidden(text), code=self.code
+            )
+
+
+_HIDDEN = re.compile(f"[{CONTROLS}{BIDI}]")
+
+
+def _first_hidden(text: str) -> str:
+    """ " It has U+202E." for the first control or bidirectional-text character of
+    ``text``, which a page would not show: the user learns which one to remove."""
+    found = _HIDDEN.search(text)
+    return f" It has U+{ord(found.group()):04X}." if found else ""
 
 
 def _matching(pattern: str, message: str) -> Matching:

@@ -57,7 +57,7 @@ def test_defaults_are_shown_for_a_plain_job(as_alice: Api, cluster: list[Node]) 
         (
             {"checkpointable": True, "checkpoint_grace_s": 99999},
             "checkpoint_grace_s",
-            "between 0 and 3600 seconds",
+            "less than or equal to 3600",
         ),
         (
             {"checkpoint_grace_s": 120},

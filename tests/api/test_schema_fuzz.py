@@ -69,6 +69,15 @@ BEYOND_SCHEMA: dict[str, re.Pattern[str]] = {
         "until": r"It is before since",
         # logs: follow (offset) or tail, not both
         "tail": r"Give offset \(follow\) or tail, not both",
+        # usage: the longest range a request may span (GPULAB_USAGE_MAX_DAYS)
+        "to": r"spans \d+ days; at most \d+ days",
+        # the directories a job may run in (GPULAB_WORKDIR_ALLOWED)
+        "workdir": r"is outside the directories jobs may run in",
+        # checkpoint settings of a job that is not checkpointable
+        "checkpoint_signal": r"only applies to a checkpointable job",
+        "checkpoint_grace_s": r"only applies to a checkpointable job",
+        # gpulab login: a machine name must be printable (str.isprintable)
+        "client_name": r"Name the machine|printable characters",
     }.items()
 }
 
@@ -125,10 +134,21 @@ HYPOTHESIS = settings(
 )
 
 
+# device/token/ answers the state of a device authorization as a 400 with one of
+# these codes (RFC 8628 3.5): an unknown or unapproved code is not a bad request.
+DEVICE_GRANT_ERRORS = frozenset(
+    {"authorization_pending", "slow_down", "access_denied", "expired_token"}
+    | {"invalid_grant"}
+)
+
+
 def beyond_schema(response: Any) -> bool:
-    """A 400 whose every field and message is a rule the schema cannot state."""
+    """A 400 whose every field and message is a rule the schema cannot state, or
+    a device authorization's state."""
     if response.status_code != 400:
         return False
+    if response.json().get("error") in DEVICE_GRANT_ERRORS:
+        return True
     fields = response.json().get("fields") or {}
     return bool(fields) and all(
         (rule := BEYOND_SCHEMA.get(name.split(".")[0])) is not None
