@@ -18,14 +18,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import redis
 from django.conf import settings
 from django.urls import reverse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
-from rest_framework.throttling import BaseThrottle
 from rest_framework.views import APIView
 
 from portal.api import throttling, tokens
@@ -39,32 +37,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class DeviceCodeThrottle(BaseThrottle):
+class DeviceCodeThrottle(throttling.RedisRateThrottle):
     """Device codes asked for per client address (POST only), on top of the
     API's own rate limit: each one is a row and a code to guess."""
 
-    def __init__(self) -> None:
-        self.wait_s: float | None = None
+    what = "device code rate limit"
 
-    def allow_request(self, request: Request, view: APIView) -> bool:
+    def budget(self, request: Request) -> tuple[str, int, float] | None:
         if request.method != "POST":
-            return True
-        try:
-            wait = throttling.hit(
-                f"device-code:{request.META.get('REMOTE_ADDR', '')}",
-                settings.GPULAB_DEVICE_CODE_RATE,
-                settings.GPULAB_DEVICE_CODE_WINDOW,
-            )
-        except redis.RedisError as exc:
-            log.warning("device code rate limit not checked (Redis: %s)", exc)
-            return True
-        if wait <= 0:
-            return True
-        self.wait_s = wait
-        return False
-
-    def wait(self) -> float | None:
-        return None if self.wait_s is None else float(int(self.wait_s) + 1)
+            return None
+        return (
+            f"device-code:{request.META.get('REMOTE_ADDR', '')}",
+            settings.GPULAB_DEVICE_CODE_RATE,
+            settings.GPULAB_DEVICE_CODE_WINDOW,
+        )
 
 
 class DeviceCodeIn(serializers.Serializer[Any]):

@@ -79,20 +79,31 @@ def hit(ident: str, limit: int, window: float) -> float:
 
 
 class RedisRateThrottle(BaseThrottle):
-    """DRF throttle over ``hit``."""
+    """DRF throttle over ``hit``: the caller's budget is ``budget(request)``
+    (a key, a limit and a window, or None for a request it does not count).
+    With Redis down the request is let through and the failure logged."""
+
+    # what the log says when Redis is down
+    what = "API rate limit"
 
     def __init__(self) -> None:
         self.wait_s: float | None = None
 
+    def budget(self, request: Request) -> tuple[str, int, float] | None:
+        return (
+            identity(request),
+            settings.GPULAB_API_RATE_LIMIT,
+            settings.GPULAB_API_RATE_WINDOW,
+        )
+
     def allow_request(self, request: Request, view: APIView) -> bool:
+        budget = self.budget(request)
+        if budget is None:
+            return True
         try:
-            wait = hit(
-                identity(request),
-                settings.GPULAB_API_RATE_LIMIT,
-                settings.GPULAB_API_RATE_WINDOW,
-            )
+            wait = hit(*budget)
         except redis.RedisError as exc:
-            log.warning("API rate limit not checked (Redis: %s)", exc)
+            log.warning("%s not checked (Redis: %s)", self.what, exc)
             return True
         if wait <= 0:
             return True
