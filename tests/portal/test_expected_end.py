@@ -25,7 +25,15 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.django_db
 
-T0 = float(int(time.time()) - 3600)  # the attempt's start: an hour ago
+T0 = 0.0  # the attempt's start, an hour before each test (set by the fixture)
+
+
+@pytest.fixture(autouse=True)
+def _started_an_hour_ago() -> None:
+    """An hour before the test itself runs, not before the module was imported:
+    under pytest-xdist a test may run many minutes after collection."""
+    global T0
+    T0 = float(int(time.time()) - 3600)
 
 
 def running_job(alice: User, node: Node, **fields: object) -> tuple[Job, Attempt]:
@@ -93,11 +101,11 @@ def test_progress_never_plans_past_the_limit(alice: User, cluster: list[Node]) -
 
 
 @pytest.mark.parametrize(
-    ("plan", "predicted", "end", "source"),
+    ("plan", "predicted", "end_after", "source"),
     [
-        ("prediction", 5400, T0 + 5400, "by its planned run time"),
-        ("limit", 5400, T0 + 86400, "at its time limit"),
-        ("prediction", 1800, T0 + 86400, "at its time limit"),  # outlived its plan
+        ("prediction", 5400, 5400, "by its planned run time"),
+        ("limit", 5400, 86400, "at its time limit"),
+        ("prediction", 1800, 86400, "at its time limit"),  # outlived its plan
     ],
 )
 def test_without_progress_the_plan_or_the_limit_is_shown(
@@ -106,7 +114,7 @@ def test_without_progress_the_plan_or_the_limit_is_shown(
     cluster: list[Node],
     plan: str,
     predicted: int,
-    end: float,
+    end_after: float,
     source: str,
 ) -> None:
     settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "backfill_plan": plan}
@@ -116,7 +124,7 @@ def test_without_progress_the_plan_or_the_limit_is_shown(
     progress(attempt, 100, T0 + 600, 100)  # total reached: the steps say nothing
 
     page = page_of(alice, job)
-    assert f"{shown(end)} (ends in about" in page
+    assert f"{shown(T0 + end_after)} (ends in about" in page
     assert source in page
 
 
