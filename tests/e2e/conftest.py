@@ -347,6 +347,21 @@ def submit(client: httpx.Client, name: str, command: str, **fields: str) -> int:
     return int(match.group(1))
 
 
+def submit_in_browser(page: Any, base: str, name: str, command: str) -> int:
+    """``submit`` as a person does it: the Submit page's form in a signed-in
+    Playwright page, one GPU in /tmp; the job's id, from the page it lands on."""
+    page.goto(f"{base}/jobs/new/")
+    page.fill("#id_name", name)
+    page.fill("#id_command", command)
+    page.fill("#id_workdir", "/tmp")
+    page.fill("#id_gpus", "1")
+    page.click("main button[type=submit]")
+    page.wait_for_url(re.compile(r".*/jobs/\d+/$"))
+    match = re.search(r"/jobs/(\d+)/$", page.url)
+    assert match, page.url
+    return int(match.group(1))
+
+
 def wait_for_job(job_id: int, wanted: set[str], timeout: float = 60.0) -> str:
     """Wait until the job's status is one of ``wanted``.
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.browser import chromium, collect_errors, log_in, outside_the_loop
 from tests.directory.slapd import start_slapd
-from tests.e2e.conftest import wait_for_job
+from tests.e2e.conftest import submit_in_browser, wait_for_job
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -65,15 +64,9 @@ def test_a_directory_user_signs_in_and_runs_under_their_uid(
         page.goto(f"{base}/jobs/new/")
         # Her group, from the directory, is the one charged by default.
         expect(page.locator("#id_group")).to_contain_text("default (vision)")
-        page.fill("#id_name", "whoami")
-        page.fill("#id_command", "id -u; id -G; echo user=$USER")
-        page.fill("#id_workdir", "/tmp")
-        page.fill("#id_gpus", "1")
-        page.click("button[type=submit]")
-        page.wait_for_url(re.compile(r".*/jobs/\d+/$"))
-        match = re.search(r"/jobs/(\d+)/$", page.url)
-        assert match, page.url
-        job_id = int(match.group(1))
+        job_id = submit_in_browser(
+            page, base, "whoami", "id -u; id -G; echo user=$USER"
+        )
 
         state = outside_the_loop(
             lambda: wait_for_job(job_id, {"completed", "failed"}, timeout=120)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
 from typing import TYPE_CHECKING
 
 import pytest
 from playwright.sync_api import expect
 
 from tests.browser import chromium, collect_errors, outside_the_loop
-from tests.e2e.conftest import wait_for_job
+from tests.e2e.conftest import submit_in_browser, wait_for_job
 from tests.oidc.conftest import lab_user
 from tests.oidc.test_flow_browser import WAIT_MS, sign_in_at_provider
 
@@ -46,15 +45,9 @@ def test_a_provider_only_user_runs_a_job_under_the_claimed_uid(
         page.goto(f"{base}/jobs/new/")
         # Her group, from the claims, is the one charged by default.
         expect(page.locator("#id_group")).to_contain_text("default (vision)")
-        page.fill("#id_name", "whoami")
-        page.fill("#id_command", "id -u; id -G; echo user=$USER")
-        page.fill("#id_workdir", "/tmp")
-        page.fill("#id_gpus", "1")
-        page.click("main button[type=submit]")
-        page.wait_for_url(re.compile(r".*/jobs/\d+/$"))
-        match = re.search(r"/jobs/(\d+)/$", page.url)
-        assert match, page.url
-        job_id = int(match.group(1))
+        job_id = submit_in_browser(
+            page, base, "whoami", "id -u; id -G; echo user=$USER"
+        )
 
         state = outside_the_loop(
             lambda: wait_for_job(job_id, {"completed", "failed"}, timeout=120)
