@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",  # Swagger UI's files, served from static
     "portal.api",
+    "portal.oidc",
 ]
 
 MIDDLEWARE = [
@@ -612,3 +613,4 @@ from portal.settings_metrics import *  # noqa: E402,F403
 from portal.settings_oidc import *  # noqa: E402,F403
 
 CELERY_BEAT_SCHEDULE.update(DIRECTORY_BEAT_SCHEDULE)  # noqa: F405
+CELERY_BEAT_SCHEDULE.update(OIDC_BEAT_SCHEDULE)  # noqa: F405

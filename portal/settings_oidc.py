@@ -71,6 +71,34 @@ if GPULAB_OIDC_GIDS_CLAIM and not GPULAB_OIDC_UID_CLAIM:
 # refused. Empty: not read.
 GPULAB_OIDC_ACTIVE_CLAIM = envstr("GPULAB_OIDC_ACTIVE_CLAIM", "")
 
+# Every OpenID Connect user is refreshed at the provider this often (seconds):
+# their refresh token, kept since their last sign-in, is used at the token
+# endpoint; refused -> deactivated; the claims -> groups and Unix account
+# (portal.oidc.refresh).
+GPULAB_OIDC_REFRESH_INTERVAL = envfloat(
+    "GPULAB_OIDC_REFRESH_INTERVAL", 900.0, minimum=10.0
+)
+# The refresh tokens are stored encrypted under a key derived from this passphrase
+# (default: DJANGO_SECRET_KEY and its fallbacks). Comma-separated: the first
+# encrypts, every one decrypts (rotation: put the new one first).
+GPULAB_OIDC_TOKEN_KEY = [
+    key.strip()
+    for key in envsecret("GPULAB_OIDC_TOKEN_KEY", "").split(",")
+    if key.strip()
+]
+for _key in GPULAB_OIDC_TOKEN_KEY:
+    if len(_key) < 16:
+        raise ImproperlyConfigured(
+            "GPULAB_OIDC_TOKEN_KEY: each key must be at least 16 characters"
+        )
+OIDC_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
+if GPULAB_OIDC_ENABLED:
+    OIDC_BEAT_SCHEDULE["oidc-refresh"] = {
+        "task": "portal.oidc.tasks.refresh",
+        "schedule": GPULAB_OIDC_REFRESH_INTERVAL,
+        "options": {"expires": GPULAB_OIDC_REFRESH_INTERVAL},
+    }
+
 # The ID token's signature: RS256 / ES256 with the provider's published keys
 # (jwks_uri), or HS256 with the client secret.
 OIDC_RP_SIGN_ALGO = envchoice(

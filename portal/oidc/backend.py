@@ -1,36 +1,30 @@
 """The authentication backend of the provider's callback: code -> tokens -> claims
--> ``DirectoryIdentity`` -> ``apply_identity`` (groups, staff, Unix account: the same
+-> the account (by issuer and ``sub``) -> ``apply_identity`` (groups, staff, Unix account: the same
 mapping as LDAP), at every sign-in.
 
 mozilla-django-oidc does the protocol (token request with PKCE, the ID token's
 signature against the provider's keys, nonce); this subclass takes its endpoints
 from discovery when a callback arrives (never when a backend is built: Django builds
 every backend for every password sign-in and every request's session, which must not
-depend on the provider), finds the user by the username claim, and refuses with a
-message (``SignInRefused``) rather than returning ``None`` silently.
+depend on the provider), keeps the refresh token of the answer, and hands the
+verified claims to ``portal.oidc.accounts.sign_in`` (the account by issuer and
+``sub``), which refuses with a message (``SignInRefused``) rather than returning
+``None`` silently.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ValidationError
-from django.db import transaction
 from mozilla_django_oidc.auth import (  # type: ignore[import-untyped]
     OIDCAuthenticationBackend,
 )
 
-from portal.directory.identity import IdentityRefused, apply_identity
-from portal.oidc.claims import ClaimNames, identity_from_claims
-from portal.oidc.discovery import provider
+from portal.oidc.accounts import SignInRefused, sign_in
+from portal.oidc.discovery import Provider, provider
 
-log = logging.getLogger(__name__)
-
-
-class SignInRefused(Exception):
-    """The provider signed the user in but gpulab will not; the message says why."""
+__all__ = ["OIDCBackend", "SignInRefused"]
 
 
 class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
@@ -44,9 +38,13 @@ class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
             return None
         if not request.GET.get("code") or not request.GET.get("state"):
             return None
+        self.configure(provider())
+        return super().authenticate(request, **kwargs)
+
+    def configure(self, found: Provider) -> None:
+        """Point the protocol at ``found``'s endpoints and this client's settings."""
         from django.conf import settings
 
-        found = provider()
         self.OIDC_OP_TOKEN_ENDPOINT = found.token_endpoint
         self.OIDC_OP_USER_ENDPOINT = found.userinfo_endpoint
         self.OIDC_OP_JWKS_ENDPOINT = found.jwks_uri
@@ -54,7 +52,17 @@ class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
         self.OIDC_RP_CLIENT_SECRET = settings.OIDC_RP_CLIENT_SECRET
         self.OIDC_RP_SIGN_ALGO = settings.OIDC_RP_SIGN_ALGO
         self.OIDC_RP_IDP_SIGN_KEY = None
-        return super().authenticate(request, **kwargs)
+
+    def signed_claims(self, id_token: str) -> dict[str, Any]:
+        """The claims of an ID token whose signature is the provider's (after
+        ``configure``). No nonce check: a refreshed ID token answers no request
+        of ours that carried one (some providers copy the sign-in's)."""
+        if self.OIDC_RP_SIGN_ALGO.startswith(("RS", "ES")):
+            key = self.retrieve_matching_jwk(id_token.encode())
+        else:
+            key = self.OIDC_RP_CLIENT_SECRET
+        payload: dict[str, Any] = self.get_payload_data(id_token.encode(), key)
+        return payload
 
     def get_user(self, user_id: Any) -> Any:
         """The session's user, unless deactivated since (as Django's ModelBackend)."""
@@ -74,50 +82,16 @@ class OIDCBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
             )
         return {**payload, **userinfo}
 
+    def get_token(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The token endpoint's answer, its refresh token kept for the sign-in."""
+        answer: dict[str, Any] = super().get_token(payload)
+        refresh = answer.get("refresh_token")
+        self._refresh_token = refresh if isinstance(refresh, str) else ""
+        return answer
+
     def get_or_create_user(
         self, access_token: str, id_token: str, payload: dict[str, Any]
     ) -> Any:
         claims = self.get_userinfo(access_token, id_token, payload)
-        identity = identity_from_claims(claims, ClaimNames.from_settings())
-        with transaction.atomic():
-            user = (
-                self.UserModel.objects.select_for_update()
-                .filter(username=identity.username)
-                .first()
-            )
-            if user is not None and user.has_usable_password():
-                # A local account (a password stored in gpulab) is not handed to
-                # whoever the provider calls by that name: an admin makes its
-                # password unusable first (docs/admin-guide.md).
-                raise SignInRefused(
-                    f"gpulab has a local account named {identity.username!r}: sign"
-                    " in with its password, or ask an admin to hand it to the"
-                    " identity provider"
-                )
-            if user is None:
-                user = self.UserModel(username=identity.username)
-                user.set_unusable_password()
-            user.email = identity.email or user.email
-            user.first_name = identity.first_name or user.first_name
-            user.last_name = identity.last_name or user.last_name
-            user.save()
-            try:
-                changes = apply_identity(user, identity)
-            except ValidationError as exc:
-                raise SignInRefused(
-                    f"The account {identity.username!r} cannot be used: "
-                    + "; ".join(exc.messages)
-                ) from None
-            except IdentityRefused as exc:
-                # An account gpulab cannot use (uid 0, a uid without a gid):
-                # rolled back with the account this sign-in would have made.
-                raise SignInRefused(str(exc)) from None
-        if changes:
-            log.info("oidc sign-in of %s: %s", user.username, "; ".join(changes))
-        user.refresh_from_db()
-        if not user.is_active:
-            raise SignInRefused(
-                f"The account {identity.username!r} is disabled"
-                + (" by the identity provider" if not identity.active else "")
-            )
-        return user
+        issuer = payload.get("iss") or provider().issuer
+        return sign_in(claims, str(issuer), getattr(self, "_refresh_token", ""))

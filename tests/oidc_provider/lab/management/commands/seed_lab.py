@@ -5,6 +5,11 @@ and the users, with their lab claims and an ``active`` flag:
                 "post_logout_redirect_uris": [...], "consent": true},
      "users": [{"username": ..., "password": ..., "email": ..., "active": true,
                 "claims": {"groups": [...], "uid": 20001, ...}}]}
+
+A user seeded with ``"active": false`` is disabled the way Keycloak disables one:
+refused at the login page, and every token the provider gave them revoked (their
+refresh tokens answer ``invalid_grant``); ``"revoke": true`` revokes their tokens
+only (a sign-out everywhere at the provider).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 from django.db import transaction
-from oidc_provider.models import Client, ResponseType, RSAKey
+from oidc_provider.models import Client, ResponseType, RSAKey, Token
 
 from tests.oidc_provider.lab.models import Claims
 
@@ -64,8 +69,10 @@ class Command(BaseCommand):
         user.email = spec.get("email", "")
         user.first_name = spec.get("first_name", "")
         user.last_name = spec.get("last_name", "")
-        user.is_active = True
+        user.is_active = bool(spec.get("active", True))
         user.save()
+        if not user.is_active or spec.get("revoke"):
+            Token.objects.filter(user=user).delete()
         Claims.objects.update_or_create(
             user=user, defaults={"data": spec.get("claims", {})}
         )
