@@ -120,13 +120,26 @@ def scrapes(requests: int) -> dict[str, Any]:
     }
 
 
+def _sum_over_records() -> list[tuple[str, float]]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT g.name, coalesce(sum(r.gpu_seconds), 0) FROM scheduler_group g"
+            " LEFT JOIN scheduler_usagerecord r ON r.group_id = g.id"
+            " GROUP BY g.name ORDER BY g.name"
+        )
+        return [(name, float(s)) for name, s in cursor.fetchall()]
+
+
 def parts(repeat: int) -> dict[str, Any]:
     """Each part of the collector alone: median time and queries."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
     from django.utils import timezone
 
-    from portal.prometheus import collector
+    from portal.prometheus import collector, ledger
+    from portal.quotas.usage import quota_states
 
     now = timezone.now()
     out: dict[str, Any] = {}
@@ -135,6 +148,12 @@ def parts(repeat: int) -> dict[str, Any]:
         "passes": lambda: list(collector.passes()),
         "cluster": lambda: list(collector.cluster(now)),
         "charges": lambda: list(collector.charges(now)),
+        # Its two halves: the GPU-hours per group from the kept totals, and the
+        # same figure summed over every usage record (the scrape's query before
+        # the totals), for comparison on the same data and load.
+        "group_hours": lambda: (ledger.fold(), ledger.group_seconds()),
+        "group_hours_by_sum": lambda: _sum_over_records(),
+        "quotas": lambda: quota_states(now),
         "ingest": lambda: list(collector.ingest(now)),
     }.items():
         times = []

@@ -68,6 +68,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",  # Swagger UI's files, served from static
     "portal.api",
     "portal.oidc",
+    "portal.prometheus",
 ]
 
 MIDDLEWARE = [

@@ -4,9 +4,11 @@ Nothing is counted in the web process: jobs, attempts, nodes and charges come
 from PostgreSQL, the passes' statistics, the nodes' newest readings, the ingest
 counter and the browsers' counts from Redis, so two web processes scraped at
 the same moment give the same answer. The queries are a fixed number whatever
-the cluster's size (twelve): one scan of the jobs, the pending jobs by reason,
+the cluster's size (fourteen): one scan of the jobs, the pending jobs by reason,
 the cluster's read model (``livestate.cluster_state``, three), the GPU-hours per
-group, the quotas' states (three), the nodes' ingest lag.
+group (three: ``portal.prometheus.ledger`` folds the new usage deltas and reads
+one total per group, never the whole ledger), the quotas' states (three), the
+nodes' ingest lag.
 
 Counters (``*_total``) are totals the database keeps (the jobs' attempt and
 preemption counts, the usage records' GPU-seconds, the pass totals), so they
@@ -23,7 +25,6 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
-from django.db import connection
 from django.db.models import Count, Max, Min, Sum
 from django.utils import timezone
 from prometheus_client.core import (
@@ -33,6 +34,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from portal.prometheus import ledger
 from portal.quotas.usage import quota_states
 from scheduler import livestate, pass_log
 from scheduler.ingest import frames_key
@@ -333,15 +335,6 @@ def _browser_clients() -> int:
 # ------------------------------------------------------------------ charges
 
 
-_GROUP_HOURS_SQL = """
-SELECT g.name, coalesce(sum(r.gpu_seconds), 0) / 3600.0
-FROM scheduler_group g
-LEFT JOIN scheduler_usagerecord r ON r.group_id = g.id
-GROUP BY g.name
-ORDER BY g.name
-"""
-
-
 def charges(now: datetime) -> Iterator[Metric]:
     """GPU-hours charged per group (ended attempts' usage records) and each
     quota's use in its current period (running jobs included)."""
@@ -350,10 +343,11 @@ def charges(now: datetime) -> Iterator[Metric]:
         "GPU-hours charged to each group for attempts that ended (usage records).",
         labels=["group"],
     )
-    with connection.cursor() as cursor:
-        cursor.execute(_GROUP_HOURS_SQL)
-        for name, value in cursor.fetchall():
-            hours.add_metric([name], float(value))
+    # The totals PostgreSQL keeps as records are written (one row per group),
+    # not a sum over the whole ledger at each scrape.
+    ledger.fold()
+    for name, seconds in ledger.group_seconds():
+        hours.add_metric([name], seconds / 3600.0)
     yield hours
 
     labels = ["quota", "group", "user", "period", "kind"]
