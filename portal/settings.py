@@ -614,4 +614,5 @@ from portal.settings_metrics import *  # noqa: E402,F403
 from portal.settings_oidc import *  # noqa: E402,F403
 
 CELERY_BEAT_SCHEDULE.update(DIRECTORY_BEAT_SCHEDULE)  # noqa: F405
+CELERY_BEAT_SCHEDULE.update(METRICS_BEAT_SCHEDULE)  # noqa: F405
 CELERY_BEAT_SCHEDULE.update(OIDC_BEAT_SCHEDULE)  # noqa: F405

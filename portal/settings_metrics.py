@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.settings_env import envnetworks, envsecret
+from portal.settings_env import envfloat, envnetworks, envsecret
 
 GPULAB_METRICS_TOKEN = envsecret("GPULAB_METRICS_TOKEN", "")
 if GPULAB_METRICS_TOKEN and len(GPULAB_METRICS_TOKEN) < 16:
@@ -29,3 +29,18 @@ if GPULAB_METRICS_TOKEN and len(GPULAB_METRICS_TOKEN) < 16:
 if any(c.isspace() for c in GPULAB_METRICS_TOKEN):
     raise ImproperlyConfigured("GPULAB_METRICS_TOKEN must not contain white space")
 GPULAB_METRICS_ALLOWED_NETWORKS = envnetworks("GPULAB_METRICS_ALLOWED_NETWORKS")
+
+# The GPU-hours per group are totals PostgreSQL keeps (portal.prometheus.ledger):
+# each usage record's change is appended as a delta, folded in at each scrape and,
+# so the deltas stay few when nothing scrapes (the export off), by beat this often
+# (seconds).
+GPULAB_METRICS_FOLD_INTERVAL = envfloat(
+    "GPULAB_METRICS_FOLD_INTERVAL", 600.0, minimum=10.0
+)
+METRICS_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
+    "metrics-fold": {
+        "task": "portal.prometheus.tasks.fold",
+        "schedule": GPULAB_METRICS_FOLD_INTERVAL,
+        "options": {"expires": GPULAB_METRICS_FOLD_INTERVAL},
+    }
+}

@@ -18,10 +18,13 @@ ON = {
 }
 
 
-def start(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def start(
+    env: dict[str, str],
+    code: str = "import portal.settings as s; print(s.OIDC_RP_SCOPES)",
+) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GPULAB_OIDC_")}
     return subprocess.run(
-        [sys.executable, "-c", "import portal.settings as s; print(s.OIDC_RP_SCOPES)"],
+        [sys.executable, "-c", code],
         cwd=ROOT,
         env={**clean, "DJANGO_SECRET_KEY": "x" * 50, **env},
         capture_output=True,
@@ -35,6 +38,18 @@ def test_a_complete_configuration_starts() -> None:
     done = start(ON)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "openid email profile"
+
+
+def test_beat_refreshes_the_users_only_when_oidc_is_on() -> None:
+    show = (
+        "import portal.settings as s; print(s.CELERY_BEAT_SCHEDULE.get('oidc-refresh'))"
+    )
+    on = start({**ON, "GPULAB_OIDC_REFRESH_INTERVAL": "600"}, show)
+    assert on.returncode == 0, on.stderr
+    assert "'task': 'portal.oidc.tasks.refresh', 'schedule': 600.0" in on.stdout
+    off = start({}, show)
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip() == "None"
 
 
 @pytest.mark.parametrize(
@@ -67,6 +82,14 @@ def test_a_complete_configuration_starts() -> None:
         (
             {**ON, "GPULAB_OIDC_SIGN_ALGO": "none"},
             "GPULAB_OIDC_SIGN_ALGO='none' is not one of",
+        ),
+        (
+            {**ON, "GPULAB_OIDC_TOKEN_KEY": "long-enough-passphrase-1,short"},
+            "GPULAB_OIDC_TOKEN_KEY: each key must be at least 16 characters",
+        ),
+        (
+            {**ON, "GPULAB_OIDC_REFRESH_INTERVAL": "5"},
+            "GPULAB_OIDC_REFRESH_INTERVAL",
         ),
     ],
 )

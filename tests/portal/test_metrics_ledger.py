@@ -17,7 +17,7 @@ from django.db import connection, connections, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from portal.prometheus import ledger
+from portal.prometheus import ledger, tasks
 from portal.prometheus.models import GpuSecondsDelta, GpuSecondsTotal
 from scheduler.models import Group, UsageRecord
 from tests.accounting.test_charges import T0, end, join, run_alone
@@ -152,4 +152,7 @@ def test_the_migration_counts_the_records_already_there(
     assert dict(ledger.group_seconds()) == {"nlp": 7.5, "vision": 150.25}
     assert not GpuSecondsDelta.objects.exists()
     record(charlie, node, 1.0)
+    # Beat folds when nothing scrapes (the export off).
+    assert tasks.fold() == 1
+    assert not GpuSecondsDelta.objects.exists()
     check()
