@@ -46,7 +46,7 @@ class _Provider(http.server.BaseHTTPRequestHandler):
     posts: ClassVar[list[dict[str, list[str]]]] = []
 
     def do_GET(self) -> None:
-        base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        base = f"http://127.0.0.1:{self.server.server_port}"  # type: ignore[attr-defined]
         document = {
             "issuer": ISSUER,
             "authorization_endpoint": f"{base}/authorize",

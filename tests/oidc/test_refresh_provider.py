@@ -59,7 +59,7 @@ def audit_of(username: str) -> list[dict[str, Any]]:
     def read() -> list[dict[str, Any]]:
         pk = str(User.objects.get(username=username).pk)
         return [
-            {"via": e.via, **e.new}
+            {"via": e.via, **(e.new or {})}
             for e in AuditEntry.objects.filter(object_id=pk).order_by("pk")
         ]
 

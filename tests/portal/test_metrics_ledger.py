@@ -56,7 +56,7 @@ def record(user: User, node: Node, seconds: float) -> UsageRecord:
     now = timezone.now()
     return UsageRecord.objects.create(
         attempt=start_job(JobFactory(owner=user), node),
-        gpu=node.gpus.order_by("index").first(),
+        gpu=node.gpus.order_by("index")[0],
         user=user,
         group=user.lab_groups.get(),
         started_at=now - timedelta(hours=1),
