@@ -38,6 +38,7 @@ from portal.oidc.backend import OIDCBackend
 from portal.oidc.claims import ClaimError, ClaimNames, identity_from_claims
 from portal.oidc.discovery import Provider, ProviderUnavailable, describe, provider
 from portal.oidc.models import OidcIdentity
+from scheduler.models import Profile
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,17 @@ class ProviderDown(Exception):
 
 
 def refresh_oidc_users() -> dict[str, int]:
-    """Refresh every active OpenID Connect user who has a refresh token; counts
+    """Refresh every active OpenID Connect user (``Profile.directory`` "oidc") who
+    has a refresh token; counts
     of ``checked``, ``changed``, ``deactivated``, ``busy`` (being refreshed by
     another run), ``failed`` (left as they were, logged)."""
     counts = {"checked": 0, "changed": 0, "deactivated": 0, "busy": 0, "failed": 0}
     ids = list(
-        OidcIdentity.objects.filter(user__is_active=True)
+        # Only accounts kept in step with the provider now: one that signed in
+        # through LDAP since follows LDAP's refresh.
+        OidcIdentity.objects.filter(
+            user__is_active=True, user__gpulab__directory=Profile.Directory.OIDC
+        )
         .exclude(refresh_token="")
         .order_by("pk")
         .values_list("pk", flat=True)

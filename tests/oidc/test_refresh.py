@@ -220,3 +220,14 @@ def test_a_user_another_run_is_refreshing_is_skipped(idp: type[_Provider]) -> No
     assert counts["busy"] == 1 and counts["checked"] == 0
     assert idp.posts == []  # the token was not spent a second time
     assert state(fay)["active"] is True
+
+
+def test_an_account_that_signed_in_through_ldap_since_is_left_to_ldap(
+    idp: type[_Provider],
+) -> None:
+    idp.token = (400, b'{"error": "invalid_grant"}')
+    fay = oidc_user("fay")
+    Profile.objects.filter(user=fay).update(directory=Profile.Directory.LDAP)
+    assert refresh_oidc_users()["checked"] == 0
+    assert idp.posts == []
+    assert state(fay)["active"] is True
