@@ -1,9 +1,9 @@
 """The OpenID Connect refresh against the real provider (django-oidc-provider in its
 own process): a user signed in through the browser is kept in step without signing
-in again. Her groups changed at the provider reach gpulab at the next refresh; two
-refreshes at once spend her rotating refresh token once; disabled at the provider
-(her tokens revoked there), the next refresh ends her session, revokes her API
-token, holds her waiting job and writes it all to the audit log."""
+in again. Her groups and Unix account changed at the provider reach gpulab at the
+next refresh; two refreshes at once spend her rotating refresh token once; disabled
+at the provider (her tokens revoked there), the next refresh ends her session,
+revokes her API token, holds her waiting job and writes it all to the audit log."""
 
 from __future__ import annotations
 
@@ -85,13 +85,24 @@ def test_the_refresh_follows_the_provider_and_signs_out_a_disabled_user(
         # Moved to another lab at the provider; two refreshes at once: the
         # provider rotates refresh tokens, so a second use of one would be
         # refused (and read as a removal) but for the row lock.
-        provider.seed([lab_user("fay", groups=["nlp-lab", "lab-admins"])])
+        provider.seed(
+            [
+                lab_user(
+                    "fay",
+                    groups=["nlp-lab", "lab-admins"],
+                    uid=20002,
+                    gid=20002,
+                    gids=[20002, 3001],
+                )
+            ]
+        )
         runs = [start_refresh(stack), start_refresh(stack)]
         counts = [finish(run) for run in runs]
         assert sum(c["changed"] for c in counts) == 1, counts
         assert sum(c["deactivated"] for c in counts) == 0, counts
         assert account("fay")["groups"] == {"nlp": False}
         assert account("fay")["staff"] is True
+        assert account("fay")["unix"] == ("fay", 20002, 20002, [3001])
         assert account("fay")["active"] is True
         assert sessions_of("fay") == 1
         page.goto(f"{stack.base_url}/")
