@@ -52,9 +52,9 @@ class ProviderDown(Exception):
 
 def refresh_oidc_users() -> dict[str, int]:
     """Refresh every active OpenID Connect user (``Profile.directory`` "oidc") who
-    has a refresh token; counts
-    of ``checked``, ``changed``, ``deactivated``, ``busy`` (being refreshed by
-    another run), ``failed`` (left as they were, logged)."""
+    has a refresh token; counts of ``checked``, ``changed``, ``deactivated``,
+    ``busy`` (being refreshed by another run), ``failed`` (left as they were,
+    logged)."""
     counts = {"checked": 0, "changed": 0, "deactivated": 0, "busy": 0, "failed": 0}
     ids = list(
         # Only accounts kept in step with the provider now: one that signed in
@@ -143,6 +143,14 @@ def _refresh_one(pk: int, found: Provider, backend: OIDCBackend) -> str:
         except (ClaimError, IdentityRefused, SuspiciousOperation) as exc:
             log.error("oidc refresh: %s left as they are: %s", user.username, exc)
             link.refresh_error = str(exc)
+            link.save(update_fields=["refresh_error"])
+            return "failed"
+        except Exception as exc:
+            # Anything else (a token the JWT library refuses, a database error in
+            # the savepoint): logged, and the new refresh token still committed,
+            # since the provider has spent the old one.
+            log.exception("oidc refresh: %s left as they are", user.username)
+            link.refresh_error = f"{type(exc).__name__}: {exc}"[:1000]
             link.save(update_fields=["refresh_error"])
             return "failed"
     if down is not None:

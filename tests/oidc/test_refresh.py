@@ -231,3 +231,20 @@ def test_an_account_that_signed_in_through_ldap_since_is_left_to_ldap(
     assert refresh_oidc_users()["checked"] == 0
     assert idp.posts == []
     assert state(fay)["active"] is True
+
+
+def test_an_unusable_answer_keeps_the_new_token_and_the_user(
+    idp: type[_Provider], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A rotated refresh token with an ID token that is not a JWT: the user is
+    # left as they are, the new token kept (the provider spent the old one).
+    idp.token = (
+        200,
+        b'{"access_token": "at", "refresh_token": "rt-fay-1", "id_token": "x.y.z"}',
+    )
+    fay = oidc_user("fay")
+    with caplog.at_level(logging.ERROR, logger="portal.oidc.refresh"):
+        assert refresh_oidc_users()["failed"] == 1
+    assert "fay left as they are" in caplog.text
+    assert state(fay) == {"active": True, "token": "rt-fay-1", "api_tokens_live": 0}
+    assert OidcIdentity.objects.get(user=fay).refresh_error
