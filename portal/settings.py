@@ -476,6 +476,12 @@ GPULAB_IDLE_THRESHOLD = envfloat("GPULAB_IDLE_THRESHOLD", 5.0, minimum=0)
 GPULAB_IDLE_WINDOW = envint("GPULAB_IDLE_WINDOW", 1800, minimum=1)
 GPULAB_IDLE_CANCEL_GRACE = envint("GPULAB_IDLE_CANCEL_GRACE", 1800, minimum=0)
 GPULAB_IDLE_CHECK_INTERVAL = envfloat("GPULAB_IDLE_CHECK_INTERVAL", 60.0, minimum=1)
+# Interactive jobs (docs/interactive.md) count a person's use through the portal
+# (notebook requests, terminal keystrokes) as activity beside their GPU's; each web
+# process records a job's use at most once per this many seconds.
+GPULAB_INTERACTIVE_ACTIVITY_RESOLUTION = envfloat(
+    "GPULAB_INTERACTIVE_ACTIVITY_RESOLUTION", 30.0, minimum=1
+)
 CELERY_BEAT_SCHEDULE["idle-check"] = {
     "task": "portal.idle.tasks.check_idle",
     "schedule": GPULAB_IDLE_CHECK_INTERVAL,
