@@ -439,6 +439,17 @@ LOGGING = {
 # ``slowdown_cap`` of None means unbounded (best-effort shares with anyone who gains).
 # The policy's part of each class (weight, slowdown_cap, preemptible) is
 # scheduler.policy.DEFAULT_CLASSES; the portal adds its limits and idle action.
+# An interactive job whose GPU is idle and that nobody has used through the portal
+# (notebook requests, terminal keystrokes: portal/idle/activity.py) for
+# GPULAB_INTERACTIVE_IDLE_TIMEOUT seconds is ended; its owner is warned (job page,
+# notification) GPULAB_INTERACTIVE_IDLE_WARNING seconds before.
+_INTERACTIVE_IDLE_TIMEOUT = envint("GPULAB_INTERACTIVE_IDLE_TIMEOUT", 1800, minimum=60)
+_INTERACTIVE_IDLE_WARNING = envint("GPULAB_INTERACTIVE_IDLE_WARNING", 300, minimum=0)
+if _INTERACTIVE_IDLE_WARNING >= _INTERACTIVE_IDLE_TIMEOUT:
+    raise ImproperlyConfigured(
+        f"GPULAB_INTERACTIVE_IDLE_WARNING={_INTERACTIVE_IDLE_WARNING} must be less "
+        f"than GPULAB_INTERACTIVE_IDLE_TIMEOUT={_INTERACTIVE_IDLE_TIMEOUT}"
+    )
 _CLASS_PORTAL_FIELDS: dict[str, dict[str, Any]] = {
     "high": {
         "default_time_limit": 24 * 3600,
@@ -456,11 +467,13 @@ _CLASS_PORTAL_FIELDS: dict[str, dict[str, Any]] = {
         "idle_action": "cancel",
     },
     # Interactive jobs (docs/interactive.md): short limits, like Slurm's
-    # interactive partitions; idle culling is the interactive jobs' own rule.
+    # interactive partitions; culled when idle (below).
     "interactive": {
         "default_time_limit": 2 * 3600,
         "max_time_limit": 12 * 3600,
-        "idle_action": "notify",
+        "idle_action": "cancel",
+        "idle_window": _INTERACTIVE_IDLE_TIMEOUT - _INTERACTIVE_IDLE_WARNING,
+        "idle_grace": _INTERACTIVE_IDLE_WARNING,
     },
 }
 GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
