@@ -441,6 +441,17 @@ LOGGING = {
 # ``slowdown_cap`` of None means unbounded (best-effort shares with anyone who gains).
 # The policy's part of each class (weight, slowdown_cap, preemptible) is
 # scheduler.policy.DEFAULT_CLASSES; the portal adds its limits and idle action.
+# An interactive job whose GPU is idle and that nobody has used through the portal
+# (notebook requests, terminal keystrokes: portal/idle/activity.py) for
+# GPULAB_INTERACTIVE_IDLE_TIMEOUT seconds is ended; its owner is warned (job page,
+# notification) GPULAB_INTERACTIVE_IDLE_WARNING seconds before.
+_INTERACTIVE_IDLE_TIMEOUT = envint("GPULAB_INTERACTIVE_IDLE_TIMEOUT", 1800, minimum=60)
+_INTERACTIVE_IDLE_WARNING = envint("GPULAB_INTERACTIVE_IDLE_WARNING", 300, minimum=0)
+if _INTERACTIVE_IDLE_WARNING >= _INTERACTIVE_IDLE_TIMEOUT:
+    raise ImproperlyConfigured(
+        f"GPULAB_INTERACTIVE_IDLE_WARNING={_INTERACTIVE_IDLE_WARNING} must be less "
+        f"than GPULAB_INTERACTIVE_IDLE_TIMEOUT={_INTERACTIVE_IDLE_TIMEOUT}"
+    )
 _CLASS_PORTAL_FIELDS: dict[str, dict[str, Any]] = {
     "high": {
         "default_time_limit": 24 * 3600,
@@ -457,12 +468,22 @@ _CLASS_PORTAL_FIELDS: dict[str, dict[str, Any]] = {
         "max_time_limit": 14 * 24 * 3600,
         "idle_action": "cancel",
     },
+    # Interactive jobs (docs/interactive.md): short limits, like Slurm's
+    # interactive partitions; culled when idle (below).
+    "interactive": {
+        "default_time_limit": 2 * 3600,
+        "max_time_limit": 12 * 3600,
+        "idle_action": "cancel",
+        "idle_window": _INTERACTIVE_IDLE_TIMEOUT - _INTERACTIVE_IDLE_WARNING,
+        "idle_grace": _INTERACTIVE_IDLE_WARNING,
+    },
 }
 GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
     name: {
         "weight": spec.weight,
         "slowdown_cap": spec.slowdown_cap,
         "preemptible": spec.preemptible,
+        "interactive": spec.interactive,
         **_CLASS_PORTAL_FIELDS[name],
     }
     for name, spec in DEFAULT_CLASSES.items()
@@ -478,6 +499,12 @@ GPULAB_IDLE_THRESHOLD = envfloat("GPULAB_IDLE_THRESHOLD", 5.0, minimum=0)
 GPULAB_IDLE_WINDOW = envint("GPULAB_IDLE_WINDOW", 1800, minimum=1)
 GPULAB_IDLE_CANCEL_GRACE = envint("GPULAB_IDLE_CANCEL_GRACE", 1800, minimum=0)
 GPULAB_IDLE_CHECK_INTERVAL = envfloat("GPULAB_IDLE_CHECK_INTERVAL", 60.0, minimum=1)
+# Interactive jobs (docs/interactive.md) count a person's use through the portal
+# (notebook requests, terminal keystrokes) as activity beside their GPU's; each web
+# process records a job's use at most once per this many seconds.
+GPULAB_INTERACTIVE_ACTIVITY_RESOLUTION = envfloat(
+    "GPULAB_INTERACTIVE_ACTIVITY_RESOLUTION", 30.0, minimum=1
+)
 CELERY_BEAT_SCHEDULE["idle-check"] = {
     "task": "portal.idle.tasks.check_idle",
     "schedule": GPULAB_IDLE_CHECK_INTERVAL,
@@ -603,12 +630,13 @@ GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximu
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
 # Each feature's settings live in a module of their own (read from the environment
 # the same way): the lab's directory (LDAP and the group mapping), what a job
-# request may ask for, the limits on what one request may cost, /metrics, the
-# CLI's sign-in through the browser, OpenID Connect sign-in (after the directory's:
-# it adds to its AUTHENTICATION_BACKENDS).
+# request may ask for, interactive jobs, the limits on what one request may cost,
+# /metrics, the CLI's sign-in through the browser, OpenID Connect sign-in (after
+# the directory's: it adds to its AUTHENTICATION_BACKENDS).
 from portal.settings_device import *  # noqa: E402,F403
 from portal.settings_directory import *  # noqa: E402,F403
 from portal.settings_input import *  # noqa: E402,F403
+from portal.settings_interactive import *  # noqa: E402,F403
 from portal.settings_limits import *  # noqa: E402,F403
 from portal.settings_metrics import *  # noqa: E402,F403
 from portal.settings_oidc import *  # noqa: E402,F403

@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from portal.idle import evidence
+from portal.idle import activity, evidence
 from portal.idle.models import IdleFlag
 from portal.idle.rules import IdleRule, all_rules, rule_for
 from portal.notifications.models import Kind
@@ -106,6 +106,8 @@ class AttemptReading:
     started_at: datetime
     priority_class: str
     gpus: list[GpuReading] = field(default_factory=list)
+    # A person's last use through the portal (``portal.idle.activity``).
+    used_at: datetime | None = None
 
     def idle_since(
         self, rule: IdleRule, now: datetime, max_gap: timedelta
@@ -121,10 +123,17 @@ class AttemptReading:
             if g.run_start > start:
                 return None
             runs.append(g.run_start)
+        if self.used_at is not None:
+            if self.used_at > start:
+                return None  # used within the window
+            runs.append(self.used_at)
         return max(runs)
 
     def last_active_at(self) -> datetime | None:
+        """The GPU's last active sample or the last use through the portal."""
         times = [g.last_active_at for g in self.gpus if g.last_active_at]
+        if self.used_at is not None:
+            times.append(self.used_at)
         return max(times) if times else None
 
 
@@ -161,6 +170,9 @@ def readings(now: datetime, rules: dict[str, IdleRule]) -> dict[int, AttemptRead
                     None if mem is None else int(mem),
                 )
             )  # fmt: skip
+    used = activity.last_used([r.job_id for r in out.values()])
+    for reading in out.values():
+        reading.used_at = used.get(reading.job_id)
     return out
 
 
@@ -230,11 +242,16 @@ def _describe(reading: AttemptReading, rule: IdleRule, since: datetime) -> str:
     util_max, util_mean, mem = _figures(reading)
     held = f", holding {mem:,} MiB of GPU memory" if mem else ""
     gpus = len(reading.gpus)
+    used = (
+        f"; last used through the portal at {reading.used_at:%Y-%m-%d %H:%M:%S %Z}"
+        if reading.used_at is not None
+        else ""
+    )
     return (
         f"idle since {since:%Y-%m-%d %H:%M:%S %Z}: its processes used at most "
         f"{util_max:.1f} % SM (mean {util_mean:.1f} %) on its "
         f"{gpus} GPU{'s' if gpus != 1 else ''}{held}; threshold {rule.threshold:g} %"
-        f" for {timedelta(seconds=rule.window_s)}"
+        f" for {timedelta(seconds=rule.window_s)}{used}"
     )
 
 

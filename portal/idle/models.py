@@ -59,3 +59,21 @@ class IdleFlag(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} idle since {self.since:%Y-%m-%d %H:%M}"
+
+
+class Activity(models.Model):
+    """When a person last used a running job through the portal: a request or a
+    websocket message to its JupyterLab, a keystroke in one of its terminals.
+
+    The idle check counts it as activity beside the GPU's own (an interactive job
+    whose notebook is being read is not idle even when its GPU is). One row per
+    job, moved forward only (``portal.idle.activity.touch``); deleted with the job.
+    """
+
+    job = models.OneToOneField(
+        Job, on_delete=models.CASCADE, primary_key=True, related_name="activity"
+    )
+    at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} used at {self.at:%Y-%m-%d %H:%M:%S}"

@@ -37,6 +37,19 @@ ROOT = Path(__file__).resolve().parents[2]
             "GPULAB_IDLE_WINDOW=15 must be at least twice GPULAB_METRICS_PERSIST_INTERVAL",
         ),
         (
+            {"GPULAB_INTERACTIVE_IDLE_WARNING": "1800"},
+            "GPULAB_INTERACTIVE_IDLE_WARNING=1800 must be less than "
+            "GPULAB_INTERACTIVE_IDLE_TIMEOUT=1800",
+        ),
+        (
+            # The warning leaves a window too short to hold two samples.
+            {
+                "GPULAB_INTERACTIVE_IDLE_TIMEOUT": "60",
+                "GPULAB_INTERACTIVE_IDLE_WARNING": "50",
+            },
+            "GPULAB_PRIORITY_CLASSES['interactive']['idle_window']=10 must be at least twice",
+        ),
+        (
             {"GPULAB_WEBHOOK_TIMEOUT": "0"},
             "GPULAB_WEBHOOK_TIMEOUT=0.0 must be at least",
         ),
@@ -65,3 +78,12 @@ def test_a_bad_setting_stops_the_start_naming_it(
     assert proc.returncode != 0
     assert "ImproperlyConfigured" in proc.stderr
     assert message in proc.stderr
+
+
+def test_interactive_jobs_are_culled_after_the_timeout_with_a_warning_before() -> None:
+    """The interactive class's idle rule: flagged (the warning) after the timeout
+    less the warning, cancelled the warning later."""
+    from portal.idle.rules import all_rules
+
+    rule = all_rules()["interactive"]
+    assert (rule.action, rule.window_s, rule.grace_s) == ("cancel", 1500, 300)
