@@ -345,6 +345,9 @@ class TerminalOutputData(_Model):
     job_id: PosInt
     data: Annotated[str, Field(max_length=MAX_TERMINAL_CHARS)]
     replay: bool = False
+    # This terminal's output frames counted by the agent (1, 2, ...): a viewer
+    # that sees a gap knows output was lost on the way (a full channel).
+    n: NonNegInt = 0
 
 
 class TerminalExitData(_Model):

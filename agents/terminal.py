@@ -83,6 +83,7 @@ class Terminal:
     scrollback: bytearray = field(default_factory=bytearray)
     pending: bytearray = field(default_factory=bytearray)
     dropped: int = 0  # bytes dropped from ``pending`` since the last frame
+    frames: int = 0  # output frames sent (their ``n``)
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
     )
@@ -350,9 +351,11 @@ class Terminals:
                 job_id=term.job_id,
                 data=text[start : start + step],
                 replay=replay and start == 0,
+                n=term.frames + 1,
             )
             if not self.send(p.TerminalOutput, frame):
                 return False
+            term.frames += 1
         return True
 
     def _replay(self, term: Terminal) -> None:
