@@ -443,7 +443,8 @@ def _login_shell(uid: int | None) -> str:
 
 
 def session_members(sid: int) -> list[int]:
-    """Pids of the processes in session ``sid`` (from /proc)."""
+    """Pids of the live processes in session ``sid`` (from /proc; zombies,
+    already dead, are left out)."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -452,7 +453,7 @@ def session_members(sid: int) -> list[int]:
             continue
         # pid (comm) state ppid pgrp session ...; comm may hold spaces or ")".
         rest = text[text.rindex(")") + 2 :].split()
-        if int(rest[3]) == sid:
+        if int(rest[3]) == sid and rest[0] != "Z":
             members.append(int(stat.parent.name))
     return members
 
