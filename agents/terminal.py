@@ -62,7 +62,7 @@ SCROLLBACK_BYTES = 64 * 1024
 # After the hang-up, what is left of the terminal's session is killed.
 HANGUP_GRACE_S = 2.0
 # Terminals one attempt may hold at once.
-MAX_PER_ATTEMPT = 32
+MAX_PER_ATTEMPT = 64
 READ_BYTES = 64 * 1024
 # Shells that refuse a login: such an account's terminal gets /bin/sh (the job
 # already runs arbitrary commands as the account, a shell grants nothing more).
