@@ -11,8 +11,8 @@ by its agent: ``agents.terminal``). The relay:
   (``events.terminal_group``), which this consumer joined.
 
 Who: the job's owner (a browser session, or ``Authorization: Bearer <API token>``
-for ``gpulab shell``); staff only with the ``scheduler.access_interactive``
-permission. Anyone else, an unknown job, or no sign-in: the socket is closed
+for ``gpulab shell``); staff only with the ``scheduler.open_any_interactive``
+permission, each opening recorded as a job event. Anyone else, an unknown job, or no sign-in: the socket is closed
 with ``CLOSE_NOT_FOUND`` before any data (the same for a job that does not
 exist, so nothing is learnt). The job must be an interactive job that runs.
 
@@ -57,7 +57,7 @@ from redis.exceptions import RedisError
 from agents import protocol
 from portal.api.auth import user_for_token
 from scheduler import events
-from scheduler.models import Attempt, Job
+from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -75,7 +75,7 @@ CLOSE_BAD_OPEN = 4400
 # Most characters one viewer message may hold (a paste).
 MAX_MESSAGE_CHARS = protocol.MAX_TERMINAL_CHARS
 # The permission that lets staff open another user's interactive job.
-ACCESS_PERMISSION = "scheduler.access_interactive"
+ACCESS_PERMISSION = "scheduler.open_any_interactive"
 SKIPPED = "\r\n[gpulab: output skipped: the connection could not keep up]\r\n"
 
 
@@ -142,7 +142,7 @@ def _target(
         user.is_staff and user.has_perm(ACCESS_PERMISSION)
     ):
         return None, None, False
-    if not getattr(job, "interactive", ""):
+    if not job.interactive:
         return None, f"job {job_id} is not an interactive job", True
     if job.status != Job.Status.RUNNING:
         return None, f"job {job_id} is {job.status}, not running", True
@@ -153,6 +153,13 @@ def _target(
     )
     if attempt is None:
         return None, f"job {job_id} has no running attempt", True
+    if job.owner_id != user.pk:
+        JobEvent.objects.create(
+            job=job,
+            source=JobEvent.Source.USER,
+            actor=user,
+            message=f"terminal opened by {user.get_username()} (staff)",
+        )
     return Target(job_id, attempt["pk"], attempt["node_id"]), None, True
 
 
