@@ -329,6 +329,9 @@ class TerminalOpenData(_Model):
     job_id: PosInt
     cols: TerminalSize = 80
     rows: TerminalSize = 24
+    # Who attaches (the portal's name for one viewer's socket): an open sent
+    # again by the same viewer attaches it once.
+    viewer: Annotated[str, Field(max_length=64)] = ""
     command: (
         Annotated[str, Field(min_length=1, max_length=MAX_COMMAND_CHARS)] | None
     ) = None
@@ -351,6 +354,7 @@ class TerminalCloseData(_Model):
 
     terminal_id: TerminalId
     detach: bool = False
+    viewer: Annotated[str, Field(max_length=64)] = ""
 
 
 class TerminalOutputData(_Model):

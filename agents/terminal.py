@@ -78,7 +78,7 @@ class Terminal:
     job_id: int
     proc: subprocess.Popen[bytes]
     fd: int  # the PTY's master side, non-blocking
-    viewers: int = 1
+    viewers: set[str] = field(default_factory=set)
     detached_at: float | None = None  # monotonic, while no viewer is attached
     scrollback: bytearray = field(default_factory=bytearray)
     pending: bytearray = field(default_factory=bytearray)
@@ -127,7 +127,7 @@ class Terminals:
             if known.attempt_id != data.attempt_id or known.kill_at is not None:
                 self._exit_frame(data, None, "this terminal is not open")
                 return
-            known.viewers += 1
+            known.viewers.add(data.viewer)
             known.detached_at = None
             self._set_size(known.fd, data.cols, data.rows)
             self._flush(known)  # what was waiting goes first, then the replay
@@ -152,6 +152,7 @@ class Terminals:
             log.info("terminal %s: not started: %s", data.terminal_id, exc)
             self._exit_frame(data, None, str(exc))
             return
+        term.viewers.add(data.viewer)
         self.by_id[data.terminal_id] = term
         asyncio.get_running_loop().add_reader(term.fd, self._readable, term)
         log.info(
@@ -189,8 +190,8 @@ class Terminals:
         if not data.detach:
             self._hang_up(term, "closed by the user")
             return
-        term.viewers = max(0, term.viewers - 1)
-        if term.viewers == 0:
+        term.viewers.discard(data.viewer)
+        if not term.viewers:
             term.detached_at = time.monotonic()
             log.info(
                 "terminal %s: detached (kept %g s)", term.terminal_id, self.linger_s
@@ -303,7 +304,7 @@ class Terminals:
             self._eof(term)
             return
         self._keep(term, chunk)
-        if term.viewers == 0:
+        if not term.viewers:
             return  # kept in the scrollback only: replayed on attaching
         term.pending += chunk
         if len(term.pending) > PENDING_MAX:

@@ -40,7 +40,9 @@ marker line saying output was skipped.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -76,6 +78,10 @@ CLOSE_BAD_OPEN = 4400
 MAX_MESSAGE_CHARS = protocol.MAX_TERMINAL_CHARS
 # The permission that lets staff open another user's interactive job.
 ACCESS_PERMISSION = "scheduler.open_any_interactive"
+# An open not answered (no output, no exit) within this is sent again: the
+# node's agent may be reconnecting (the web process it was on restarting).
+OPEN_RETRY_S = 1.0
+OPEN_TRIES = 30
 SKIPPED = "\r\n[gpulab: output skipped: the connection could not keep up]\r\n"
 
 
@@ -171,6 +177,9 @@ class TerminalConsumer(AsyncWebsocketConsumer):
     group: str | None = None
     last_n: int | None = None
     ended: bool = False
+    viewer: str = ""
+    answered: bool = False
+    retry: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
@@ -186,6 +195,8 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         self.target = target
 
     async def disconnect(self, code: int) -> None:
+        if self.retry is not None:
+            self.retry.cancel()
         if self.group is not None:
             try:
                 await self.channel_layer.group_discard(self.group, self.channel_name)
@@ -193,7 +204,9 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                     await self._to_agent(
                         protocol.TerminalClose,
                         protocol.TerminalCloseData(
-                            terminal_id=self.terminal_id, detach=True
+                            terminal_id=self.terminal_id,
+                            detach=True,
+                            viewer=self.viewer,
                         ),
                     )
             except (RedisError, OSError) as exc:
@@ -265,12 +278,14 @@ class TerminalConsumer(AsyncWebsocketConsumer):
             )
             await self.close(code=CLOSE_NOT_RUNNING)
             return
+        self.viewer = secrets.token_urlsafe(12)
         data = protocol.TerminalOpenData(
             terminal_id=terminal_id,
             attempt_id=self.target.attempt_id,
             job_id=self.target.job_id,
             cols=message.get("cols", 80),
             rows=message.get("rows", 24),
+            viewer=self.viewer,
             command=message.get("command"),
         )
         self.terminal_id = terminal_id
@@ -279,6 +294,26 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self._send({"type": "opened", "terminal": terminal_id})
         await self._to_agent(protocol.TerminalOpen, data)
+        self.retry = asyncio.create_task(self._open_again(data))
+
+    async def _open_again(self, data: protocol.TerminalOpenData) -> None:
+        """Send the open again until the agent answers (its first output or the
+        terminal's end): a viewer attaching while the node's agent reconnects
+        (after a web process restart) must not wait on a lost frame. The agent
+        attaches one viewer once, whatever the repeats."""
+        for _ in range(OPEN_TRIES):
+            await asyncio.sleep(OPEN_RETRY_S)
+            if self.answered or self.ended:
+                return
+            with contextlib.suppress(RedisError, OSError):
+                await self._to_agent(protocol.TerminalOpen, data)
+        if not self.answered:
+            await self.terminal_exit(
+                {
+                    "code": None,
+                    "message": "the job's node does not answer; try again later",
+                }
+            )
 
     async def _to_agent(self, model: type[protocol._Envelope], data: Any) -> None:
         assert self.target is not None
@@ -293,6 +328,7 @@ class TerminalConsumer(AsyncWebsocketConsumer):
     # ------------------------------------------------------------ from the agent
 
     async def terminal_output(self, event: dict[str, Any]) -> None:
+        self.answered = True
         n = int(event.get("n", 0))
         data = event["data"]
         if event.get("replay"):
@@ -305,6 +341,7 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         )
 
     async def terminal_exit(self, event: dict[str, Any]) -> None:
+        self.answered = True
         self.ended = True
         await self._send(
             {"type": "exit", "code": event["code"], "message": event["message"]}

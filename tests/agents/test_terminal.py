@@ -248,7 +248,7 @@ async def test_attaching_again_replays_the_scrollback_and_continues(
         await await_until(lambda: "before-5" in output(portal, term))
         await portal.send("terminal.close", {"terminal_id": term, "detach": True})
         # Output while nobody watches goes to the scrollback only.
-        await await_until(lambda: agent.terminals.by_id[term].viewers == 0)
+        await await_until(lambda: not agent.terminals.by_id[term].viewers)
         await type_(portal, term, "echo while-away-$((3+4))\r")
         await await_until(
             lambda: b"while-away-7" in agent.terminals.by_id[term].scrollback
