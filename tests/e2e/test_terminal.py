@@ -293,8 +293,12 @@ def test_the_job_page_terminal_survives_a_web_process_restart(
 
         # The web process goes (the agent's link and the page's socket with
         # it); the page reconnects to the new one and attaches to the same
-        # shell, which redraws what it showed and still has its variable.
+        # shell, which still has its variable. Reloaded, the page starts with
+        # an empty screen: what it shows again is the agent's replay.
         stack.restart_web("web-2")
+        expect(box).to_have_attribute("data-state", "connected", timeout=60_000)
+        page.reload()
+        box = page.get_by_test_id("job-terminal")
         expect(box).to_have_attribute("data-state", "connected", timeout=60_000)
         page.wait_for_function(
             "() => [...Array(window.gpulabTerminal.buffer.active.length).keys()]"
