@@ -48,6 +48,7 @@ import hmac
 import json
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ from agents import protocol
 from portal.api.auth import user_for_token
 from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
+from scheduler.throttle import TokenBucket
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -82,6 +84,12 @@ ACCESS_PERMISSION = "scheduler.open_any_interactive"
 # node's agent may be reconnecting (the web process it was on restarting).
 OPEN_RETRY_S = 1.0
 OPEN_TRIES = 30
+# What one viewer may send: messages a second (a burst of BURST_S seconds' worth)
+# and characters a second. Past it, messages are dropped with an error, so that
+# a flood cannot fill the node's agent channel (its launches and kills go there).
+MAX_MESSAGES_PER_S = 200.0
+MAX_CHARS_PER_S = 256 * 1024.0
+BURST_S = 2.0
 SKIPPED = "\r\n[gpulab: output skipped: the connection could not keep up]\r\n"
 
 
@@ -180,6 +188,14 @@ class TerminalConsumer(AsyncWebsocketConsumer):
     viewer: str = ""
     answered: bool = False
     retry: asyncio.Task[None] | None = None
+    messages: TokenBucket | None = None
+    chars: TokenBucket | None = None
+    refused: int = 0
+
+    @staticmethod
+    def _now() -> float:
+        """The input allowance's clock."""
+        return time.monotonic()
 
     async def connect(self) -> None:
         job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
@@ -193,6 +209,8 @@ class TerminalConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_NOT_RUNNING)
             return
         self.target = target
+        self.messages = TokenBucket(MAX_MESSAGES_PER_S, BURST_S, clock=self._now)
+        self.chars = TokenBucket(MAX_CHARS_PER_S, BURST_S, clock=self._now)
 
     async def disconnect(self, code: int) -> None:
         if self.retry is not None:
@@ -220,6 +238,15 @@ class TerminalConsumer(AsyncWebsocketConsumer):
         raw = text_data if text_data is not None else (bytes_data or b"").decode()
         if len(raw) > MAX_MESSAGE_CHARS + 256:
             await self._error(f"message of {len(raw)} characters is too long")
+            return
+        assert self.messages is not None and self.chars is not None
+        if not (self.messages.take() and self.chars.take(len(raw))):
+            self.refused += 1
+            if self.refused == 1 or self.refused % 100 == 0:
+                await self._error(
+                    f"over {MAX_MESSAGES_PER_S:g} messages or"
+                    f" {int(MAX_CHARS_PER_S)} characters a second: input dropped"
+                )
             return
         try:
             message = json.loads(raw)
