@@ -36,7 +36,7 @@ SHELL_FIELDS = {
 }
 # How often the job's state is read while it waits.
 POLL_S = 0.5
-ENDED = frozenset({"completed", "failed", "cancelled", "timeout", "lost"})
+ENDED = frozenset({"completed", "failed", "cancelled", "timeout"})
 
 
 def _say(text: str) -> None:
@@ -52,14 +52,19 @@ def wait_running(api: Api, job_id: int, *, quiet: bool) -> dict[str, Any]:
         if state == "running":
             return job
         if state in ENDED:
-            reason = job.get("reason") or job.get("message") or ""
+            reason = job.get("end_reason") or ""
             raise CliError(
                 Exit.SERVER,
                 f"job {job_id} is {state}" + (f": {reason}" if reason else ""),
             )
-        if state != shown and not quiet:
-            _say(f"job {job_id} is {state}; waiting for it to start (Ctrl-C: stop)")
-            shown = state
+        why = job.get("reason_message") or ""
+        if f"{state} {why}" != shown and not quiet:
+            _say(
+                f"job {job_id} is {state}"
+                + (f" ({why})" if why else "")
+                + "; waiting for it to start (Ctrl-C: stop)"
+            )
+            shown = f"{state} {why}"
         time.sleep(POLL_S)
 
 
