@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
 import signal
 import subprocess
 import uuid
@@ -310,3 +311,39 @@ async def test_bad_terminal_frames_are_refused_and_change_nothing(
         # Input for no terminal is ignored; the agent goes on.
         await type_(portal, tid(), "echo nothing\r")
         assert agent.terminals.by_id == {}
+
+
+async def test_output_the_link_cannot_take_is_bounded_and_marked(
+    portal: Portal, tmp_path: Path, account: pwd.struct_passwd
+) -> None:
+    from agents.terminal import PENDING_MAX
+
+    agent = make_agent(portal.url, tmp_path / "state")
+    async with running(agent):
+        await await_until(lambda: portal.of("hello"))
+        job = await start_job(portal, tmp_path, account, 47)
+        term = tid()
+        await open_terminal(portal, job, term)
+        await await_until(lambda: output(portal, term))
+        # The link is congested: nothing goes out, the output waits (bounded).
+        send = agent.terminals.send
+        agent.terminals.send = lambda cls, data: False
+        seen = len(portal.of("terminal.output", terminal_id=term))
+        await type_(
+            portal, term, "head -c 700000 /dev/zero | tr '\\0' x; echo end-$((1+1))\r"
+        )
+        await await_until(
+            lambda: b"end-2" in agent.terminals.by_id[term].scrollback, timeout=30
+        )
+        assert len(agent.terminals.by_id[term].pending) <= PENDING_MAX
+        agent.terminals.send = send
+        await await_until(lambda: "end-2" in output(portal, term), timeout=30)
+        after = "".join(
+            f["data"]["data"]
+            for f in portal.of("terminal.output", terminal_id=term)[seen:]
+        )
+        skipped = re.search(r"\[gpulab: (\d+) bytes of output skipped\]", after)
+        assert skipped is not None
+        assert int(skipped.group(1)) >= 700_000 - PENDING_MAX
+        assert len(after) < PENDING_MAX + 1000
+        assert "x" * 1000 in after  # what was kept is the newest output
