@@ -11,8 +11,9 @@ by its agent: ``agents.terminal``). The relay:
   (``events.terminal_group``), which this consumer joined.
 
 Who: the job's owner (a browser session, or ``Authorization: Bearer <API token>``
-for ``gpulab shell``); staff only with the ``scheduler.open_any_interactive``
-permission, each opening recorded as a job event. Anyone else, an unknown job, or no sign-in: the socket is closed
+for ``gpulab shell``); anyone else only with the
+``scheduler.open_any_interactive`` permission (staff), each opening recorded as
+a job event. Anyone else, an unknown job, or no sign-in: the socket is closed
 with ``CLOSE_NOT_FOUND`` before any data (the same for a job that does not
 exist, so nothing is learnt). The job must be an interactive job that runs.
 
@@ -152,9 +153,7 @@ def _target(
     job = Job.objects.filter(pk=job_id).first()
     if job is None:
         return None, None, False
-    if job.owner_id != user.pk and not (
-        user.is_staff and user.has_perm(ACCESS_PERMISSION)
-    ):
+    if job.owner_id != user.pk and not user.has_perm(ACCESS_PERMISSION):
         return None, None, False
     if not job.interactive:
         return None, f"job {job_id} is not an interactive job", True

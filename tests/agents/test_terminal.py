@@ -131,6 +131,8 @@ async def test_a_terminal_runs_the_login_shell_as_the_jobs_account(
             line[0].split()[-1],
         ]
         assert line[0].split()[-1].startswith("tty=/dev/pts/")
+        # Its processes count as the job's in the GPU samples.
+        assert agent._owner_lookup()(agent.terminals.by_id[term].pid) == 41
 
         # A resize reaches the PTY.
         await portal.send(

@@ -315,5 +315,22 @@ def test_the_job_page_terminal_survives_a_web_process_restart(
             ".translateToString(true).includes('again=kept'))",
             timeout=60_000,
         )
-        assert not errors
         assert re.search(r"again=kept", screen(page))
+
+        # The shell's end is shown; New terminal starts another one.
+        page.keyboard.type("exit 6")
+        page.keyboard.press("Enter")
+        expect(box).to_have_attribute("data-state", "ended", timeout=60_000)
+        assert "[terminal ended (exit status 6)]" in screen(page)
+        page.get_by_role("button", name="New terminal").click()
+        expect(box).to_have_attribute("data-state", "connected", timeout=60_000)
+        page.locator(".xterm").click()
+        page.keyboard.type('echo "fresh=${X:-unset}"')
+        page.keyboard.press("Enter")
+        page.wait_for_function(
+            "() => [...Array(window.gpulabTerminal.buffer.active.length).keys()]"
+            ".some(i => window.gpulabTerminal.buffer.active.getLine(i)"
+            ".translateToString(true).includes('fresh=unset'))",
+            timeout=60_000,
+        )
+        assert not errors
