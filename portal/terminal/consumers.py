@@ -88,6 +88,9 @@ OPEN_TRIES = 30
 # What one viewer may send: messages a second (a burst of BURST_S seconds' worth)
 # and characters a second. Past it, messages are dropped with an error, so that
 # a flood cannot fill the node's agent channel (its launches and kills go there).
+# Input typed before the agent answered the open waits here (it would reach an
+# agent that does not know the terminal yet), up to this many characters.
+MAX_HELD_CHARS = 64 * 1024
 MAX_MESSAGES_PER_S = 200.0
 MAX_CHARS_PER_S = 256 * 1024.0
 BURST_S = 2.0
@@ -190,6 +193,7 @@ class TerminalConsumer(AsyncWebsocketConsumer):
     messages: TokenBucket | None = None
     chars: TokenBucket | None = None
     refused: int = 0
+    held: list[str]
 
     @staticmethod
     def _now() -> float:
@@ -261,12 +265,15 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                     return
                 await self._open(message)
             elif kind == "input":
-                await self._to_agent(
-                    protocol.TerminalInput,
-                    protocol.TerminalInputData(
-                        terminal_id=self.terminal_id, data=message["data"]
-                    ),
+                data = protocol.TerminalInputData(
+                    terminal_id=self.terminal_id, data=message["data"]
                 )
+                if self.answered:
+                    await self._to_agent(protocol.TerminalInput, data)
+                elif sum(map(len, self.held)) + len(data.data) <= MAX_HELD_CHARS:
+                    self.held.append(data.data)
+                else:
+                    await self._error("input dropped: the terminal is not open yet")
             elif kind == "resize":
                 await self._to_agent(
                     protocol.TerminalResize,
@@ -305,6 +312,7 @@ class TerminalConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_NOT_RUNNING)
             return
         self.viewer = secrets.token_urlsafe(12)
+        self.held = []
         data = protocol.TerminalOpenData(
             terminal_id=terminal_id,
             attempt_id=self.target.attempt_id,
@@ -353,8 +361,21 @@ class TerminalConsumer(AsyncWebsocketConsumer):
 
     # ------------------------------------------------------------ from the agent
 
-    async def terminal_output(self, event: dict[str, Any]) -> None:
+    async def _answered(self) -> None:
+        """The agent knows the terminal now: the input typed meanwhile goes."""
+        if self.answered:
+            return
         self.answered = True
+        held, self.held = self.held, []
+        if self.terminal_id is not None:
+            for text in held:
+                await self._to_agent(
+                    protocol.TerminalInput,
+                    protocol.TerminalInputData(terminal_id=self.terminal_id, data=text),
+                )
+
+    async def terminal_output(self, event: dict[str, Any]) -> None:
+        await self._answered()
         n = int(event.get("n", 0))
         data = event["data"]
         if event.get("replay"):

@@ -244,6 +244,13 @@ def test_gpulab_shell_is_a_remote_terminal(
     child.sendline("echo status=$?")
     child.expect("status=130")
     assert child.isalive()
+    # The web process restarts: gpulab reconnects to the same shell, and what
+    # was typed meanwhile reaches it.
+    child.sendline("SAME=yes; echo set-$((1+1))")
+    child.expect("set-2")
+    stack.restart_web("web-2")
+    child.sendline('echo "back=$((2*3)) same=$SAME"')
+    child.expect("back=6 same=yes")
     child.sendline("exit 5")
     child.expect(pexpect.EOF)
     child.close()

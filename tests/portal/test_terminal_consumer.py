@@ -105,6 +105,18 @@ async def test_it_relays_between_the_viewer_and_the_agent(alice: User) -> None:
     )
     assert (frame["data"]["cols"], frame["data"]["rows"]) == (100, 30)
 
+    # Typed before the agent answered: held (the agent may not know the
+    # terminal yet), then sent in order once it answers.
+    await comm.send_json_to({"type": "input", "data": "early\r"})
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(next_frame(agent), 0.5)
+    group = events.terminal_group(terminal_id)
+    layer = get_channel_layer()
+    await layer.group_send(
+        group, {"type": "terminal.output", "data": "$ ", "replay": False, "n": 1}
+    )
+    assert (await comm.receive_json_from(TIMEOUT))["data"] == "$ "
+    assert (await next_frame(agent))["data"]["data"] == "early\r"
     await comm.send_json_to({"type": "input", "data": "ls\r"})
     await comm.send_json_to({"type": "resize", "cols": 120, "rows": 40})
     assert (await next_frame(agent))["data"] == {
@@ -120,10 +132,8 @@ async def test_it_relays_between_the_viewer_and_the_agent(alice: User) -> None:
     assert "cols" in error["message"]
 
     # The agent's output comes back; a gap in its count is marked.
-    group = events.terminal_group(terminal_id)
-    layer = get_channel_layer()
     await layer.group_send(
-        group, {"type": "terminal.output", "data": "one", "replay": False, "n": 1}
+        group, {"type": "terminal.output", "data": "one", "replay": False, "n": 2}
     )
     assert await comm.receive_json_from(TIMEOUT) == {
         "type": "output",
@@ -194,8 +204,13 @@ async def test_a_flood_of_input_is_dropped_with_an_error(
     agent = await agent_listener(node_id)
     comm = await viewer(job.pk, await login(alice), GOOD_ORIGIN)
     await comm.send_json_to({"type": "open"})
-    await comm.receive_json_from(TIMEOUT)
+    opened = await comm.receive_json_from(TIMEOUT)
     await next_frame(agent, opens=True)
+    await get_channel_layer().group_send(
+        events.terminal_group(opened["terminal"]),
+        {"type": "terminal.output", "data": "$ ", "replay": False, "n": 1},
+    )
+    await comm.receive_json_from(TIMEOUT)
     burst = int(consumers.MAX_MESSAGES_PER_S * consumers.BURST_S)
     for _ in range(burst + 50):
         await comm.send_json_to({"type": "input", "data": "y"})
