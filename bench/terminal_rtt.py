@@ -14,17 +14,20 @@ and the machine's load. ``--with-load N`` runs N loaded terminals in the same
 job meanwhile.
 
 The load: N terminals, each running a shell loop that prints a line for every
-line typed; each gets one keystroke line a second. ``TerminalLoad`` runs it in
-a thread of its own, so another benchmark can start it beside its own work
-(the second form runs it alone against a running portal and prints what its
-own keystrokes saw).
+line typed; each gets one keystroke line a second. ``LoadProcess`` runs it
+(``TerminalLoad``) in a process of its own, the second form, so that another
+benchmark can start it beside its own work without sharing its GIL; it prints
+what its own lines saw.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_stack import fresh_database, loadavg, machine, pct, real_stack
 
 ECHO_PROGRAM = "exec cat"
-LOAD_PROGRAM = 'while read -r l; do echo "line $l $(date +%s%N)"; done'
+LOAD_PROGRAM = 'while read -r l; do echo "line $l done"; done'
 
 
 def ws_url(base_url: str, job_id: int) -> str:
@@ -98,9 +101,46 @@ async def round_trips(url: str, token: str, keys: int) -> list[float]:
         await ws.close()
 
 
+class LoadProcess:
+    """``TerminalLoad`` in a process of its own (this file's ``--load`` mode), so
+    that its clients do not share the GIL with the benchmark that starts it."""
+
+    def __init__(self, base_url: str, token: str, job_id: int, count: int) -> None:
+        self.argv = [
+            sys.executable, __file__, "--load", str(count), "--seconds", "86400",
+            "--url", base_url, "--token", token, "--job", str(job_id),
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 180) -> LoadProcess:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            if line.startswith("ready"):
+                return self
+            if time.monotonic() > deadline:
+                break
+        raise RuntimeError("terminal load did not start")
+
+    def stop(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        self.proc.send_signal(signal.SIGINT)
+        out = self.proc.stdout.read()
+        self.proc.wait(30)
+        for line in out.splitlines():
+            if line.startswith("load: "):
+                result: dict[str, Any] = json.loads(line[len("load: ") :])
+                return result
+        return {"error": out[-2000:]}
+
+
 class TerminalLoad:
     """``count`` terminals in job ``job_id``, each sent one line a second and
-    printing one line for it, in a thread of its own until ``stop``."""
+    printing one line for it, in a thread of its own until ``stop``
+    (``LoadProcess`` runs it in a process of its own)."""
 
     def __init__(self, base_url: str, token: str, job_id: int, count: int) -> None:
         self.url = ws_url(base_url, job_id)
@@ -212,9 +252,8 @@ def stack_run(args: argparse.Namespace) -> int:
             print(f"machine: {machine()}; load before: {loadavg()}")
             load = None
             if args.with_load:
-                load = TerminalLoad(
-                    stack.base_url, token, job_id, args.with_load
-                ).start()
+                load = LoadProcess(stack.base_url, token, job_id, args.with_load)
+                load.start()
                 print(f"{args.with_load} loaded terminals running")
             times = asyncio.run(
                 round_trips(ws_url(stack.base_url, job_id), token, args.keys)
@@ -227,11 +266,15 @@ def stack_run(args: argparse.Namespace) -> int:
 
 
 def load_run(args: argparse.Namespace) -> int:
-    print(f"machine: {machine()}; load before: {loadavg()}")
+    """Until ``--seconds`` pass or SIGINT: ``ready`` once every terminal is
+    open, then ``load: {json}`` at the end."""
+    print(f"machine: {machine()}; load before: {loadavg()}", flush=True)
     load = TerminalLoad(args.url, args.token, args.job, args.load).start()
-    time.sleep(args.seconds)
-    print(f"load: {load.stop()}")
-    print(f"load after: {loadavg()}")
+    print("ready", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(args.seconds)
+    print(f"load: {json.dumps(load.stop())}", flush=True)
+    print(f"load after: {loadavg()}", flush=True)
     return 0
 
 
