@@ -229,11 +229,6 @@ class Terminals:
         """Session id (the shell's pid) -> attempt id, for the GPU samples."""
         return {t.pid: t.attempt_id for t in self.by_id.values()}
 
-    def hang_up_all(self) -> None:
-        for term in list(self.by_id.values()):
-            if term.kill_at is None:
-                self._hang_up(term, "the agent stopped")
-
     # ------------------------------------------------------------ the PTY
 
     def _spawn(self, data: p.TerminalOpenData, job: Job) -> Terminal:
