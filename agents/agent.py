@@ -116,7 +116,21 @@ class Agent(Reaper, Link):
         self.jobs[data.attempt_id] = self.launcher.launch(data)
         self._reap(self.jobs[data.attempt_id])
 
+    def on_terminal(
+        self,
+        msg: p.TerminalOpen | p.TerminalInput | p.TerminalResize | p.TerminalClose,
+    ) -> None:
+        if isinstance(msg, p.TerminalInput):
+            self.terminals.input(msg.data)
+        elif isinstance(msg, p.TerminalOpen):
+            self.terminals.open(msg.data, self.jobs.get(msg.data.attempt_id))
+        elif isinstance(msg, p.TerminalResize):
+            self.terminals.resize(msg.data)
+        else:
+            self.terminals.close(msg.data)
+
     def on_kill(self, data: p.JobKillData) -> None:
+        self.terminals.end_attempt(data.attempt_id, f"the job was {data.reason}")
         job = self.jobs.get(data.attempt_id)
         if job is None:
             if data.attempt_id in self.done:
@@ -194,6 +208,8 @@ class Agent(Reaper, Link):
                 by_pgid[job.pgid] = job.attempt_id
             if job.shim_pid:
                 by_sid[job.shim_pid] = job.attempt_id
+        # A terminal's processes are in its own session (its shell's pid).
+        by_sid.update(self.terminals.pids())
 
         def owner(pid: int) -> int | None:
             try:

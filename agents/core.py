@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agents.launcher import Job, Launcher
 from agents.spool import SeqCounter, Spool
 from agents.statedir import StateDir
+from agents.terminal import Terminals
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 AGENT_VERSION = "0.1.0"
 DONE_MEMORY = 4096  # finished attempts remembered to answer repeated launches
+# Volatile frames (terminal output) queued for the link beyond this wait: the
+# terminal keeps its output (bounded) and tries again.
+VOLATILE_BACKLOG = 400
 
 
 class SimHooks(Protocol):
@@ -65,6 +69,8 @@ class Config:
     # loss of a link) is worth a warning; a shorter wait, such as the web server
     # still starting, is logged at INFO once and each retry at DEBUG.
     warn_unreachable_after_s: float = 60.0
+    # A terminal with no viewer is hung up after this long (agents.terminal).
+    terminal_linger_s: float = 300.0
 
 
 class AgentCore(abc.ABC):
@@ -90,6 +96,12 @@ class AgentCore(abc.ABC):
         self.spool = Spool(self.state.spool, max_bytes=config.spool_max_bytes)
         self.seq = SeqCounter(self.state.agent_json, floor=self.spool.max_seq)
         self.jobs: dict[int, Job] = {}
+        self.terminals = Terminals(
+            self.launcher,
+            self._send_volatile,
+            linger_s=config.terminal_linger_s,
+            require_local_account=config.require_local_account,
+        )
         self.done: dict[int, p.JobExitedData] = {}
         self.connected = False
         self.down_since = time.monotonic()  # when the link last went down
@@ -127,6 +139,15 @@ class AgentCore(abc.ABC):
             self._live.append(self._frame(cls, data))
             self._wake.set()
 
+    def _send_volatile(self, cls: Callable[..., p._Envelope], data: Any) -> bool:
+        """Queue a terminal frame if the link can take it now; False if it is
+        down or has ``VOLATILE_BACKLOG`` frames waiting (the caller keeps it)."""
+        if not self.connected or len(self._live) >= VOLATILE_BACKLOG:
+            return False
+        self._live.append(self._frame(cls, data))
+        self._wake.set()
+        return True
+
     def running(self) -> list[Job]:
         return [
             j for j in self.jobs.values() if j.outcome is None and j.exit_seq is None
@@ -147,6 +168,13 @@ class AgentCore(abc.ABC):
     @abc.abstractmethod
     def on_kill(self, data: p.JobKillData) -> None:
         """Stop a job (``job.kill``)."""
+
+    @abc.abstractmethod
+    def on_terminal(
+        self,
+        msg: p.TerminalOpen | p.TerminalInput | p.TerminalResize | p.TerminalClose,
+    ) -> None:
+        """A terminal command (``terminal.*``, ``agents.terminal``)."""
 
     @abc.abstractmethod
     def on_ack(self, seq: int) -> None:

@@ -162,7 +162,7 @@ class Launcher:
         atomic_write(job_dir / "spec.json", data.model_dump_json())
         job = _job_from_spec(data, job_dir)
         try:
-            self._preflight(data)
+            self.preflight(data)
             _check_rendezvous_port(data)
             env = dict(os.environ)
             env.pop("GPULAB_AGENT_TOKEN", None)
@@ -200,7 +200,9 @@ class Launcher:
         )
         return job
 
-    def _preflight(self, data: JobLaunchData) -> None:
+    def preflight(self, data: JobLaunchData) -> None:
+        """Raise ``LaunchError`` if ``data`` may not run here (workdir, env,
+        account, root): for the job, and for a terminal of it (``agents.terminal``)."""
         check_workdir(normal_workdir(data.workdir), state_root=self.state.root)
         check_env(dict(data.env))
         account = resolve_run_as(

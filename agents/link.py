@@ -164,6 +164,11 @@ class Link(AgentCore):
                 self.on_launch(msg.data)
             elif isinstance(msg, p.JobKill):
                 self.on_kill(msg.data)
+            elif isinstance(
+                msg,
+                p.TerminalOpen | p.TerminalInput | p.TerminalResize | p.TerminalClose,
+            ):
+                self.on_terminal(msg)
             elif isinstance(msg, p.Ack):
                 self.on_ack(msg.data.seq)
             elif isinstance(msg, p.NodeDrain):

@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop every job once the portal has been unreachable for S seconds"
         " (default: never)",
     )
+    ap.add_argument(
+        "--terminal-linger",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="hang up a terminal of an interactive job S seconds after its last"
+        " viewer left, unless one attaches again (300)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap
 
@@ -189,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 "--spool-max-mb must be > 0 and --spool-metrics-interval >= 0"
             )
+        if args.terminal_linger < 0:
+            raise ConfigError("--terminal-linger must be >= 0 seconds")
         if args.kill_after_disconnect is not None and args.kill_after_disconnect <= 0:
             raise ConfigError("--kill-after-disconnect must be > 0 seconds")
         reader, sim = make_reader(args.simulate, hostname)
@@ -210,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         spool_metrics_interval_s=args.spool_metrics_interval,
         spool_max_bytes=int(args.spool_max_mb * 1024 * 1024),
         kill_after_disconnect_s=args.kill_after_disconnect,
+        terminal_linger_s=args.terminal_linger,
     )
 
     async def run() -> None:

@@ -306,6 +306,81 @@ class EmptyData(_Model):
     pass
 
 
+# ---------------------------------------------------------------- terminals
+# A terminal is a PTY on the node (``agents.terminal``) running the login shell of
+# a running interactive job's account. Its frames are volatile: never spooled,
+# acked or replayed; what a viewer missed comes back from the agent's scrollback
+# when it attaches again.
+
+# The portal names each terminal (random, unguessable: it routes the output).
+TerminalId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{16,64}$")]
+TerminalSize = Annotated[int, Field(ge=1, le=1000)]
+# Largest input or output one terminal frame carries, in characters.
+MAX_TERMINAL_CHARS = 64 * 1024
+
+
+class TerminalOpenData(_Model):
+    """Start terminal ``terminal_id`` for the attempt, or attach to it again if
+    it runs (the agent then replays its scrollback). ``command``: run that one
+    command in the shell (``sh -c``) instead of an interactive login shell."""
+
+    terminal_id: TerminalId
+    attempt_id: PosInt
+    job_id: PosInt
+    cols: TerminalSize = 80
+    rows: TerminalSize = 24
+    # Who attaches (the portal's name for one viewer's socket): an open sent
+    # again by the same viewer attaches it once.
+    viewer: Annotated[str, Field(max_length=64)] = ""
+    command: (
+        Annotated[str, Field(min_length=1, max_length=MAX_COMMAND_CHARS)] | None
+    ) = None
+
+
+class TerminalInputData(_Model):
+    terminal_id: TerminalId
+    data: Annotated[str, Field(min_length=1, max_length=MAX_TERMINAL_CHARS)]
+
+
+class TerminalResizeData(_Model):
+    terminal_id: TerminalId
+    cols: TerminalSize
+    rows: TerminalSize
+
+
+class TerminalCloseData(_Model):
+    """``detach``: a viewer left (the PTY lingers for the agent's
+    ``--terminal-linger``, so that it can attach again); else hang it up."""
+
+    terminal_id: TerminalId
+    detach: bool = False
+    viewer: Annotated[str, Field(max_length=64)] = ""
+
+
+class TerminalOutputData(_Model):
+    """What the PTY wrote (UTF-8, undecodable bytes replaced). ``replay``: the
+    scrollback, sent on attaching again (the viewer clears its screen first)."""
+
+    terminal_id: TerminalId
+    job_id: PosInt
+    data: Annotated[str, Field(max_length=MAX_TERMINAL_CHARS)]
+    replay: bool = False
+    # This terminal's output frames counted by the agent (1, 2, ...): a viewer
+    # that sees a gap knows output was lost on the way (a full channel).
+    n: NonNegInt = 0
+
+
+class TerminalExitData(_Model):
+    """The terminal ended: ``code`` is its shell's exit status (128+N if killed
+    by signal N), None if it never started or was hung up (``message`` says
+    why)."""
+
+    terminal_id: TerminalId
+    job_id: PosInt
+    code: int | None
+    message: Text = ""
+
+
 # ---------------------------------------------------------------- envelopes
 
 
@@ -375,12 +450,58 @@ class Error(_Envelope):
     data: ErrorData
 
 
+class TerminalOpen(_Envelope):
+    type: Literal["terminal.open"] = "terminal.open"
+    data: TerminalOpenData
+
+
+class TerminalInput(_Envelope):
+    type: Literal["terminal.input"] = "terminal.input"
+    data: TerminalInputData
+
+
+class TerminalResize(_Envelope):
+    type: Literal["terminal.resize"] = "terminal.resize"
+    data: TerminalResizeData
+
+
+class TerminalClose(_Envelope):
+    type: Literal["terminal.close"] = "terminal.close"
+    data: TerminalCloseData
+
+
+class TerminalOutput(_Envelope):
+    type: Literal["terminal.output"] = "terminal.output"
+    data: TerminalOutputData
+
+
+class TerminalExit(_Envelope):
+    type: Literal["terminal.exit"] = "terminal.exit"
+    data: TerminalExitData
+
+
 AgentMessage = Annotated[
-    Hello | Heartbeat | Metrics | JobStarted | JobExited | JobLog | JobProgress,
+    Hello
+    | Heartbeat
+    | Metrics
+    | JobStarted
+    | JobExited
+    | JobLog
+    | JobProgress
+    | TerminalOutput
+    | TerminalExit,
     Field(discriminator="type"),
 ]
 ServerMessage = Annotated[
-    JobLaunch | JobKill | NodeDrain | Ack | Error,
+    JobLaunch
+    | JobKill
+    | NodeDrain
+    | Ack
+    | Error
+    | TerminalOpen
+    | TerminalInput
+    | TerminalResize
+    | TerminalClose,
     Field(discriminator="type"),
 ]
 
@@ -395,6 +516,8 @@ DURABLE_TYPES = frozenset(
     {"job.started", "job.exited", "job.log", "metrics", "job.progress"}
 )
 DROPPABLE_TYPES = frozenset({"metrics", "job.progress"})
+# Terminal frames are neither: sent only while connected, never acked.
+TERMINAL_TYPES = frozenset({"terminal.output", "terminal.exit"})
 
 _agent_adapter: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)

@@ -170,6 +170,7 @@ class Reaper(AgentCore):
                 self._send_progress(job)
             return
         job.outcome = outcome
+        self.terminals.end_attempt(job.attempt_id, "the job ended")
         self._ship_log(job, final=True)
         self._send_progress(job, final=True)  # ahead of the exit, so it is not lost
         self._report_exit(job, outcome)
@@ -219,4 +220,5 @@ class Reaper(AgentCore):
             except OSError as exc:
                 log.warning("stopping jobs after a cut-off: %s", exc)
             self.launcher.reap_children()
+            self.terminals.sweep()
             await asyncio.sleep(self.config.reap_interval_s)

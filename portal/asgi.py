@@ -28,22 +28,36 @@ from django.urls import path  # noqa: E402
 from portal.api.middleware import BodyLimit  # noqa: E402
 from portal.consumers import DashboardConsumer  # noqa: E402
 from portal.gate import ConcurrencyGate  # noqa: E402
+from portal.terminal.consumers import TerminalConsumer  # noqa: E402
 from scheduler.consumers import AgentConsumer  # noqa: E402
 from scheduler.services.presence import hear_agents  # noqa: E402
 
+_terminal_path = path(
+    "ws/interactive/<int:job_id>/terminal/",
+    TerminalConsumer.as_asgi(),  # type: ignore[arg-type]
+)
 # Agents send no Origin header: the Origin check stays off their route (they
 # authenticate by token) and on the browsers' route (session cookies).
 browser_routes = AllowedHostsOriginValidator(
     AuthMiddlewareStack(
-        URLRouter([path("ws/dashboard/", DashboardConsumer.as_asgi())])  # type: ignore[arg-type, list-item]
+        URLRouter([path("ws/dashboard/", DashboardConsumer.as_asgi()), _terminal_path])  # type: ignore[arg-type, list-item]
     )
 )
 agent_routes = URLRouter([path("ws/agent/", AgentConsumer.as_asgi())])  # type: ignore[arg-type, list-item]
+# ``gpulab shell``: an API token in the handshake, no Origin (a browser cannot
+# set that header on a websocket, so no other site can use it either).
+token_routes = URLRouter([_terminal_path])  # type: ignore[list-item]
+
+
+def _has_authorization(scope) -> bool:  # type: ignore[no-untyped-def]
+    return any(name.lower() == b"authorization" for name, _ in scope["headers"])
 
 
 async def _websocket_router(scope, receive, send):  # type: ignore[no-untyped-def]
     if scope["path"].startswith("/ws/agent/"):
         return await agent_routes(scope, receive, send)
+    if scope["path"].startswith("/ws/interactive/") and _has_authorization(scope):
+        return await token_routes(scope, receive, send)
     return await browser_routes(scope, receive, send)
 
 

@@ -11,6 +11,7 @@ from portal.api import pages as api_pages
 from portal.directory.views import DirectoryLoginView
 from portal.notifications import views as notifications
 from portal.prometheus import views as prometheus
+from portal.terminal import views as terminal
 from portal.views import admin_overview, cluster, jobs
 
 urlpatterns = [
@@ -33,6 +34,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/", jobs.job_detail, name="portal-job"),
     path("jobs/<int:job_id>/series/", jobs.job_series, name="portal-job-series"),
     path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),
+    path("jobs/terminal/", terminal.terminal_new, name="portal-terminal-new"),
     path("usage/", accounting.usage, name="portal-usage"),
     path("usage/csv/", accounting.usage_csv, name="portal-usage-csv"),
     path("jobs/<int:job_id>/hold/", jobs.job_hold, name="portal-job-hold"),

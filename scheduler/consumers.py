@@ -259,12 +259,41 @@ class AgentConsumer(AsyncWebsocketConsumer):
             )
             if text and self.feed is not None:
                 await self._live(self.feed.log_chunk(message.data, text))
+        elif isinstance(message, protocol.TerminalOutput):
+            output: events.TerminalOutputEvent = {
+                "type": "terminal.output",
+                "data": message.data.data,
+                "replay": message.data.replay,
+                "n": message.data.n,
+            }
+            await self._to_viewers(message.data.terminal_id, output)
+        elif isinstance(message, protocol.TerminalExit):
+            ended: events.TerminalExitEvent = {
+                "type": "terminal.exit",
+                "code": message.data.code,
+                "message": message.data.message,
+            }
+            await self._to_viewers(message.data.terminal_id, ended)
         elif isinstance(message, protocol.JobProgress):
             stored = await database_sync_to_async(services.record_progress)(
                 node_id, message.data
             )
             if stored and self.feed is not None:
                 await self._live(self.feed.progress(message.data))
+
+    async def _to_viewers(
+        self,
+        terminal_id: str,
+        event: events.TerminalOutputEvent | events.TerminalExitEvent,
+    ) -> None:
+        """Hand a terminal's output or end to its viewers (``portal.terminal``);
+        with Redis away it is lost (terminal frames are volatile) and logged."""
+        try:
+            await self.channel_layer.group_send(
+                events.terminal_group(terminal_id), dict(event)
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("node %s: terminal output lost: %r", self.node_name, exc)
 
     def _holders_changed(self) -> None:
         if self.feed is not None:
@@ -344,6 +373,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         """A command for this node's agent (from ``events.send_to_agent``)."""
         # A launch or a kill: the node's GPUs may have other holders now.
         self._holders_changed()
+        await self._send_frame(event["frame"])
+
+    async def agent_terminal(self, event: dict[str, Any]) -> None:
+        """A ``terminal.*`` frame for this node's agent (``portal.terminal``)."""
         await self._send_frame(event["frame"])
 
     async def _send_frame(self, frame: dict[str, Any]) -> None:

@@ -39,6 +39,12 @@ def job_group(job_id: int) -> str:
     return f"job.{job_id}"
 
 
+def terminal_group(terminal_id: str) -> str:
+    """The viewers of one terminal of an interactive job (``portal.terminal``):
+    its agent's ``terminal.output`` and ``terminal.exit`` go there."""
+    return f"terminal.{terminal_id}"
+
+
 def dashboard_group(kind: str, object_id: int | None = None) -> str | None:
     """The group a browser asks for (``{"subscribe": kind, "id": N}``), or None
     for a kind that takes no id given one, or the reverse, or an unknown kind."""
@@ -56,6 +62,27 @@ def dashboard_group(kind: str, object_id: int | None = None) -> str | None:
 class AgentCommandEvent(TypedDict):
     type: Literal["agent.command"]
     frame: dict[str, Any]
+
+
+class AgentTerminalEvent(TypedDict):
+    """A ``terminal.*`` frame for a node's agent (``portal.terminal``): sent as
+    it is, without the job-holder bookkeeping of ``agent.command``."""
+
+    type: Literal["agent.terminal"]
+    frame: dict[str, Any]
+
+
+class TerminalOutputEvent(TypedDict):
+    type: Literal["terminal.output"]
+    data: str
+    replay: bool
+    n: int  # the agent's count of this terminal's output frames
+
+
+class TerminalExitEvent(TypedDict):
+    type: Literal["terminal.exit"]
+    code: int | None
+    message: str
 
 
 class AgentRevokedEvent(TypedDict):

@@ -43,26 +43,37 @@ class TokenAuthentication(authentication.BaseAuthentication):
             token = header[1].decode("ascii")
         except UnicodeDecodeError:
             raise exceptions.AuthenticationFailed(BAD_TOKEN) from None
-        if not token.startswith(TOKEN_PREFIX) or len(token) > 100:
+        found = user_for_token(token)
+        if found is None:
             raise exceptions.AuthenticationFailed(BAD_TOKEN)
-        now = timezone.now()
-        row = (
-            ApiToken.objects.usable(now)
-            .select_related("user")
-            .filter(token_hash=hash_token(token))
-            .first()
-        )
-        if row is None or not row.user.is_active:
-            raise exceptions.AuthenticationFailed(BAD_TOKEN)
-        if row.last_used_at is None or now - row.last_used_at > LAST_USED_EVERY:
-            # At most one write a minute per token, whatever the request rate.
-            ApiToken.objects.filter(pk=row.pk).filter(
-                Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_EVERY)
-            ).update(last_used_at=now)
-        return row.user, row
+        return found
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
+
+
+def user_for_token(token: str) -> tuple[User, ApiToken] | None:
+    """The active user a usable token ``token`` belongs to, and its row; None for
+    an unknown, revoked or expired one, or an inactive user's. Stamps the
+    token's ``last_used_at`` (at most once a minute). The API's and the terminal
+    websocket's (``portal.terminal``) one check."""
+    if not token.startswith(TOKEN_PREFIX) or len(token) > 100:
+        return None
+    now = timezone.now()
+    row = (
+        ApiToken.objects.usable(now)
+        .select_related("user")
+        .filter(token_hash=hash_token(token))
+        .first()
+    )
+    if row is None or not row.user.is_active:
+        return None
+    if row.last_used_at is None or now - row.last_used_at > LAST_USED_EVERY:
+        # At most one write a minute per token, whatever the request rate.
+        ApiToken.objects.filter(pk=row.pk).filter(
+            Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_EVERY)
+        ).update(last_used_at=now)
+    return row.user, row
 
 
 class SessionAuthentication(authentication.SessionAuthentication):

@@ -44,6 +44,8 @@ class Api:
 
     def __init__(self, server: str, token: str | None) -> None:
         self.server = server
+        # Also what ``gpulab shell`` presents on the terminal's websocket.
+        self.token = token or ""
         headers = {"User-Agent": f"gpulab-cli/{cli_version()}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"

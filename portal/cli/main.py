@@ -8,16 +8,17 @@ codes: ``portal.cli.errors``.
 
 The group and what the commands share are in ``portal.cli.app``; the commands
 in ``account`` (login, logout, whoami, usage), ``submit``, ``jobs`` (ls,
-queue, show, cancel) and ``watch`` (logs, top). Importing them here registers
+queue, show, cancel), ``watch`` (logs, top) and ``shell`` (a terminal in an
+interactive job). Importing them here registers
 them on ``cli``.
 """
 
 from __future__ import annotations
 
-from portal.cli import account, jobs, submit, watch
+from portal.cli import account, jobs, shell, submit, watch
 from portal.cli.app import cli
 
-__all__ = ["account", "cli", "jobs", "main", "submit", "watch"]
+__all__ = ["account", "cli", "jobs", "main", "shell", "submit", "watch"]
 
 
 def main() -> None:
