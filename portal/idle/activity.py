@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
@@ -61,7 +61,7 @@ async def atouch(job_id: int) -> bool:
     """``touch`` from the event loop: returns at once when no write is due."""
     if not _due(job_id, time.monotonic()):
         return False
-    await sync_to_async(_write, thread_sensitive=False)(job_id, timezone.now())
+    await database_sync_to_async(_write)(job_id, timezone.now())
     return True
 
 

@@ -60,6 +60,7 @@ from redis.exceptions import RedisError
 
 from agents import protocol
 from portal.api.auth import user_for_token
+from portal.idle import activity
 from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
 from scheduler.throttle import TokenBucket
@@ -268,6 +269,8 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                 data = protocol.TerminalInputData(
                     terminal_id=self.terminal_id, data=message["data"]
                 )
+                # A keystroke is a person's use: the idle culling counts it.
+                await activity.atouch(self.target.job_id)
                 if self.answered:
                     await self._to_agent(protocol.TerminalInput, data)
                 elif sum(map(len, self.held)) + len(data.data) <= MAX_HELD_CHARS:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import time_machine
 from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from django.db import connections
 
 from portal.idle import activity, detect
 from portal.idle.models import Activity
@@ -116,3 +118,5 @@ def test_atouch_writes_from_the_event_loop(alice: User, node: Node) -> None:
 
     assert async_to_sync(twice)() == (True, False)
     assert Activity.objects.filter(job_id=attempt.job_id).count() == 1
+    # The write ran in a thread of its own: its connection closes with the test.
+    async_to_sync(database_sync_to_async(connections.close_all))()

@@ -18,6 +18,7 @@ from django.db import connections
 from django.test import Client
 
 from portal.asgi import application
+from portal.idle import activity
 from portal.terminal import consumers
 from scheduler import events
 from scheduler.models import Job, JobEvent
@@ -125,6 +126,9 @@ async def test_it_relays_between_the_viewer_and_the_agent(alice: User) -> None:
     }
     resize = await next_frame(agent)
     assert (resize["type"], resize["data"]["cols"]) == ("terminal.resize", 120)
+    # The keystrokes are the job's use, which the idle culling counts.
+    used = await database_sync_to_async(activity.last_used)([job.pk])
+    assert list(used) == [job.pk]
     # A bad message is named; the socket stays usable.
     await comm.send_json_to({"type": "resize", "cols": 0, "rows": 40})
     error = await comm.receive_json_from(TIMEOUT)
