@@ -24,3 +24,16 @@ GPULAB_API_MAX_OFFSET = envint(
 GPULAB_JOB_EVENTS_MAX = envint(
     "GPULAB_JOB_EVENTS_MAX", 1000, minimum=10, maximum=100_000
 )
+# The web process's gate (portal/gate.py): requests one client (token, else
+# session, else address) runs at once, pages and API calls together; the rest of
+# its requests wait, and a freed place goes first to the client running fewest
+# (0: no cap).
+GPULAB_WEB_RUNNING_PER_CLIENT = envint(
+    "GPULAB_WEB_RUNNING_PER_CLIENT", 2, minimum=0, maximum=1000
+)
+# Heavy requests (a list page of more than 100 rows, the Usage CSV) running at
+# once in a web process, both lanes together; the others wait (0: no cap). Each
+# holds the GIL for long stretches, slowing every other request of the process.
+GPULAB_WEB_HEAVY_CONCURRENCY = envint(
+    "GPULAB_WEB_HEAVY_CONCURRENCY", 1, minimum=0, maximum=1000
+)
