@@ -5,7 +5,7 @@ of holding a worker and its memory for everyone else). Imported at the end of
 
 from __future__ import annotations
 
-from portal.settings_env import envint
+from portal.settings_env import envfloat, envint
 
 # The Usage page, its CSV export and ``GET /api/v1/usage/``: UTC days one request
 # may span, both ends included (a year and a day by default, so a whole leap year
@@ -36,4 +36,10 @@ GPULAB_WEB_RUNNING_PER_CLIENT = envint(
 # holds the GIL for long stretches, slowing every other request of the process.
 GPULAB_WEB_HEAVY_CONCURRENCY = envint(
     "GPULAB_WEB_HEAVY_CONCURRENCY", 1, minimum=0, maximum=1000
+)
+# How often, in ms, the web process's interpreter hands the GIL from a running
+# thread to a waiting one (Python's default: 5). A heavy render runs long
+# stretches of Python code; a light request waits about this long at each step.
+GPULAB_WEB_SWITCH_INTERVAL_MS = envfloat(
+    "GPULAB_WEB_SWITCH_INTERVAL_MS", 5.0, minimum=0.1, maximum=100.0
 )
