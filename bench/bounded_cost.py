@@ -357,6 +357,14 @@ def main() -> int:
         help="run the variants this many times in turn (a shared machine's load"
         " changes: interleaved rounds compare them fairly)",
     )
+    parser.add_argument(
+        "--costliest",
+        default="",
+        metavar="TEXT",
+        help="run four at once of the first single request whose label holds TEXT"
+        " (e.g. 'deep offset', 'CSV') instead of the slowest alone: on a shared"
+        " machine the slowest changes from run to run",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     for item in args.env:
@@ -449,6 +457,10 @@ def main() -> int:
                                 (k for k, v in alone.items() if v["status"] == 200),
                                 key=lambda k: alone[k]["ms"],
                             )
+                            if args.costliest:
+                                costliest = next(
+                                    k for k in candidates if args.costliest in k
+                                )
                             result["costliest"] = costliest
                     o = run["others_alone"] = others_alone(
                         base, other_api, args.seconds / 4
