@@ -27,8 +27,11 @@ and over HTTP with API tokens (httpx):
    p95 / max per endpoint (goal: p95 under 200 ms), the member's request times,
    and the web process's RSS before and after (from ``/proc``).
 
-Prints the figures with the machine's load and writes
-``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
+Steps 2 and 3 run in a web process of their own for each ``--variant`` (gate
+settings, e.g. ``GPULAB_WEB_HEAVY_CONCURRENCY=0`` for no heavy cap), each of
+``--rounds`` times in turn, on the same data. Prints the figures with the
+machine's load, then one ``GOAL`` line per run (others' p95 of both endpoints,
+their p95 alone, the load), and writes ``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
 ``python -m portal.stack.run -- python bench/bounded_cost.py``.
 """
 
