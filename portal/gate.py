@@ -38,12 +38,14 @@ node) are told apart by their tokens.
   client, running less, waits for one.
 - At most ``GPULAB_WEB_HEAVY_CONCURRENCY`` heavy requests (``heavy``: a big
   page of a list, the Usage CSV) run at once in the process, in both lanes
-  together. Each holds the GIL for long stretches of C code (psycopg decoding
-  rows, ``json.dumps`` of hundreds of KB), and the interpreter hands the GIL on
-  only every ``sys.getswitchinterval()`` (5 ms): a short call's every step (the
-  event loop's, its thread's after each query) waits about that long per heavy
-  thread running. Bounding them bounds what one member's four exports cost
-  everyone else; the heavy calls beyond it wait, the light ones do not.
+  together. Each is long work under the GIL (decoding rows, serializers,
+  encoding; ``portal/api/renderers.py`` encodes a long list item by item), and
+  the interpreter hands the GIL on only every switch interval
+  (``GPULAB_WEB_SWITCH_INTERVAL_MS``, 5 ms) or when C code lets go of it: a
+  short call's every step (the event loop's, its thread's after each query)
+  waits about that long per heavy thread running. Bounding them bounds what one
+  member's four exports cost everyone else; the heavy calls beyond it wait, the
+  light ones do not.
 
 Websockets are not counted: they are long-lived and run no thread per frame.
 """
