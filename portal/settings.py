@@ -350,8 +350,9 @@ GPULAB_API_MAX_BODY_BYTES = envint(
     "GPULAB_API_MAX_BODY_BYTES", 256 * 1024, minimum=1024, maximum=16 * 1024 * 1024
 )
 # Requests running in Django at once per web process: API calls (/api/) and
-# everything else (pages) in separate lanes, pages first (while one runs, API
-# calls start one at a time); the rest wait in the event loop, and
+# everything else (pages) in separate lanes, pages first (while one runs, other
+# clients' light API calls start one at a time); the rest wait in the event loop
+# (per client and heavy requests: portal/settings_limits.py), and
 # a lane with GPULAB_WEB_QUEUE already waiting answers 503 with Retry-After
 # (portal/gate.py). Each running request holds a thread and a database connection.
 GPULAB_WEB_API_CONCURRENCY = envint("GPULAB_WEB_API_CONCURRENCY", 4, minimum=1)
