@@ -230,15 +230,20 @@ def test_websockets_pass_through_uncounted() -> None:
     asyncio.run(scenario())
 
 
-def test_the_asgi_application_puts_http_through_the_gate(settings: Any) -> None:
+def asgi_gate() -> ConcurrencyGate:
+    """The gate the ASGI application puts HTTP through (inside the body limit)."""
     from portal.asgi import application
-    from portal.gate import ConcurrencyGate
 
-    http = application.application_mapping["http"]
+    http: Any = application.application_mapping["http"]
     assert isinstance(http.app, ConcurrencyGate)
-    assert http.app.api.limit == settings.GPULAB_WEB_API_CONCURRENCY
-    assert http.app.pages.limit == settings.GPULAB_WEB_PAGE_CONCURRENCY
-    assert http.app.api.max_waiting == settings.GPULAB_WEB_QUEUE
+    return http.app
+
+
+def test_the_asgi_application_puts_http_through_the_gate(settings: Any) -> None:
+    gate = asgi_gate()
+    assert gate.api.limit == settings.GPULAB_WEB_API_CONCURRENCY
+    assert gate.pages.limit == settings.GPULAB_WEB_PAGE_CONCURRENCY
+    assert gate.api.max_waiting == settings.GPULAB_WEB_QUEUE
 
 
 def scope(
@@ -255,8 +260,9 @@ def scope(
 
 
 def url_of(scope: dict[str, Any]) -> str:
-    query = scope.get("query_string", b"").decode()
-    return scope["path"] + (f"?{query}" if query else "")
+    path: str = scope["path"]
+    query: bytes = scope.get("query_string", b"")
+    return path + (f"?{query.decode()}" if query else "")
 
 
 async def call_as(
@@ -366,13 +372,11 @@ def test_a_client_is_its_token_else_its_session_else_its_address(settings: Any) 
 
 
 def test_the_asgi_gate_caps_each_client_by_the_setting(settings: Any) -> None:
-    from portal.asgi import application
-
-    http = application.application_mapping["http"]
-    assert http.app.api.per_client == settings.GPULAB_WEB_API_PER_CLIENT
-    assert http.app.pages.per_client == 0
-    assert http.app.running_per_client == settings.GPULAB_WEB_RUNNING_PER_CLIENT
-    assert http.app.heavy_limit == settings.GPULAB_WEB_HEAVY_CONCURRENCY
+    gate = asgi_gate()
+    assert gate.api.per_client == settings.GPULAB_WEB_API_PER_CLIENT
+    assert gate.pages.per_client == 0
+    assert gate.running_per_client == settings.GPULAB_WEB_RUNNING_PER_CLIENT
+    assert gate.heavy_limit == settings.GPULAB_WEB_HEAVY_CONCURRENCY
 
 
 class OwnReleaseApp:
@@ -620,7 +624,7 @@ def test_what_is_heavy_is_read_from_the_path_and_the_rows_asked() -> None:
     from portal.gate import is_heavy
 
     def heavy(url: str) -> bool:
-        return is_heavy(scope(url, []))  # type: ignore[arg-type]
+        return is_heavy(scope(url, []))
 
     assert heavy("/usage/csv/") and heavy("/usage/csv/?group=g0&from=2026-01-01")
     assert heavy("/api/v1/jobs/?limit=101") and heavy("/api/v1/jobs/?limit=1000")
