@@ -58,7 +58,7 @@ import itertools
 import json
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 from django.conf import settings
@@ -110,8 +110,9 @@ class Waiter:
     """A request waiting for its turn."""
 
     client: bytes
-    heavy: bool
+    heavy: bool  # holds a heavy place (while waiting: will need one)
     order: int  # arrival order, for the longest-waiting first
+    rendered: bool = False  # was heavy; its whole answer is made, only sent
     turn: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -256,10 +257,32 @@ class ConcurrencyGate:
         if not await self._enter(lane, waiter):
             await _refuse(send, api=lane is self.api)
             return
+        if waiter.heavy:
+            send = self._sender(lane, waiter, send)
         try:
             await self.app(scope, receive, send)
         finally:
             self._leave(lane, waiter)
+
+    def _sender(self, lane: Lane, waiter: Waiter, send: Send) -> Send:
+        """``send`` that gives back a heavy request's heavy place as its answer
+        starts, if that answer has a ``Content-Length``: Django made it whole
+        before sending, so the heavy work is over, and a client reading it slowly
+        holds only its place in the lane. A streamed answer (the Usage CSV) is
+        made as it is sent and keeps its heavy place to the end."""
+
+        async def sender(message: Any) -> None:
+            if (
+                waiter.heavy
+                and message["type"] == "http.response.start"
+                and any(k.lower() == b"content-length" for k, _ in message["headers"])
+            ):
+                waiter.heavy, waiter.rendered = False, True
+                lane.heavy_running -= 1
+                self._dispatch()
+            await send(message)
+
+        return sender
 
     async def _enter(self, lane: Lane, waiter: Waiter) -> bool:
         """Wait for a turn in ``lane``; False (at once) if its queue is full.
@@ -289,7 +312,8 @@ class ConcurrencyGate:
     def _counters(self, lane: Lane, waiter: Waiter) -> list[Counter[bytes]]:
         """The per-client counts a running ``waiter`` is in."""
         counters = [lane.running_by, self.running_by]
-        return counters if waiter.heavy else [*counters, lane.light_by]
+        light = not (waiter.heavy or waiter.rendered)
+        return [*counters, lane.light_by] if light else counters
 
     def _start(self, lane: Lane, waiter: Waiter) -> None:
         lane.running += 1

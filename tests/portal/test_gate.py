@@ -638,3 +638,66 @@ def test_what_is_heavy_is_read_from_the_path_and_the_rows_asked() -> None:
     assert not heavy("/api/v1/jobs/?limit=" + "9" * 5000)  # no ValueError
     assert not heavy("/usage/") and not heavy("/api/v1/usage/?group=g0")
     assert not heavy("/api/v1/jobs/12/")
+
+
+class TwoStepApp:
+    """Each request sends its answer's start (with a Content-Length, or streamed
+    without one), then waits for its URL's release before sending the body, as a
+    client reading a big answer slowly holds the send."""
+
+    def __init__(self) -> None:
+        self.release: dict[str, asyncio.Event] = {}
+        self.started: list[str] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        url = url_of(scope)
+        self.started.append(url)
+        streamed = scope["path"] == "/usage/csv/"
+        headers = [] if streamed else [(b"Content-Length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.release.setdefault(url, asyncio.Event()).wait()
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def finish(self, url: str) -> None:
+        self.release.setdefault(url, asyncio.Event()).set()
+
+
+def test_a_heavy_answer_made_whole_gives_back_its_heavy_place_as_it_is_sent() -> None:
+    """Alice's 1,000-job page is made and starts going out (its Content-Length
+    sent) to a slow reader: Bob's big page starts although the heavy cap is 1.
+    A streamed Usage CSV is made as it goes: it keeps its heavy place until its
+    end, and Carol's big page waits for it."""
+
+    async def scenario() -> None:
+        app = TwoStepApp()
+        gate = ConcurrencyGate(
+            app, api=4, pages=4, queue=100, per_client=4, running_per_client=2,
+            heavy=1,
+        )  # fmt: skip
+        alice = asyncio.create_task(call_as(gate, BIG_PAGE, ALICE))
+        await settle()
+        bob = asyncio.create_task(call_as(gate, BIG_PAGE + "&offset=1", BOB))
+        await settle()
+        assert app.started == [BIG_PAGE, BIG_PAGE + "&offset=1"]
+        assert gate.api.running == 2 and gate.heavy_running == 0
+        app.finish(BIG_PAGE)
+        app.finish(BIG_PAGE + "&offset=1")
+        assert [(await t)[0]["status"] for t in (alice, bob)] == [200] * 2
+
+        csv = asyncio.create_task(call_as(gate, "/usage/csv/", BOB))
+        await settle()
+        carols = BIG_PAGE + "&offset=2"
+        carol = asyncio.create_task(call_as(gate, carols, CAROL))
+        await settle()
+        assert app.started[-1] == "/usage/csv/" and gate.heavy_running == 1
+        assert gate.api.waiting == 1
+        app.finish("/usage/csv/")
+        await csv
+        await settle()
+        assert app.started[-1] == carols
+        app.finish(carols)
+        assert (await carol)[0]["status"] == 200
+        assert gate.heavy_running == 0 and not gate.api.light_by
+        assert gate.api.running == gate.pages.running == 0
+
+    asyncio.run(scenario())
