@@ -27,8 +27,11 @@ and over HTTP with API tokens (httpx):
    p95 / max per endpoint (goal: p95 under 200 ms), the member's request times,
    and the web process's RSS before and after (from ``/proc``).
 
-Prints the figures with the machine's load and writes
-``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
+Steps 2 and 3 run in a web process of their own for each ``--variant`` (gate
+settings, e.g. ``GPULAB_WEB_HEAVY_CONCURRENCY=0`` for no heavy cap), each of
+``--rounds`` times in turn, on the same data. Prints the figures with the
+machine's load, then one ``GOAL`` line per run (others' p95 of both endpoints,
+their p95 alone, the load), and writes ``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
 ``python -m portal.stack.run -- python bench/bounded_cost.py``.
 """
 
@@ -58,6 +61,7 @@ GPUS = 64
 USERS = 40
 GROUPS = 8
 CHUNK = 64 * 1024
+GOAL_MS = 200  # others' API p95 beside four of the costliest
 
 
 def populate(jobs: int, days: int) -> dict[str, Any]:
@@ -249,6 +253,84 @@ def others_alone(base: str, headers: dict[str, str], seconds: float) -> dict[str
     }
 
 
+def beside(
+    base: str,
+    url: str,
+    member: dict[str, str],
+    other: dict[str, str],
+    seconds: float,
+) -> dict[str, Any]:
+    """Four of ``url`` at once from the member, over and over for ``seconds``,
+    while the other user polls ``/api/v1/me/`` and ``/api/v1/jobs/`` in turn."""
+    stop = threading.Event()
+    heavy: list[tuple[float, int]] = []
+    polls: dict[str, list[float]] = {"/api/v1/me/": [], "/api/v1/jobs/": []}
+    statuses: dict[str, dict[int, int]] = {p: {} for p in polls}
+
+    def hammer() -> None:
+        with httpx.Client(base_url=base, timeout=300) as c:
+            while not stop.is_set():
+                s, _, status = timed(c, url, member)
+                heavy.append((s, status))
+                if status == 429:
+                    # the gate frees the client's place just after the
+                    # answer: try again as soon as it has
+                    time.sleep(0.05)
+
+    def poll() -> None:
+        with httpx.Client(base_url=base, timeout=300) as c:
+            while not stop.is_set():
+                for path, times in polls.items():
+                    s, _, status = timed(c, path, other)
+                    times.append(s)
+                    statuses[path][status] = statuses[path].get(status, 0) + 1
+
+    load_before = loadavg()
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    threads.append(threading.Thread(target=poll))
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    done = [s for s, status in heavy if status == 200]
+    return {
+        "load_during": [load_before, loadavg()],
+        "heavy": {
+            "requests": len(heavy),
+            "answered_200": len(done),
+            "refused_429": sum(1 for _, status in heavy if status == 429),
+            "statuses": sorted({s for _, s in heavy}),
+            "p50_ms": round((pct(done, 50) or 0) * 1000, 1),
+            "max_ms": round(max(done, default=0) * 1000, 1),
+        },
+        "others": {
+            path: {
+                "requests": len(times),
+                "statuses": statuses[path],
+                "p50_ms": round((pct(times, 50) or 0) * 1000, 1),
+                "p95_ms": round((pct(times, 95) or 0) * 1000, 1),
+                "max_ms": round(max(times, default=0) * 1000, 1),
+            }
+            for path, times in polls.items()
+        },
+    }
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    """``NAME=VALUE,NAME=VALUE`` (or ``defaults``) as a dict."""
+    if variant in ("", "defaults"):
+        return {}
+    env = {}
+    for item in variant.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("GPULAB_"):
+            raise SystemExit(f"--variant {variant!r}: expected GPULAB_NAME=VALUE,...")
+        env[name] = value
+    return env
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=100_000)
@@ -262,17 +344,45 @@ def main() -> int:
         metavar="NAME=VALUE",
         help="a setting of the web process (e.g. GPULAB_WEB_API_PER_CLIENT=3)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE,...",
+        help="measure the four-at-once phase also with these settings (each in a"
+        " web process of its own, on the same data; 'defaults': none); the"
+        " first variant (default: 'defaults') also measures the single requests",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants this many times in turn (a shared machine's load"
+        " changes: interleaved rounds compare them fairly)",
+    )
+    parser.add_argument(
+        "--costliest",
+        default="",
+        metavar="TEXT",
+        help="run four at once of the first single request whose label holds TEXT"
+        " (e.g. 'deep offset', 'CSV') instead of the slowest alone: on a shared"
+        " machine the slowest changes from run to run",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     for item in args.env:
         name, _, value = item.partition("=")
         os.environ[name] = value
+    variants = args.variant or ["defaults"]
+    envs = {v: variant_env(v) for v in variants}
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "machine": machine(),
         "load_start": loadavg(),
         "env": args.env,
+        "variants": variants,
+        "runs": [],
     }
     with fresh_database("bounded") as db_url:
         from django.conf import settings
@@ -322,122 +432,114 @@ def main() -> int:
                 member_web,
             ),
         }
-        port = free_port()
         log = args.out_dir / "bounded_cost.web.log"
-        server = start_server(db_url, port, log)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            with httpx.Client(base_url=base, timeout=120) as client:
-                client.get("/api/v1/me/", headers=member_api)  # warm up
-                result["rss_mib_start"] = rss_mib(server.pid)
-                alone: dict[str, Any] = {}
-                print(f"\nalone (median of {args.repeat}):")
-                for label, (url, headers) in candidates.items():
-                    runs = [timed(client, url, headers) for _ in range(args.repeat)]
-                    ms = statistics.median(r[0] for r in runs) * 1000
-                    alone[label] = {
-                        "url": url,
-                        "status": runs[-1][2],
-                        "ms": round(ms, 1),
-                        "bytes": runs[-1][1],
-                    }
-                    print(
-                        f"  {label:48} {runs[-1][2]}  {ms:8.1f} ms"
-                        f"  {runs[-1][1]:>10,} bytes"
+        costliest = ""
+        for round_ in range(args.rounds):
+            for variant in variants:
+                saved = {name: os.environ.get(name) for name in envs[variant]}
+                os.environ.update(envs[variant])
+                port = free_port()
+                server = start_server(db_url, port, log)
+                for name, value in saved.items():
+                    if value is None:
+                        del os.environ[name]
+                    else:
+                        os.environ[name] = value
+                base = f"http://127.0.0.1:{port}"
+                run: dict[str, Any] = {"variant": variant, "round": round_ + 1}
+                print(f"\n== {variant} (round {round_ + 1} of {args.rounds})")
+                try:
+                    with httpx.Client(base_url=base, timeout=120) as client:
+                        client.get("/api/v1/me/", headers=member_api)  # warm up
+                        run["rss_mib_start"] = rss_mib(server.pid)
+                        if not costliest:
+                            result["alone"] = alone = measure_alone(
+                                client, candidates, args.repeat
+                            )
+                            costliest = max(
+                                (k for k, v in alone.items() if v["status"] == 200),
+                                key=lambda k: alone[k]["ms"],
+                            )
+                            if args.costliest:
+                                costliest = next(
+                                    k for k in candidates if args.costliest in k
+                                )
+                            result["costliest"] = costliest
+                    o = run["others_alone"] = others_alone(
+                        base, other_api, args.seconds / 4
                     )
-                result["alone"] = alone
-                result["rss_mib_after_alone"] = rss_mib(server.pid)
-            result["others_alone"] = others_alone(base, other_api, args.seconds / 4)
-            o = result["others_alone"]
-            print(
-                f"\nother user alone ({args.seconds / 4:g} s): /api/v1/me/ p50"
-                f" {o['/api/v1/me/']['p50_ms']} ms p95 {o['/api/v1/me/']['p95_ms']} ms,"
-                f" /api/v1/jobs/ p50 {o['/api/v1/jobs/']['p50_ms']} ms"
-                f" p95 {o['/api/v1/jobs/']['p95_ms']} ms"
-            )
-            costliest = max(
-                (k for k, v in alone.items() if v["status"] == 200),
-                key=lambda k: alone[k]["ms"],
-            )
-            url, headers = candidates[costliest]
-            result["costliest"] = costliest
-            print(f"\nfour at once of: {costliest} ({url}) for {args.seconds:g} s")
-            stop = threading.Event()
-            heavy: list[tuple[float, int]] = []
-            polls: dict[str, list[float]] = {"/api/v1/me/": [], "/api/v1/jobs/": []}
-            statuses: dict[str, dict[int, int]] = {p: {} for p in polls}
-
-            def hammer() -> None:
-                with httpx.Client(base_url=base, timeout=300) as c:
-                    while not stop.is_set():
-                        s, _, status = timed(c, url, headers)
-                        heavy.append((s, status))
-                        if status == 429:
-                            # the gate frees the client's place just after the
-                            # answer: try again as soon as it has
-                            time.sleep(0.05)
-
-            def poll() -> None:
-                with httpx.Client(base_url=base, timeout=300) as c:
-                    while not stop.is_set():
-                        for path, times in polls.items():
-                            s, _, status = timed(c, path, other_api)
-                            times.append(s)
-                            statuses[path][status] = statuses[path].get(status, 0) + 1
-
-            load_before = loadavg()
-            threads = [threading.Thread(target=hammer) for _ in range(4)]
-            threads.append(threading.Thread(target=poll))
-            for t in threads:
-                t.start()
-            time.sleep(args.seconds)
-            stop.set()
-            for t in threads:
-                t.join()
-            result["load_during"] = [load_before, loadavg()]
-            result["rss_mib_end"] = rss_mib(server.pid)
-            done = [s for s, status in heavy if status == 200]
-            result["heavy"] = {
-                "requests": len(heavy),
-                "answered_200": len(done),
-                "refused_429": sum(1 for _, status in heavy if status == 429),
-                "statuses": sorted({s for _, s in heavy}),
-                "p50_ms": round((pct(done, 50) or 0) * 1000, 1),
-                "max_ms": round(max(done, default=0) * 1000, 1),
-            }
-            result["others"] = {
-                path: {
-                    "requests": len(times),
-                    "statuses": statuses[path],
-                    "p50_ms": round((pct(times, 50) or 0) * 1000, 1),
-                    "p95_ms": round((pct(times, 95) or 0) * 1000, 1),
-                    "max_ms": round(max(times, default=0) * 1000, 1),
-                }
-                for path, times in polls.items()
-            }
-            h = result["heavy"]
-            print(
-                f"  member's requests: {h['answered_200']} answered (p50"
-                f" {h['p50_ms']} ms, max {h['max_ms']} ms), {h['refused_429']}"
-                " refused 429 by the per-client cap and tried again"
-            )
-            for path, o in result["others"].items():
-                print(
-                    f"  other user {path:16} n={o['requests']:4} {o['statuses']}"
-                    f"  p50 {o['p50_ms']} ms  p95 {o['p95_ms']} ms  max {o['max_ms']} ms"
-                )
-            print(
-                f"  web RSS: {result['rss_mib_start']} MiB at start,"
-                f" {result['rss_mib_after_alone']} after the single requests,"
-                f" {result['rss_mib_end']} after the concurrent ones"
-            )
-        finally:
-            server.terminate()
-            server.wait(20)
+                    print(
+                        f"other user alone ({args.seconds / 4:g} s): /api/v1/me/ p50"
+                        f" {o['/api/v1/me/']['p50_ms']} ms"
+                        f" p95 {o['/api/v1/me/']['p95_ms']} ms, /api/v1/jobs/ p50"
+                        f" {o['/api/v1/jobs/']['p50_ms']} ms"
+                        f" p95 {o['/api/v1/jobs/']['p95_ms']} ms"
+                    )
+                    url, headers = candidates[costliest]
+                    print(
+                        f"four at once of: {costliest} ({url}) for {args.seconds:g} s"
+                    )
+                    run.update(beside(base, url, headers, other_api, args.seconds))
+                    run["rss_mib_end"] = rss_mib(server.pid)
+                finally:
+                    server.terminate()
+                    server.wait(20)
+                report(run)
+                result["runs"].append(run)
     result["load_end"] = loadavg()
-    print(f"\nload: start {result['load_start']}, during {result['load_during']}")
+    print(f"\nload: start {result['load_start']}, end {result['load_end']}")
+    for run in result["runs"]:
+        me, jobs = (
+            run["others"][p]["p95_ms"] for p in ("/api/v1/me/", "/api/v1/jobs/")
+        )
+        met = "met" if max(me, jobs) < GOAL_MS else "NOT met"
+        print(
+            f"GOAL others' API p95 beside four of {result['costliest']!r}:"
+            f" /api/v1/me/ {me:g} ms, /api/v1/jobs/ {jobs:g} ms (goal < {GOAL_MS} ms:"
+            f" {met}) [{run['variant']}, round {run['round']};"
+            f" alone {run['others_alone']['/api/v1/me/']['p95_ms']:g} /"
+            f" {run['others_alone']['/api/v1/jobs/']['p95_ms']:g} ms;"
+            f" load {run['load_during'][1].split()[0]}]"
+        )
     (args.out_dir / "bounded_cost.json").write_text(json.dumps(result, indent=2))
     return 0
+
+
+def measure_alone(
+    client: httpx.Client, candidates: dict[str, tuple[str, dict[str, str]]], repeat: int
+) -> dict[str, Any]:
+    """Each candidate alone, the median of ``repeat``; printed."""
+    alone: dict[str, Any] = {}
+    print(f"alone (median of {repeat}):")
+    for label, (url, headers) in candidates.items():
+        runs = [timed(client, url, headers) for _ in range(repeat)]
+        ms = statistics.median(r[0] for r in runs) * 1000
+        alone[label] = {
+            "url": url,
+            "status": runs[-1][2],
+            "ms": round(ms, 1),
+            "bytes": runs[-1][1],
+        }
+        print(f"  {label:48} {runs[-1][2]}  {ms:8.1f} ms  {runs[-1][1]:>10,} bytes")
+    return alone
+
+
+def report(run: dict[str, Any]) -> None:
+    h = run["heavy"]
+    print(
+        f"  member's requests: {h['answered_200']} answered (p50"
+        f" {h['p50_ms']} ms, max {h['max_ms']} ms), {h['refused_429']}"
+        " refused 429 by the per-client cap and tried again"
+    )
+    for path, o in run["others"].items():
+        print(
+            f"  other user {path:16} n={o['requests']:4} {o['statuses']}"
+            f"  p50 {o['p50_ms']} ms  p95 {o['p95_ms']} ms  max {o['max_ms']} ms"
+        )
+    print(
+        f"  web RSS: {run['rss_mib_start']} MiB at start, {run['rss_mib_end']} after"
+        f" the concurrent ones; load {run['load_during']}"
+    )
 
 
 if __name__ == "__main__":

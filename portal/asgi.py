@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 
+from django.conf import settings
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
@@ -19,6 +21,9 @@ os.environ.setdefault("GPULAB_DB_POOL", "1")
 django_asgi_app = get_asgi_application()
 if not _pool_was_set:
     del os.environ["GPULAB_DB_POOL"]
+# A light request's thread waits about a switch interval for the GIL at each
+# step while a heavy render runs (portal/gate.py).
+sys.setswitchinterval(settings.GPULAB_WEB_SWITCH_INTERVAL_MS / 1000)
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402

@@ -317,7 +317,7 @@ REST_FRAMEWORK: dict[str, Any] = {
     "DEFAULT_THROTTLE_CLASSES": ["portal.api.throttling.RedisRateThrottle"],
     "DEFAULT_PARSER_CLASSES": ["portal.api.parsers.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
-        "rest_framework.renderers.JSONRenderer",
+        "portal.api.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -352,8 +352,9 @@ GPULAB_API_MAX_BODY_BYTES = envint(
     "GPULAB_API_MAX_BODY_BYTES", 256 * 1024, minimum=1024, maximum=16 * 1024 * 1024
 )
 # Requests running in Django at once per web process: API calls (/api/) and
-# everything else (pages) in separate lanes, pages first (while one runs, API
-# calls start one at a time); the rest wait in the event loop, and
+# everything else (pages) in separate lanes, pages first (while one runs, other
+# clients' light API calls start one at a time); the rest wait in the event loop
+# (per client and heavy requests: portal/settings_limits.py), and
 # a lane with GPULAB_WEB_QUEUE already waiting answers 503 with Retry-After
 # (portal/gate.py). Each running request holds a thread and a database connection.
 GPULAB_WEB_API_CONCURRENCY = envint("GPULAB_WEB_API_CONCURRENCY", 4, minimum=1)

@@ -5,7 +5,7 @@ of holding a worker and its memory for everyone else). Imported at the end of
 
 from __future__ import annotations
 
-from portal.settings_env import envint
+from portal.settings_env import envfloat, envint
 
 # The Usage page, its CSV export and ``GET /api/v1/usage/``: UTC days one request
 # may span, both ends included (a year and a day by default, so a whole leap year
@@ -23,4 +23,23 @@ GPULAB_API_MAX_OFFSET = envint(
 # an event each time.
 GPULAB_JOB_EVENTS_MAX = envint(
     "GPULAB_JOB_EVENTS_MAX", 1000, minimum=10, maximum=100_000
+)
+# The web process's gate (portal/gate.py): requests one client (token, else
+# session, else address) runs at once, pages and API calls together; the rest of
+# its requests wait, and a freed place goes first to the client running fewest
+# (0: no cap).
+GPULAB_WEB_RUNNING_PER_CLIENT = envint(
+    "GPULAB_WEB_RUNNING_PER_CLIENT", 2, minimum=0, maximum=1000
+)
+# Heavy requests (a list page of more than 100 rows, the Usage CSV) running at
+# once in a web process, both lanes together; the others wait (0: no cap). Each
+# holds the GIL for long stretches, slowing every other request of the process.
+GPULAB_WEB_HEAVY_CONCURRENCY = envint(
+    "GPULAB_WEB_HEAVY_CONCURRENCY", 1, minimum=0, maximum=1000
+)
+# How often, in ms, the web process's interpreter hands the GIL from a running
+# thread to a waiting one (Python's default: 5). A heavy render runs long
+# stretches of Python code; a light request waits about this long at each step.
+GPULAB_WEB_SWITCH_INTERVAL_MS = envfloat(
+    "GPULAB_WEB_SWITCH_INTERVAL_MS", 5.0, minimum=0.1, maximum=100.0
 )

@@ -55,9 +55,10 @@ def test_a_burst_of_requests_holds_at_most_the_pools_connections(
         PGAPPNAME=APP,
         GPULAB_DB_POOL_MAX=str(POOL_MAX),
         # the burst is about connections, not the per-token rate limit nor the
-        # cap on one client's calls at once
+        # caps on one client's calls at once
         GPULAB_API_RATE_LIMIT="1000",
         GPULAB_WEB_API_PER_CLIENT="0",
+        GPULAB_WEB_RUNNING_PER_CLIENT="0",
     )
     _token, secret = create_token(alice, "burst", None)
 
