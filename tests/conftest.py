@@ -41,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     }
     # Processes started by tests (ASGI server, worker, agents) inherit these.
     os.environ["GPULAB_REDIS_PREFIX"] = REDIS_PREFIX
+    _install_table_reset()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -68,24 +69,145 @@ def django_db_modify_db_settings() -> None:
         db_settings.setdefault("TEST", {})["NAME"] = TEST_DB_NAME
 
 
-@pytest.fixture(autouse=True)
-def _samples_flushed(
-    request: pytest.FixtureRequest, django_db_blocker: Any
-) -> Iterator[None]:
-    """After a test that commits (``transaction=True``, the e2e stack), empty the
-    GPU samples: Django's flush after it empties the tables of managed models
-    only, and ``scheduler_gpusample`` (day partitions, ``managed = False``) would
-    carry its samples into whichever test runs next."""
-    yield
-    marker = request.node.get_closest_marker("django_db")
-    commits = "transactional_db" in request.fixturenames or (
-        marker is not None and marker.kwargs.get("transaction", False)
-    )
-    if commits:
-        from django.db import connection
+# ------------------------------------------------------------------ database reset
 
-        with django_db_blocker.unblock(), connection.cursor() as cursor:
-            cursor.execute("TRUNCATE scheduler_gpusample")
+
+class _TableReset:
+    """How a test that commits (``transaction=True``, ``transactional_db``, the e2e
+    stack, ``live_server``) leaves the database: as Django's flush does, for less.
+
+    The flush empties every managed table with one ``TRUNCATE`` and then emits
+    ``post_migrate``, whose receivers recreate every content type and permission:
+    ~1.5 s per test on a loaded 2-core machine, most of the cost of such a test's
+    teardown. The first flush of a worker is that real one; the rows it leaves
+    (what ``post_migrate`` made) are remembered with a digest of their contents.
+    Later resets ``DELETE`` from the tables that have rows, except those, in one
+    transaction (Django's foreign keys are deferred: checked at commit), and check
+    that the remembered rows are still exactly as the flush left them; when a test
+    changed them, the real flush runs again. Either way the next test finds what
+    the flush would leave, and also an empty ``scheduler_gpusample`` (day
+    partitions, ``managed = False``: no flush empties it), whose samples would
+    otherwise reach whichever test runs next."""
+
+    def __init__(self) -> None:
+        # database alias -> {table: digest of its rows} after the last real flush
+        self.kept: dict[str, dict[str, str]] = {}
+
+    @staticmethod
+    def tables(connection: Any) -> list[str]:
+        """Every model's table (managed or not) that exists as a table."""
+        from django.apps import apps
+
+        existing = set(connection.introspection.table_names(include_views=False))
+        return sorted(
+            {
+                model._meta.db_table
+                for model in apps.get_models(include_auto_created=True)
+                if model._meta.db_table in existing
+            }
+        )
+
+    @staticmethod
+    def with_rows(cursor: Any, connection: Any, tables: list[str]) -> list[str]:
+        if not tables:
+            return []
+        quote = connection.ops.quote_name
+        cursor.execute(
+            " UNION ALL ".join(
+                f"SELECT %s FROM (SELECT 1 FROM {quote(t)} LIMIT 1) AS s"
+                for t in tables
+            ),
+            tables,
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+    @staticmethod
+    def digests(cursor: Any, connection: Any, tables: list[str]) -> dict[str, str]:
+        if not tables:
+            return {}
+        quote = connection.ops.quote_name
+        cursor.execute(
+            " UNION ALL ".join(
+                f"SELECT %s, md5(coalesce(string_agg(r::text, ',' ORDER BY r::text),"
+                f" '')) FROM {quote(t)} AS r"
+                for t in tables
+            ),
+            tables,
+        )
+        return dict(cursor.fetchall())
+
+    def delete_rows(self, alias: str, keep: dict[str, str] | None) -> bool:
+        """Empty every table with rows except ``keep``'s, unless a table of
+        ``keep`` no longer has the digest given: then change nothing, False."""
+        from django.db import DatabaseError, connections, transaction
+
+        connection = connections[alias]
+        quote = connection.ops.quote_name
+        kept = keep or {}
+        try:
+            with transaction.atomic(using=alias), connection.cursor() as cursor:
+                if self.digests(cursor, connection, sorted(kept)) != kept:
+                    return False
+                tables = [t for t in self.tables(connection) if t not in kept]
+                cursor.execute("SET CONSTRAINTS ALL DEFERRED")
+                for table in self.with_rows(cursor, connection, tables):
+                    cursor.execute(f"DELETE FROM {quote(table)}")
+        except DatabaseError:  # a foreign key not deferrable: the flush's TRUNCATE
+            return False
+        return True
+
+    def flush(self, alias: str) -> None:
+        """Django's flush (``post_migrate`` included), the unmanaged tables
+        emptied, and the rows left remembered."""
+        from django.core.management import call_command
+        from django.db import connections
+
+        call_command(
+            "flush",
+            verbosity=0,
+            interactive=False,
+            database=alias,
+            reset_sequences=False,
+        )
+        connection = connections[alias]
+        flushed = set(
+            connection.introspection.django_table_names(
+                only_existing=True, include_views=False
+            )
+        )
+        with connection.cursor() as cursor:
+            tables = self.tables(connection)
+            for table in self.with_rows(cursor, connection, tables):
+                if table not in flushed:  # unmanaged
+                    cursor.execute(f"DELETE FROM {connection.ops.quote_name(table)}")
+            left = self.with_rows(cursor, connection, tables)
+            self.kept[alias] = self.digests(cursor, connection, left)
+
+    def reset(self, alias: str) -> None:
+        keep = self.kept.get(alias)
+        if keep is None or not self.delete_rows(alias, keep):
+            self.flush(alias)
+
+
+_TABLE_RESET = _TableReset()
+
+
+def _install_table_reset() -> None:
+    """Route ``TransactionTestCase``'s flush (pytest-django's transactional tests)
+    through ``_TABLE_RESET``; the cases it does not cover (``available_apps``,
+    serialized rollback: none here) keep Django's own."""
+    from django.test import TransactionTestCase
+
+    flush = TransactionTestCase._fixture_teardown
+
+    def _fixture_teardown(self: TransactionTestCase) -> None:
+        if self.available_apps is not None or self.serialized_rollback:
+            flush(self)
+            return
+        for alias in self._databases_names(include_mirrors=False):
+            _TABLE_RESET.reset(alias)
+
+    TransactionTestCase._fixture_teardown = _fixture_teardown  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)

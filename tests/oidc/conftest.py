@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 
-from tests.e2e.conftest import ROOT, Proc, free_port, stack  # noqa: F401
+from tests.e2e.conftest import ROOT, Proc, free_port, stack, stop_all  # noqa: F401
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -126,8 +126,7 @@ def provider() -> Iterator[Provider]:
         p.serve(port)
         yield p
     finally:
-        for proc in p.procs:
-            proc.stop()
+        stop_all(p.procs)
         with psycopg.connect(
             _with_database(server_url, "postgres"), autocommit=True
         ) as conn:
