@@ -12,7 +12,8 @@ a JupyterLab page load (dozens of requests) never queues other users' pages.
   answer is kept ``CACHE_S`` seconds per session and job, so a page load costs
   one lookup, and a job that ends is refused within that time.
 - **Secrets**: the portal presents the job's token (``Authorization: token``)
-  to JupyterLab; the browser never sees it. The portal's own cookies (session,
+  to JupyterLab; the browser never sees it (JupyterLab writes it into its HTML
+  pages' configuration: the proxy takes it out of every HTML response). The portal's own cookies (session,
   CSRF) are not forwarded: a JupyterLab runs the user's code, and must never see
   the session of a staff member who opens it.
 - **Cross-site requests**: a request whose ``Origin`` is not this host (a form
@@ -211,15 +212,19 @@ class InteractiveProxy:
             await _page(send, starting)
             return
         try:
+            headers = [
+                (k, v)
+                for k, v in response.headers.raw
+                if k.lower().decode("latin-1") not in HOP_BY_HOP
+            ]
+            if response.headers.get("content-type", "").startswith("text/html"):
+                await _send_scrubbed(send, response, headers, target.token)
+                return
             await send(
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": [
-                        (k, v)
-                        for k, v in response.headers.raw
-                        if k.lower().decode("latin-1") not in HOP_BY_HOP
-                    ],
+                    "headers": headers,
                 }
             )
             async for chunk in response.aiter_raw():
@@ -361,13 +366,15 @@ def _same_origin(scope: Scope) -> bool:
 
 
 def _forward_headers(scope: Scope, target: Target) -> list[tuple[bytes, bytes]]:
-    """The browser's headers minus hop-by-hop ones and the portal's cookies, plus
-    the token; JupyterLab's own cookies (its XSRF cookie) pass."""
+    """The browser's headers minus hop-by-hop ones, the portal's cookies and
+    ``Accept-Encoding`` (pages come back plain, so the token can be taken out of
+    them: ``_send_scrubbed``), plus the token; JupyterLab's own cookies pass."""
     portal_cookies = {settings.SESSION_COOKIE_NAME, settings.CSRF_COOKIE_NAME}
     headers = [
         (k, v)
         for k, v in scope["headers"]
         if k.lower().decode("latin-1") not in HOP_BY_HOP
+        and k.lower() != b"accept-encoding"
     ]
     raw = _header(scope, b"cookie")
     if raw:
@@ -388,6 +395,28 @@ def _upstream_url(scheme: str, target: Target, scope: Scope) -> str:
     query = scope.get("query_string") or b""
     url = f"{scheme}://{host}:{target.port}{path.decode('latin-1')}"
     return url + (f"?{query.decode('latin-1')}" if query else "")
+
+
+async def _send_scrubbed(
+    send: Send,
+    response: httpx.Response,
+    headers: list[tuple[bytes, bytes]],
+    token: str,
+) -> None:
+    """An HTML page with the token taken out: JupyterLab writes its token into
+    its pages' configuration (``page_config``), which would hand it to the
+    browser; without it the page's scripts send none, and the proxy adds it."""
+    body = (await response.aread()).replace(token.encode(), b"")
+    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": headers,
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _body(receive: Receive) -> AsyncIterator[bytes]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Count
@@ -518,7 +519,7 @@ def submit_job(owner: User, req: JobRequest) -> Job:
     predicted = predict_runtime(owner.pk, fields["workload"])
     with transaction.atomic():
         if req.interactive:
-            type(owner).objects.select_for_update().filter(pk=owner.pk).first()
+            get_user_model().objects.select_for_update().filter(pk=owner.pk).first()
             _check_interactive_cap(owner)
             fields["interactive_token"] = secrets.token_urlsafe(32)
         group = _charge_group(owner, req.group)
