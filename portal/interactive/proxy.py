@@ -41,6 +41,7 @@ import httpx
 import websockets
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.shortcuts import resolve_url
 
 from portal.interactive.access import Refusal, Target, resolve
 
@@ -154,10 +155,15 @@ class InteractiveProxy:
 
     # ------------------------------------------------------------ access
 
-    async def _target(self, scope: Scope, job_id: int) -> Target | Refusal:
+    async def _target(
+        self, scope: Scope, job_id: int, *, fresh: bool = False
+    ) -> Target | Refusal:
+        """The lookup for this session and job (``fresh``: not the kept one)."""
         key = _cookie(scope, settings.SESSION_COOKIE_NAME)
         now = time.monotonic()
-        if key is not None:
+        if key is not None and fresh:
+            self._cache.pop((key, job_id), None)
+        elif key is not None:
             hit = self._cache.get((key, job_id))
             if hit is not None and hit[0] > now:
                 return hit[1]
@@ -202,6 +208,11 @@ class InteractiveProxy:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
+            # The job may have ended since its lookup was kept: ask again.
+            again = await self._target(scope, target.job_id, fresh=True)
+            if isinstance(again, Refusal):
+                await _page(send, again)
+                return
             starting = Refusal(
                 502,
                 "JupyterLab does not answer",
@@ -260,7 +271,9 @@ class InteractiveProxy:
                 user_agent_header=None,
             )
         except (OSError, websockets.InvalidHandshake, TimeoutError):
-            await send({"type": "websocket.close", "code": 1011})
+            again = await self._target(scope, target.job_id, fresh=True)
+            code = 4000 + again.status if isinstance(again, Refusal) else 1011
+            await send({"type": "websocket.close", "code": code})
             return
         async with upstream:
             await send(
@@ -278,7 +291,8 @@ class InteractiveProxy:
             return
         if refusal.login:
             path = scope["path"]
-            await _redirect(send, f"{settings.LOGIN_URL}?next={quote(path)}")
+            login = resolve_url(settings.LOGIN_URL)
+            await _redirect(send, f"{login}?next={quote(path)}")
             return
         await _page(send, refusal)
 

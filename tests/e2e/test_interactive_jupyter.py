@@ -69,7 +69,8 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
     jupyter_stack(stack)
 
     with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        context = browser.new_context(viewport={"width": 1400, "height": 900})
+        page = context.new_page()
         log_in(page, stack.base_url, "alice", "pw-alice")
         page.goto(f"{stack.base_url}/jobs/new/")
         page.get_by_test_id("start-jupyter").click()
@@ -83,12 +84,13 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
         open_button = page.get_by_test_id("open-interactive")
         expect(open_button).to_be_visible(timeout=WAIT_MS)
         assert open_button.get_attribute("href") == f"/interactive/{job_id}/lab"
+        page.reload()  # the request's facts are not live: the command that ran
         expect(page.get_by_test_id("interactive-command")).to_contain_text(
             f"{Path(sys.executable).parent}/jupyter lab"
         )
         assert token not in page.content()
 
-        lab = browser.new_page(viewport={"width": 1400, "height": 900})
+        lab = context.new_page()  # a tab beside it: the same session
         seen: list[str] = []
         lab.on("response", lambda r: seen.append(r.url))
         lab.goto(f"{stack.base_url}/interactive/{job_id}/lab")
@@ -130,7 +132,11 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
     owner = login(stack.base_url, "alice", "pw-alice")
     assert owner.get(f"/interactive/{job_id}/api/status").status_code == 200
     anonymous = owner.__class__(base_url=stack.base_url)
-    assert anonymous.get(f"/interactive/{job_id}/lab").status_code == 302
+    signin = anonymous.get(f"/interactive/{job_id}/lab")
+    assert signin.status_code == 302
+    assert signin.headers["location"] == (
+        f"/accounts/login/?next=/interactive/{job_id}/lab"
+    )
 
     owner.post(
         f"/jobs/{job_id}/cancel/",
