@@ -96,3 +96,84 @@ def test_starting_is_said_until_the_agent_reports_the_server(
     page = client_of(client, alice).get(f"/jobs/{job.pk}/").content.decode()
     assert "open-interactive" not in page
     assert "JupyterLab is starting" in page
+
+
+# ---------------------------------------------------------------- the API
+
+
+def api_client(client: Client, user: User) -> Client:
+    client.force_login(user)
+    return client
+
+
+def test_the_api_submits_an_interactive_job_with_the_field(
+    client: Client, alice: User, cluster: list[Any]
+) -> None:
+    api = api_client(client, alice)
+    made = api.post(
+        "/api/v1/jobs/",
+        {"interactive": "jupyter", "gpus": 2, "time_limit_s": 3600},
+        content_type="application/json",
+    )
+    assert made.status_code == 201, made.content
+    body = made.json()
+    job = Job.objects.get(pk=body["id"])
+    assert (body["interactive"], body["priority_class"]) == ("jupyter", "interactive")
+    assert body["interactive_url"] == f"/interactive/{job.pk}/"
+    assert body["command"] == "jupyter lab" and body["name"] == "JupyterLab"
+    assert job.interactive_token not in made.content.decode()
+    assert (
+        job.interactive_token not in api.get(f"/api/v1/jobs/{job.pk}/").content.decode()
+    )
+
+    again = api.post(
+        "/api/v1/jobs/", {"interactive": "shell"}, content_type="application/json"
+    )
+    assert again.status_code == 400
+    assert f"#{job.pk}" in " ".join(again.json()["fields"]["interactive"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"command": "rm -rf ~"}, "command"),
+        ({"env": {"A": "1"}}, "env"),
+        ({"checkpointable": True}, "checkpointable"),
+        ({"priority_class": "high"}, "priority_class"),
+    ],
+)
+def test_the_api_refuses_what_gpulab_sets_for_an_interactive_job(
+    client: Client, alice: User, cluster: list[Any], extra: dict[str, Any], field: str
+) -> None:
+    refused = api_client(client, alice).post(
+        "/api/v1/jobs/",
+        {"interactive": "jupyter", **extra},
+        content_type="application/json",
+    )
+    assert refused.status_code == 400
+    assert field in refused.json()["fields"]
+    assert not Job.objects.exists()
+
+
+def test_a_batch_job_still_needs_its_name_and_command_and_not_the_interactive_class(
+    client: Client, alice: User, cluster: list[Any]
+) -> None:
+    api = api_client(client, alice)
+    refused = api.post("/api/v1/jobs/", {}, content_type="application/json")
+    assert refused.status_code == 400
+    assert {"name", "command"} <= set(refused.json()["fields"])
+    refused = api.post(
+        "/api/v1/jobs/",
+        {"name": "x", "command": "true", "priority_class": "interactive"},
+        content_type="application/json",
+    )
+    assert refused.status_code == 400
+    assert "priority_class" in refused.json()["fields"]
+    assert not Job.objects.exists()
+
+
+def test_another_user_gets_404_for_the_job_in_the_api(
+    client: Client, alice: User, bob: User, cluster: list[Any]
+) -> None:
+    job = services.submit_job(alice, services.interactive_request("jupyter"))
+    assert api_client(client, bob).get(f"/api/v1/jobs/{job.pk}/").status_code == 404
