@@ -7,17 +7,17 @@ the server's, and comes back as an error naming the option at fault. Exit
 codes: ``portal.cli.errors``.
 
 The group and what the commands share are in ``portal.cli.app``; the commands
-in ``account`` (login, logout, whoami, usage), ``submit``, ``jobs`` (ls,
-queue, show, cancel) and ``watch`` (logs, top). Importing them here registers
+in ``account`` (login, logout, whoami, usage), ``submit``, ``interactive``
+(jupyter), ``jobs`` (ls, queue, show, cancel) and ``watch`` (logs, top). Importing them here registers
 them on ``cli``.
 """
 
 from __future__ import annotations
 
-from portal.cli import account, jobs, submit, watch
+from portal.cli import account, interactive, jobs, submit, watch
 from portal.cli.app import cli
 
-__all__ = ["account", "cli", "jobs", "main", "submit", "watch"]
+__all__ = ["account", "cli", "interactive", "jobs", "main", "submit", "watch"]
 
 
 def main() -> None:
