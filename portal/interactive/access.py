@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth import get_user
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 
 from scheduler import services
 from scheduler.models import Job
@@ -80,7 +80,9 @@ def resolve(session_key: str | None, job_id: int) -> Target | Refusal:
             services.audit_staff_open(job, user)  # type: ignore[arg-type]
         return _target(job, user.pk)
     finally:
-        close_old_connections()
+        # Back to the pool (the web process runs with one): this thread holds
+        # no connection between lookups.
+        connections.close_all()
 
 
 def _target(job: Job, user_id: int) -> Target | Refusal:

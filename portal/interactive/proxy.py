@@ -399,6 +399,7 @@ def _forward_headers(scope: Scope, target: Target) -> list[tuple[bytes, bytes]]:
                 kept.append(part.strip())
         if kept:
             headers.append((b"cookie", "; ".join(kept).encode("latin-1")))
+    headers.append((b"accept-encoding", b"identity"))
     headers.append((b"authorization", f"token {target.token}".encode("ascii")))
     return headers
 
