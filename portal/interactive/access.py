@@ -77,7 +77,7 @@ def resolve(session_key: str | None, job_id: int) -> Target | Refusal:
         if job.owner_id != user.pk:
             if not user.has_perm(OPEN_ANY):
                 return NOT_FOUND
-            services.audit_staff_open(job, user)  # type: ignore[arg-type]
+            services.audit_staff_open(job, user)
         return _target(job, user.pk)
     finally:
         # Back to the pool (the web process runs with one): this thread holds

@@ -49,10 +49,9 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 
     Scope = MutableMapping[str, Any]
-    Message = MutableMapping[str, Any]
-    Receive = Callable[[], Awaitable[Message]]
-    Send = Callable[[Message], Awaitable[None]]
-    AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+    Receive = Callable[[], Awaitable[Any]]
+    Send = Callable[[Any], Awaitable[None]]
+    AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 PREFIX = "/interactive/"
 _PATH = re.compile(r"^/interactive/(\d{1,12})(/.*)?$")

@@ -17,7 +17,7 @@ from scheduler import classes, services
 from scheduler.models import Attempt, Job
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+    from django.contrib.auth.models import AnonymousUser, User
     from django.http import HttpResponse
 
     from portal.http import AuthenticatedHttpRequest
@@ -30,7 +30,7 @@ def open_url(job_id: int) -> str:
 
 
 def job_page_context(
-    job: Job, attempt: Attempt | None, user: AbstractBaseUser | AnonymousUser
+    job: Job, attempt: Attempt | None, user: User | AnonymousUser
 ) -> dict[str, Any]:
     """For the job page: whether to offer **Open** (a running JupyterLab whose
     server the agent reported, to its owner or a staff member allowed to open

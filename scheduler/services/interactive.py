@@ -45,6 +45,7 @@ def live_server(job: Job) -> Server | None:
     if row is None:
         return None
     host, port, command = row
+    assert port is not None  # filtered above
     return Server(host, port, job.interactive_token, command)
 
 

@@ -119,7 +119,7 @@ def call(
     cookies = f"sessionid={session}; csrftoken=csrf1; _xsrf=abc" if session else ""
 
     async def run() -> httpx.Response:
-        transport = httpx.ASGITransport(app=proxy)  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=proxy)
         async with httpx.AsyncClient(
             transport=transport, base_url=f"http://{HOST}"
         ) as client:
@@ -276,7 +276,7 @@ def test_websockets_are_relayed_and_the_cap_answers_503(
         while not any(m.get("text") == "echo:hello" for m in sent):
             await asyncio.sleep(0.01)
         # The socket holds the job's one place: a page request is refused.
-        transport = httpx.ASGITransport(app=p)  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=p)
         async with httpx.AsyncClient(
             transport=transport, base_url=f"http://{HOST}"
         ) as client:
