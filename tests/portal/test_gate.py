@@ -225,8 +225,13 @@ def test_websockets_pass_through_uncounted() -> None:
 def test_the_asgi_application_puts_http_through_the_gate(settings: Any) -> None:
     from portal.asgi import application
     from portal.gate import ConcurrencyGate
+    from portal.interactive.proxy import InteractiveProxy
 
-    http = application.application_mapping["http"]
+    # Interactive jobs' proxy first (it streams outside the lanes), then the gate.
+    proxy = application.application_mapping["http"]
+    assert isinstance(proxy, InteractiveProxy)
+    assert proxy is application.application_mapping["websocket"]
+    http = proxy.apps["http"]
     assert isinstance(http.app, ConcurrencyGate)
     assert http.app.api.limit == settings.GPULAB_WEB_API_CONCURRENCY
     assert http.app.pages.limit == settings.GPULAB_WEB_PAGE_CONCURRENCY
@@ -348,7 +353,7 @@ def test_a_client_is_its_token_else_its_session_else_its_address(settings: Any) 
 def test_the_asgi_gate_caps_each_client_by_the_setting(settings: Any) -> None:
     from portal.asgi import application
 
-    http = application.application_mapping["http"]
+    http = application.application_mapping["http"].apps["http"]
     assert http.app.api.per_client == settings.GPULAB_WEB_API_PER_CLIENT
     assert http.app.pages.per_client == 0
 
