@@ -177,3 +177,16 @@ def test_another_user_gets_404_for_the_job_in_the_api(
 ) -> None:
     job = services.submit_job(alice, services.interactive_request("jupyter"))
     assert api_client(client, bob).get(f"/api/v1/jobs/{job.pk}/").status_code == 404
+
+
+def test_the_admin_shows_no_token(
+    client: Client, alice: User, admin_user: User, cluster: list[Any]
+) -> None:
+    job = running_jupyter(alice, cluster[0])
+    admin_user.is_superuser = True
+    admin_user.save()
+    page = client_of(client, admin_user).get(f"/admin/scheduler/job/{job.pk}/change/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "jupyter" in text
+    assert job.interactive_token not in text
