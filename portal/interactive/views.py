@@ -70,6 +70,12 @@ class JupyterForm(forms.Form):
         min_value=0.01, required=False, label="Time limit (hours)"
     )
     shareable = forms.BooleanField(required=False, label="May share a GPU")
+    workdir = forms.CharField(
+        required=False,
+        max_length=1024,
+        label="Working directory",
+        help_text="An absolute path (default: GPULAB_DEFAULT_WORKDIR).",
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,6 +95,7 @@ class JupyterForm(forms.Form):
             gpu_memory_mib=data.get("gpu_memory_mib"),
             time_limit_s=None if hours is None else max(1, round(hours * 3600)),
             shareable=bool(data.get("shareable")),
+            workdir=data.get("workdir") or "",
         )
 
 
@@ -127,4 +134,5 @@ _FORM_FIELDS = {
     "gpu_memory_mib": "gpu_memory_mib",
     "time_limit_s": "time_limit_h",
     "shareable": "shareable",
+    "workdir": "workdir",
 }

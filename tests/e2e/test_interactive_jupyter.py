@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +50,13 @@ def jupyter_stack(stack: Stack) -> None:
     stack.start_node("lab-node", "2xA100-80GB", 2)
 
 
+def stack_workdir(account: pwd.struct_passwd) -> Path:
+    workdir = Path(tempfile.mkdtemp(prefix="gpulab-lab-", dir="/tmp"))
+    workdir.chmod(0o755)
+    os.chown(workdir, account.pw_uid, account.pw_gid)
+    return workdir
+
+
 def give_account(user: User, name: str) -> None:
     from scheduler.models import Profile
 
@@ -67,6 +76,8 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
 
     give_account(alice, account.pw_name)
     jupyter_stack(stack)
+    # A directory of the account's own: JupyterLab saves notebooks there.
+    workdir = stack_workdir(account)
 
     with chromium() as browser:
         context = browser.new_context(viewport={"width": 1400, "height": 900})
@@ -75,6 +86,7 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
         page.goto(f"{stack.base_url}/jobs/new/")
         page.get_by_test_id("start-jupyter").click()
         page.fill("input[name=gpus]", "1")
+        page.fill("input[name=workdir]", str(workdir))
         page.get_by_role("button", name="Start JupyterLab").click()
         page.wait_for_url(re.compile(r".*/jobs/\d+/$"))
         job_id = int(page.url.rstrip("/").rsplit("/", 1)[1])
@@ -95,6 +107,10 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
         lab.on("response", lambda r: seen.append(r.url))
         lab.goto(f"{stack.base_url}/interactive/{job_id}/lab")
         lab.locator('.jp-LauncherCard[data-category="Notebook"]').first.click(
+            timeout=WAIT_MS
+        )
+        # A cell run before its kernel is connected is dropped: wait for it.
+        expect(lab.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(
             timeout=WAIT_MS
         )
         cell = lab.locator(".jp-Notebook .jp-Cell .cm-content").first
@@ -146,6 +162,7 @@ def test_a_notebook_cell_runs_on_the_jobs_gpus_through_the_portal(
     gone = owner.get(f"/interactive/{job_id}/lab")
     assert gone.status_code == 410
     assert "has ended" in gone.text
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_jupyterlab_that_cannot_start_fails_the_job_with_the_reason(
