@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents import jupyter
 from agents.jobtext import normal_workdir
 from agents.progress import ProgressTracker
 from agents.protocol import ExitReason, JobLaunchData
@@ -80,6 +81,8 @@ class Job:
     seen_started: bool = field(default=False, repr=False)
     log_offset: int | None = field(default=None, repr=False)
     alive_checked: float = field(default=0.0, repr=False)
+    # An interactive job's server answered on its port (or the job has none).
+    interactive_ready: bool = field(default=False, repr=False)
     # GPULAB_PROGRESS lines read from the output shipped so far (memory only: after
     # an agent restart the output already shipped is not read again).
     progress: ProgressTracker = field(default_factory=ProgressTracker, repr=False)
@@ -164,6 +167,11 @@ class Launcher:
         try:
             self.preflight(data)
             _check_rendezvous_port(data)
+            if data.interactive == "jupyter":
+                # The shim runs JupyterLab in place of the command (agents.jupyter).
+                data, server = jupyter.prepare(data)
+                atomic_write(job_dir / "spec.json", data.model_dump_json())
+                jupyter.record(job_dir, server)
             env = dict(os.environ)
             env.pop("GPULAB_AGENT_TOKEN", None)
             shim = subprocess.Popen(
@@ -289,6 +297,9 @@ class Launcher:
         """The outcome of a command that exited with ``code``: why it stopped."""
         stop = read_text(job.dir / "stop")
         if stop is None:
+            early = jupyter.early_exit(job.dir, code)
+            if early is not None:
+                return Outcome(code, "launch_failed", early)
             return Outcome(code, "exited")
         parts = stop.split()
         reason = parts[1] if len(parts) > 1 else ""

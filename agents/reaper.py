@@ -9,6 +9,7 @@ import codecs
 import logging
 import time
 
+from agents import jupyter
 from agents import protocol as p
 from agents.core import AgentCore
 from agents.launcher import STOP_CUT_OFF, STOP_TIME_LIMIT, Job, Outcome
@@ -26,6 +27,7 @@ class Reaper(AgentCore):
         pgid = job.pgid
         assert pgid is not None
         started_at = (job.dir / "pgid").stat().st_mtime
+        server = jupyter.recorded(job.dir)
         self._durable(
             p.JobStarted,
             p.JobStartedData(
@@ -33,6 +35,9 @@ class Reaper(AgentCore):
                 job_id=job.job_id,
                 pid=pgid,
                 started_at=started_at,
+                interactive_host=server.host if server else "",
+                interactive_port=server.port if server else None,
+                interactive_command=server.command[:1024] if server else "",
             ),
         )
         if not resend:
@@ -165,6 +170,7 @@ class Reaper(AgentCore):
             # The command writes output.log before the shim has written ``pgid``:
             # no job.log goes out ahead of job.started.
             if job.started:
+                self._check_server(job)
                 self._enforce_time_limit(job)
                 self._ship_log(job, final=False)
                 self._send_progress(job)
@@ -174,6 +180,22 @@ class Reaper(AgentCore):
         self._ship_log(job, final=True)
         self._send_progress(job, final=True)  # ahead of the exit, so it is not lost
         self._report_exit(job, outcome)
+
+    @staticmethod
+    def _check_server(job: Job) -> None:
+        """An interactive job's server: note when its port first answers (an
+        exit before that is a launch failure, ``jupyter.early_exit``)."""
+        if job.interactive_ready:
+            return
+        server = jupyter.recorded(job.dir)
+        job.interactive_ready = server is None or jupyter.check_ready(job.dir, server)
+        if job.interactive_ready and server is not None:
+            log.info(
+                "attempt %d: JupyterLab listening on %s:%d",
+                job.attempt_id,
+                server.host,
+                server.port,
+            )
 
     def _enforce_time_limit(self, job: Job) -> None:
         deadline = job.deadline

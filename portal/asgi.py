@@ -33,6 +33,7 @@ from django.urls import path  # noqa: E402
 from portal.api.middleware import BodyLimit  # noqa: E402
 from portal.consumers import DashboardConsumer  # noqa: E402
 from portal.gate import ConcurrencyGate  # noqa: E402
+from portal.interactive.proxy import InteractiveProxy  # noqa: E402
 from portal.terminal.consumers import TerminalConsumer  # noqa: E402
 from scheduler.consumers import AgentConsumer  # noqa: E402
 from scheduler.services.presence import hear_agents  # noqa: E402
@@ -83,12 +84,19 @@ async def _lifespan(scope, receive, send):  # type: ignore[no-untyped-def]
             return
 
 
+# Interactive jobs' JupyterLab (/interactive/<id>/...), HTTP and websockets,
+# goes to the proxy ahead of the gate and the browser router: it streams on the
+# event loop with its own cap per job (portal/interactive/proxy.py).
+interactive = InteractiveProxy(
+    http=BodyLimit(ConcurrencyGate(django_asgi_app)), websocket=_websocket_router
+)
+
 application = ProtocolTypeRouter(
     # The API's body limit holds before Django's handler reads the body, and
     # before the request waits for its turn (a slow body holds no slot).
     {
-        "http": BodyLimit(ConcurrencyGate(django_asgi_app)),
-        "websocket": _websocket_router,
+        "http": interactive,
+        "websocket": interactive,
         "lifespan": _lifespan,
     }
 )

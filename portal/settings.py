@@ -336,6 +336,7 @@ SPECTACULAR_SETTINGS: dict[str, Any] = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "portal.api.schema.query_values_not_empty",
+        "portal.api.schema.job_request_kinds",
     ],
     # /api/v1/docs/ loads Swagger UI from this server (drf-spectacular-sidecar):
     # it works offline, and a page carrying the session runs no third-party script.

@@ -9,6 +9,7 @@ from django.urls import include, path
 from portal.accounting import views as accounting
 from portal.api import pages as api_pages
 from portal.directory.views import DirectoryLoginView
+from portal.interactive import views as interactive
 from portal.notifications import views as notifications
 from portal.prometheus import views as prometheus
 from portal.terminal import views as terminal
@@ -31,6 +32,7 @@ urlpatterns = [
     ),
     path("jobs/", jobs.job_list, name="portal-jobs"),
     path("jobs/new/", jobs.job_new, name="portal-job-new"),
+    path("jobs/jupyter/", interactive.jupyter_new, name="portal-jupyter-new"),
     path("jobs/<int:job_id>/", jobs.job_detail, name="portal-job"),
     path("jobs/<int:job_id>/series/", jobs.job_series, name="portal-job-series"),
     path("jobs/<int:job_id>/cancel/", jobs.job_cancel, name="portal-job-cancel"),

@@ -134,6 +134,8 @@ class JobAdmin(admin.ModelAdmin[Job]):
     list_select_related = ("owner", "group")
     search_fields = ("=id", "name", "owner__username", "workload", "command")
     date_hierarchy = "submitted_at"
+    # An interactive job's secret is shown to no one, staff included.
+    exclude = ("interactive_token",)
     readonly_fields = (
         "status",
         "priority_class",
@@ -191,7 +193,9 @@ class JobAdmin(admin.ModelAdmin[Job]):
         rest = [
             f.name
             for f in Job._meta.fields
-            if f.name not in editable and f.name not in self.readonly_fields
+            if f.name not in editable
+            and f.name not in self.readonly_fields
+            and f.name not in self.exclude
         ]
         return (*self.readonly_fields, *rest)
 

@@ -31,3 +31,27 @@ def _not_blank(schema: dict[str, Any]) -> dict[str, Any]:
         return schema
     outer = {k: v for k, v in schema.items() if k != "oneOf"}
     return {**outer, **branches[0]}
+
+
+def job_request_kinds(result: dict[str, Any], **_: Any) -> dict[str, Any]:
+    """A job request is a batch job (``name`` and ``command`` required) or an
+    interactive one (``interactive`` jupyter or shell, none of the fields gpulab
+    sets for it: ``serializers.INTERACTIVE_SETS``); OpenAPI 3.0 says so with
+    ``anyOf``."""
+    from portal.api.serializers import INTERACTIVE_SETS
+
+    schema = result.get("components", {}).get("schemas", {}).get("JobRequestRequest")
+    if schema is None:
+        return result
+    schema["anyOf"] = [
+        {
+            "required": ["name", "command"],
+            "properties": {"interactive": {"enum": [""]}},
+        },
+        {
+            "required": ["interactive"],
+            "properties": {"interactive": {"enum": ["jupyter", "shell"]}},
+            "not": {"anyOf": [{"required": [name]} for name in INTERACTIVE_SETS]},
+        },
+    ]
+    return result

@@ -179,7 +179,13 @@ def _matching(pattern: str, message: str) -> Matching:
 
 
 LINE = "no control or bidirectional-text characters"
-CLASSES = list(settings.GPULAB_PRIORITY_CLASSES)
+# The classes a request may name: an interactive job's class is implied by
+# ``interactive`` (a batch job may not choose it).
+CLASSES = [
+    name
+    for name, spec in settings.GPULAB_PRIORITY_CLASSES.items()
+    if not spec.get("interactive")
+]
 MAX_TIME_LIMIT_S = max(
     int(c["max_time_limit"]) for c in settings.GPULAB_PRIORITY_CLASSES.values()
 )
@@ -229,6 +235,25 @@ class Env(serializers.DictField):
         return dict(super().to_internal_value(data))
 
 
+# What an interactive job's request may not name (gpulab sets it): refused by
+# the view, forbidden by the schema (``schema.job_request_kinds``).
+INTERACTIVE_SETS = (
+    "command",
+    "env",
+    "priority_class",
+    "gpu_model",
+    "slowdown_cap",
+    "evictable",
+    "workload",
+    "kill_grace_s",
+    "requeue_on_node_loss",
+    "after",
+    "checkpointable",
+    "checkpoint_signal",
+    "checkpoint_grace_s",
+)
+
+
 class JobRequestSerializer(serializers.Serializer[Any]):
     """A job to submit (``services.JobRequest``). Each field's JSON type is
     strict, and its static limits (lengths, ranges, characters, choices) are
@@ -239,6 +264,10 @@ class JobRequestSerializer(serializers.Serializer[Any]):
     name = Text(
         max_length=128,
         allow_blank=False,
+        required=False,
+        default="",
+        help_text="Required for a batch job (an interactive job's default:"
+        " JupyterLab, terminal).",
         validators=[
             _matching(
                 _no_chars(CONTROLS + BIDI, non_blank=True),
@@ -249,8 +278,11 @@ class JobRequestSerializer(serializers.Serializer[Any]):
     command = Text(
         max_length=settings.GPULAB_MAX_COMMAND_BYTES,
         allow_blank=False,
-        help_text="Run by /bin/sh in the working directory; at most"
-        f" {settings.GPULAB_MAX_COMMAND_BYTES} bytes of UTF-8.",
+        required=False,
+        default="",
+        help_text="Required for a batch job, left out for an interactive one"
+        " (gpulab writes its command). Run by /bin/sh in the working directory;"
+        f" at most {settings.GPULAB_MAX_COMMAND_BYTES} bytes of UTF-8.",
         validators=[
             _matching(
                 _no_chars(CONTROLS_BUT_LINES, non_blank=True),
@@ -258,6 +290,18 @@ class JobRequestSerializer(serializers.Serializer[Any]):
                 " tab and line breaks).",
             )
         ],
+    )
+    interactive = serializers.ChoiceField(
+        choices=["", "jupyter", "shell"],
+        required=False,
+        default="",
+        allow_blank=True,
+        help_text="An interactive job: jupyter (JupyterLab, opened at"
+        " /interactive/<id>/) or shell (a terminal); it runs in the interactive"
+        " class, takes gpus, gpu_memory_mib, time_limit_s, shareable, group,"
+        " workdir and name only, and each user may have"
+        f" {settings.GPULAB_INTERACTIVE_MAX_PER_USER} unfinished at most"
+        " (GPULAB_INTERACTIVE_MAX_PER_USER).",
     )
     workdir = Text(
         required=False,
@@ -390,6 +434,31 @@ class JobRequestSerializer(serializers.Serializer[Any]):
 
 
 class ArrayRequestSerializer(JobRequestSerializer):
+    # Every task of an array runs the command it names; no interactive tasks.
+    name = Text(
+        max_length=128,
+        allow_blank=False,
+        validators=[
+            _matching(
+                _no_chars(CONTROLS + BIDI, non_blank=True),
+                f"Give the job a name: not blank, {LINE}.",
+            )
+        ],
+    )
+    command = Text(
+        max_length=settings.GPULAB_MAX_COMMAND_BYTES,
+        allow_blank=False,
+        help_text="Run by /bin/sh in the working directory; at most"
+        f" {settings.GPULAB_MAX_COMMAND_BYTES} bytes of UTF-8.",
+        validators=[
+            _matching(
+                _no_chars(CONTROLS_BUT_LINES, non_blank=True),
+                "The command is blank or has control characters (other than"
+                " tab and line breaks).",
+            )
+        ],
+    )
+    interactive = None  # type: ignore[assignment]
     array = Text(
         max_length=10_000,
         allow_blank=False,
@@ -447,6 +516,13 @@ class JobSerializer(serializers.Serializer[Job]):
     requeue_on_node_loss = serializers.BooleanField(
         help_text="Requeued (true) or failed (false) when its node is lost.",
     )
+    interactive = serializers.CharField(
+        help_text="'' (batch), jupyter or shell: an interactive job.",
+    )
+    interactive_url = serializers.SerializerMethodField(
+        help_text="Where the portal serves its JupyterLab (jupyter jobs), to its"
+        " owner only; '' otherwise.",
+    )
     checkpointable = serializers.BooleanField()
     checkpoint_signal = serializers.CharField(
         help_text="The signal a preemption sends first (checkpointable jobs).",
@@ -496,6 +572,9 @@ class JobSerializer(serializers.Serializer[Job]):
             return None
         # written as ``est_start`` and the other times are
         return str(serializers.DateTimeField().to_representation(got.at))
+
+    def get_interactive_url(self, job: Job) -> str:
+        return f"/interactive/{job.pk}/" if job.interactive == "jupyter" else ""
 
     def get_restarts(self, job: Job) -> int:
         return job.restarts()[0]

@@ -22,6 +22,7 @@ from portal import expected_end
 from portal.accounting.reports import job_charges
 from portal.forms import JobForm, format_duration
 from portal.idle.models import IdleFlag
+from portal.interactive.views import job_page_context
 from portal.quotas.models import Quota
 from portal.quotas.usage import quota_states
 from scheduler import classes, livestate, metrics, services
@@ -345,6 +346,7 @@ def job_detail(request: AuthenticatedHttpRequest, job_id: int) -> HttpResponse:
     context["charged"] = job_charges(job.pk)
     context["can_hold"] = job.can_be_held_by(request.user)
     context["can_release"] = job.can_be_released_by(request.user)
+    context.update(job_page_context(job, context["attempt"], request.user))
     if request.htmx and not request.htmx.boosted:
         return render(request, "portal/partials/_job_fragment.html", context)
     context["series"] = job_chart_series(

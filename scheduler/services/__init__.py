@@ -28,6 +28,8 @@ and management commands are adapters around these functions: they call
 - ``nodes``: admin verbs on nodes (register, rotate the token) and GPUs (their slots);
 - ``console``: the admin console's verbs: hold / release, requeue, priority
   class, a waiting job's request, node drain / maintenance / resume;
+- ``interactive``: a running interactive job's server, and the audit of staff
+  who open another user's (submission is ``jobs``');
 - ``interference``: co-location measured in production (rates, sharing
   episodes, observations) and what was learned about pairs;
 - ``common``: events, after-commit passes, kill frames and errors the others
@@ -61,6 +63,7 @@ from scheduler.services.dependencies import (
     parse_dependencies,
     resolve_dependencies,
 )
+from scheduler.services.interactive import audit_staff_open, live_server
 from scheduler.services.interference import mark_harmful, reset_interference_pairs
 from scheduler.services.jobs import (
     ALLOWED_GPULAB_ENV,
@@ -155,6 +158,7 @@ __all__ = [
     "_charge_group",
     "append_log",
     "apply_decisions",
+    "audit_staff_open",
     "authenticate_node",
     "cancel_array",
     "cancel_job",
@@ -175,6 +179,7 @@ __all__ = [
     "interactive_request",
     "kill_frame",
     "launch_frame",
+    "live_server",
     "load_knowledge",
     "log_tail",
     "mark_harmful",

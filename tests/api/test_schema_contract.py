@@ -50,12 +50,22 @@ ACCEPTED: list[dict[str, Any]] = [
     {**JOB, "env": {f"V{i}": "1" for i in range(200)}},
     {**JOB, "gpu_memory_mib": None, "time_limit_s": None, "kill_grace_s": None},
     {**JOB, "slowdown_cap": None},
+    {**JOB, "interactive": ""},
+    # interactive jobs: gpulab writes the name, command and class
+    {"interactive": "jupyter"},
+    {"interactive": "shell", "name": "debug", "gpus": 2, "time_limit_s": 3600},
+    {"interactive": "jupyter", "shareable": True, "workdir": "/home/alice"},
 ]
 
 # (body, the field the server names): each also invalid under the schema.
 REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"command": "c"}, "name"),
     ({"name": "n"}, "command"),
+    ({"interactive": "jupyter", "command": "true"}, "command"),
+    ({"interactive": "jupyter", "env": {}}, "env"),
+    ({"interactive": "shell", "priority_class": "high"}, "priority_class"),
+    ({"interactive": "vnc"}, "interactive"),
+    ({**JOB, "priority_class": "interactive"}, "priority_class"),
     ({**JOB, "name": ""}, "name"),
     ({**JOB, "name": "   "}, "name"),
     ({**JOB, "name": "x" * 129}, "name"),

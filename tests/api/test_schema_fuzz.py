@@ -78,6 +78,8 @@ BEYOND_SCHEMA: dict[str, re.Pattern[str]] = {
         "checkpoint_grace_s": r"only applies to a checkpointable job",
         # gpulab login: a machine name must be printable (str.isprintable)
         "client_name": r"Name the machine|printable characters",
+        # each user's unfinished interactive jobs (GPULAB_INTERACTIVE_MAX_PER_USER)
+        "interactive": r"interactive job\(s\) at a time per user",
     }.items()
 }
 

@@ -233,8 +233,13 @@ def test_websockets_pass_through_uncounted() -> None:
 def asgi_gate() -> ConcurrencyGate:
     """The gate the ASGI application puts HTTP through (inside the body limit)."""
     from portal.asgi import application
+    from portal.interactive.proxy import InteractiveProxy
 
-    http: Any = application.application_mapping["http"]
+    # Interactive jobs' proxy first (it streams outside the lanes), then the gate.
+    proxy = application.application_mapping["http"]
+    assert isinstance(proxy, InteractiveProxy)
+    assert proxy is application.application_mapping["websocket"]
+    http: Any = proxy.apps["http"]
     assert isinstance(http.app, ConcurrencyGate)
     return http.app
 

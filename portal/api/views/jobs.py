@@ -35,10 +35,33 @@ if TYPE_CHECKING:
     from rest_framework.request import Request
 
 
+def _interactive_refusals(data: dict[str, Any], given: object) -> dict[str, list[str]]:
+    """The fields of an interactive submission that gpulab sets itself (and
+    the schema forbids with ``interactive``): each one ``given`` is refused."""
+    kind = data["interactive"]
+    names = set(given) if isinstance(given, Mapping) else set()
+    return {
+        name: [f"Not for an interactive job ({kind}): gpulab sets it."]
+        for name in s.INTERACTIVE_SETS
+        if name in names
+    }
+
+
 def _request(data: dict[str, Any]) -> services.JobRequest:
+    if data.get("interactive"):
+        return services.interactive_request(
+            data["interactive"],
+            gpus=data["gpus"],
+            gpu_memory_mib=data["gpu_memory_mib"],
+            time_limit_s=data["time_limit_s"],
+            shareable=data["shareable"],
+            group=data["group"],
+            workdir=data["workdir"],
+            name=data.get("name") or "",
+        )
     return services.JobRequest(
-        name=data["name"],
-        command=data["command"],
+        name=data.get("name", ""),
+        command=data.get("command", ""),
         workdir=data["workdir"],
         env=data["env"],
         gpus=data["gpus"],
@@ -69,7 +92,12 @@ def _submission(
     does not learn of a second problem only after fixing the first."""
     parsed = serializer(data=request.data)
     if parsed.is_valid():
-        return dict(parsed.validated_data)
+        valid = dict(parsed.validated_data)
+        kind = valid.get("interactive")
+        wrong = _interactive_refusals(valid, request.data) if kind else {}
+        if wrong:
+            raise exceptions.ValidationError(wrong)
+        return valid
     wrong = dict(parsed.errors)
     if not isinstance(request.data, Mapping) or "non_field_errors" in wrong:
         raise exceptions.ValidationError(wrong)
@@ -78,6 +106,9 @@ def _submission(
         for name, field in parsed.fields.items()
         if name not in wrong
     }
+    if typed.get("interactive"):
+        for name, messages in _interactive_refusals(typed, request.data).items():
+            wrong.setdefault(name, messages)
     try:
         services.validated_submission(
             request.user,  # type: ignore[arg-type]
