@@ -221,6 +221,15 @@ def _fast_passwords(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_activity_remembered() -> None:
+    """Each test starts with this process remembering no interactive job's last
+    use (``portal.idle.activity``): job ids repeat across tests."""
+    from portal.idle import activity
+
+    activity._written.clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_pass_queued(request: pytest.FixtureRequest) -> None:
     """Each test starts with no scheduling pass marked queued (a pass request
     marks it, scheduler.pass_requests.claim_pass_request, and a later request

@@ -43,6 +43,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.shortcuts import resolve_url
 
+from portal.idle import activity
 from portal.interactive.access import Refusal, Target, resolve
 
 if TYPE_CHECKING:
@@ -91,6 +92,10 @@ WS_OWN = frozenset(
 )
 
 _lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="interactive")
+
+
+# Requests that change nothing: not counted as a person's use.
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class InteractiveProxy:
@@ -143,6 +148,10 @@ class InteractiveProxy:
             return
         self.active[job_id] += 1
         try:
+            if kind == "http" and scope["method"] not in READS:
+                # A save or a new notebook is the job's use; JupyterLab's own
+                # polling (GETs, every few seconds while a tab is open) is not.
+                await activity.atouch(job_id)
             if kind == "http":
                 await self._http(scope, receive, send, target)
             else:
@@ -278,7 +287,7 @@ class InteractiveProxy:
             await send(
                 {"type": "websocket.accept", "subprotocol": upstream.subprotocol}
             )
-            await _relay(receive, send, upstream)
+            await _relay(receive, send, upstream, target.job_id)
 
     async def _refuse(
         self, scope: Scope, receive: Receive, send: Send, refusal: Refusal
@@ -302,9 +311,11 @@ class InteractiveProxy:
 
 
 async def _relay(
-    receive: Receive, send: Send, upstream: websockets.ClientConnection
+    receive: Receive, send: Send, upstream: websockets.ClientConnection, job_id: int
 ) -> None:
-    """Frames both ways until either side closes; then the other is closed."""
+    """Frames both ways until either side closes; then the other is closed. A
+    frame from the browser (a cell to run, a keystroke in Jupyter's terminal) is
+    the job's use, which the idle culling counts."""
 
     async def browser_to_node() -> None:
         while True:
@@ -312,6 +323,7 @@ async def _relay(
             if message["type"] == "websocket.disconnect":
                 await upstream.close()
                 return
+            await activity.atouch(job_id)
             if message.get("bytes") is not None:
                 await upstream.send(message["bytes"])
             elif message.get("text") is not None:

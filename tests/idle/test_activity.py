@@ -37,11 +37,6 @@ if TYPE_CHECKING:
 node = test_detect.node  # the same fixture: a node with two GPUs
 
 
-@pytest.fixture(autouse=True)
-def fresh_process_memory() -> None:
-    activity._written.clear()
-
-
 def test_use_within_the_window_keeps_a_job_with_an_idle_gpu_unflagged(
     alice: User, node: Node
 ) -> None:

@@ -16,6 +16,7 @@ import uvicorn
 from django.contrib.auth.models import Permission
 from django.test import Client
 
+from portal.idle import activity
 from portal.interactive.proxy import InteractiveProxy
 from scheduler import services
 from scheduler.models import Attempt, Job, JobEvent
@@ -159,6 +160,15 @@ def test_the_owner_reaches_the_server_with_the_token_and_without_portal_cookies(
     assert seen["headers"]["cookie"] == "_xsrf=abc"  # the portal's are not sent
     assert seen["headers"]["accept-encoding"] == "identity"  # pages come back plain
     assert got.headers["set-cookie"] == "_xsrf=abc"
+    # Reading is not a person's use (JupyterLab polls while a tab is open)...
+    assert activity.last_used([job.pk]) == {}
+    # ...a save is, which the idle culling counts.
+    saved = call(
+        proxy(), "PUT", f"/interactive/{job.pk}/api/contents/a.ipynb",
+        session=session_of(alice), body=b"{}",
+    )  # fmt: skip
+    assert saved.status_code == 200
+    assert list(activity.last_used([job.pk])) == [job.pk]
 
 
 def test_the_token_is_taken_out_of_html_pages(
@@ -297,3 +307,5 @@ def test_websockets_are_relayed_and_the_cap_answers_503(
     assert {"type": "websocket.send", "text": "echo:hello"} in sent
     assert busy == 503
     assert p.active == {}  # the place is given back
+    # The browser's frame (a cell to run) is the job's use.
+    assert list(activity.last_used([job.pk])) == [job.pk]
