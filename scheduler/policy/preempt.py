@@ -1,6 +1,11 @@
 """The reservation stage (gpulab only): a preemption plan for the top blocked job.
 
-Only for a job of a non-preemptible class; victims are running jobs marked
+Two kinds of victims, tried in this order: by class (below), then by least
+attained service (``las_candidates``: checkpointable jobs, the most attained
+first; docs/policy.md "Preemption by attained service"). Both use the same
+minimal-set search (``plan``).
+
+Class preemption is only for a job of a non-preemptible class; victims are running jobs marked
 ``preemptible`` that were preempted fewer than ``preempt_max_per_hour`` times in the
 last hour (so a best-effort job is never stopped for another best-effort job, nor
 stopped over and over). Kueue's ``minimalPreemptions``: order the candidates (groups
@@ -24,7 +29,7 @@ from scheduler.policy.priority import class_factor
 if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
-    from scheduler.policy.state import GpuView, Placement, RunningJob
+    from scheduler.policy.state import GpuView, PendingJob, Placement, RunningJob
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,48 @@ def candidates(idx: PassIndex, fairshare: FairShare) -> list[RunningJob]:
     )
 
 
+def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
+    """The running jobs ``job`` may preempt by attained service, most attained
+    first (then the latest started, then the highest id).
+
+    A victim ``v`` is checkpointable, not already being stopped, preempted fewer
+    than ``preempt_max_per_hour`` times in the last hour, has run at least
+    ``preempt_min_run_s`` in its current attempt, is of a class whose weight is
+    not above ``job``'s, and has attained more service than ``job`` will have at
+    the end of its own protected minimum run:
+
+        attained(v) > attained(job) + job.gpus x preempt_min_run_s
+
+    so when ``job``'s protection ends, each victim (waiting with its service
+    unchanged) still ranks behind it and cannot take its GPUs straight back: no
+    job is started only to be preempted at once."""
+    state = idx.state
+    cfg = state.config
+    now = state.now
+    classes = state.classes
+    min_run = cfg.preempt_min_run_s
+    bar = job.attained_gpu_s + job.gpus * min_run
+    own = classes.get(job.priority_class)
+    weight = own.weight if own is not None else 0.0
+    out: list[tuple[float, float, int, RunningJob]] = []
+    for r in state.running:
+        if (
+            not r.checkpointable
+            or r.stopping
+            or r.preemptions_last_hour >= cfg.preempt_max_per_hour
+            or now - r.started_at < min_run
+        ):
+            continue
+        spec = classes.get(r.priority_class)
+        if spec is not None and spec.weight > weight:
+            continue
+        attained = r.attained_gpu_s(now)
+        if attained > bar:
+            out.append((-attained, -r.started_at, -r.id, r))
+    out.sort(key=lambda t: t[:3])
+    return [t[3] for t in out]
+
+
 def plan(
     c: Constraint,
     k: int,
@@ -65,6 +112,7 @@ def plan(
     *,
     spread: bool,
     topology: bool,
+    cands: list[RunningJob] | None = None,
 ) -> Plan | None:
     """The victims (in removal order) and where the job then goes, or None.
 
@@ -78,7 +126,8 @@ def plan(
     could free four GPUs on one node when two on another suffice. A gang gets one
     plan over the whole cluster.
     """
-    cands = candidates(idx, fairshare)
+    if cands is None:
+        cands = candidates(idx, fairshare)
     stopping = [r for r in idx.state.running if r.stopping]
     if not cands and not stopping:
         return None

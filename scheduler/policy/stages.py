@@ -13,8 +13,10 @@
   ``start``, or ``share``) until the first job that does not fit: the top blocked
   job;
 - ``reservation``: ``reserve_top``: for the top blocked job, in ``gpulab`` and a
-  non-preemptible class, a preemption plan if one exists (``preempt_for``), else
-  the EASY shadow-time reservation (``reserve_shadow``);
+  non-preemptible class, a preemption plan if one exists (``preempt_for``):
+  victims by class first, else checkpointable jobs by least attained service
+  (``preempt.las_candidates``); else the EASY shadow-time reservation
+  (``reserve_shadow``);
 - ``backfill``: ``backfill``: each later job, at most ``backfill_max_tested`` of
   them, starts if it fits now and either ends by the shadow time or avoids the
   reserved GPUs; without backfill later jobs wait ``PRIORITY``;
@@ -352,6 +354,17 @@ def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
             spread=p.spread,
             topology=p.topology,
         )
+        if plan is None and p.cfg.las_preemption:
+            plan = preempt.plan(
+                c,
+                job.gpus,
+                p.ledger,
+                p.idx,
+                p.fairshare,
+                spread=p.spread,
+                topology=p.topology,
+                cands=preempt.las_candidates(p.idx, job),
+            )
         if plan is not None:
             preempt_for(p, job, plan)
             return
@@ -371,15 +384,22 @@ def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
         tuple(v.id for v in victims) + plan.waiting_on,
     )
     p.reserved += 1
+    classes = p.state.classes
     for v in victims:
-        p.decisions.append(
-            Preempt(
-                v.id,
-                job.id,
+        spec = classes.get(v.priority_class)
+        if spec is not None and spec.preemptible:
+            why = (
                 f"preempted (class {v.priority_class!r}) so that job"
-                f" {job.id} (class {job.priority_class!r}) can start",
+                f" {job.id} (class {job.priority_class!r}) can start"
             )
-        )
+        else:
+            why = (
+                f"preempted (checkpointable, {_gpu_h(v.attained_gpu_s(p.now))}"
+                f" attained) so that job {job.id}"
+                f" ({_gpu_h(job.attained_gpu_s)} attained) can start:"
+                " least attained service first"
+            )
+        p.decisions.append(Preempt(v.id, job.id, why))
     node_key = p.idx.node_key
     nodes = ", ".join(
         node_key.get(pl.node_id, ("", pl.node_id))[0] or str(pl.node_id)
@@ -387,8 +407,13 @@ def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
     )
     parts = []
     if victims:
+        by_class = all(
+            (spec := classes.get(v.priority_class)) is not None and spec.preemptible
+            for v in victims
+        )
         parts.append(
-            "stopping preemptible job(s) " + ", ".join(str(v.id) for v in victims)
+            f"stopping {'preemptible' if by_class else 'checkpointable'} job(s) "
+            + ", ".join(str(v.id) for v in victims)
         )
     if plan.waiting_on:
         parts.append(
@@ -402,6 +427,10 @@ def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
         f"{' and '.join(parts)} to free {gpus_word(job.gpus)} on {nodes};"
         " it starts when they exit",
     )
+
+
+def _gpu_h(gpu_s: float) -> str:
+    return f"{gpu_s / 3600.0:.1f} GPU-h"
 
 
 def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:

@@ -78,6 +78,11 @@ class PolicyConfig:
     backfill_max_tested: int = 500
     # Preemption: a job is preempted at most this many times per hour.
     preempt_max_per_hour: int = 2
+    # ``gpulab``: the top blocked job may preempt checkpointable jobs by least
+    # attained service (``preempt.las_candidates``); none is preempted sooner
+    # than this after its own start (``GPULAB_PREEMPT_MIN_RUN``).
+    las_preemption: bool = True
+    preempt_min_run_s: float = 600.0
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.
@@ -201,6 +206,8 @@ class PendingJob:
     array_id: int | None = None
     array_limit: int | None = None
     dependencies: tuple[Dependency, ...] = ()
+    # GPU-seconds its earlier attempts ran (its attained service, for LAS)
+    attained_gpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,14 @@ class RunningJob:
     # What it reported of its progress over this attempt (None: nothing usable
     # yet); ``remaining.expected_end`` reads it.
     progress: Progress | None = None
+    # It saves its work when stopped (``Job.checkpointable``): the LAS stage may
+    # preempt it. ``prior_gpu_s``: GPU-seconds its earlier attempts ran.
+    checkpointable: bool = False
+    prior_gpu_s: float = 0.0
+
+    def attained_gpu_s(self, now: float) -> float:
+        """Its attained service at ``now``: GPUs x seconds run, every attempt."""
+        return self.prior_gpu_s + len(self.gpu_ids) * max(now - self.started_at, 0.0)
 
     @property
     def planned_end(self) -> float:

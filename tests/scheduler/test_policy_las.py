@@ -1,0 +1,189 @@
+"""Preemption by least attained service (``preempt.las_candidates``, gpulab only)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from scheduler.policy import Preempt, Reason, RunningJob, decide
+from tests.scheduler.test_policy_support import (
+    SLURM,
+    cluster,
+    node_gpus,
+    pending,
+    running,
+    starts,
+    waits,
+)
+
+HOUR = 3600.0
+
+
+def ckpt(
+    job_id: int,
+    gpu_ids: tuple[int, ...],
+    *,
+    ran: float = 2 * HOUR,
+    prior_gpu_s: float = 0.0,
+    cls: str = "normal",
+    preemptions: int = 0,
+) -> RunningJob:
+    """A checkpointable running job that started ``ran`` seconds ago."""
+    return replace(
+        running(job_id, gpu_ids, cls=cls, started_ago=ran, preemptions=preemptions),
+        checkpointable=True,
+        prior_gpu_s=prior_gpu_s,
+    )
+
+
+def preempts(ds):
+    return [d for d in ds if isinstance(d, Preempt)]
+
+
+def test_a_new_job_preempts_the_most_attained_checkpointable_job():
+    # 2 GPUs, both busy: 10 has run 2 h, 11 has run 5 h (1 GPU each)
+    run = [ckpt(10, (100,), ran=2 * HOUR), ckpt(11, (101,), ran=5 * HOUR)]
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1)], run=run))
+    [p] = preempts(ds)
+    assert (p.victim_id, p.for_job_id) == (11, 1)
+    assert "least attained service" in p.reason
+    assert "5.0 GPU-h attained" in p.reason
+    w = waits(ds)[1]
+    assert w.reason is Reason.WAITING_FOR_PREEMPTION
+    assert "stopping checkpointable job(s) 11" in w.message
+    assert not starts(ds)
+
+
+def test_earlier_attempts_count_in_the_attained_service():
+    # 10 ran 1 h now but 6 GPU-h before: it is the most attained
+    run = [
+        ckpt(10, (100,), ran=HOUR, prior_gpu_s=6 * HOUR),
+        ckpt(11, (101,), ran=3 * HOUR),
+    ]
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1)], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [10]
+
+
+def test_a_job_that_does_not_checkpoint_is_never_a_victim():
+    run = [running(10, (100,), started_ago=10 * HOUR), ckpt(11, (101,), ran=HOUR)]
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1)], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [11]
+    run = [running(10, (100,), started_ago=10 * HOUR)]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1)], run=run))
+    assert not preempts(ds)
+    assert waits(ds)[1].reason is Reason.RESOURCES
+
+
+def test_none_is_preempted_sooner_than_the_minimum_run_after_its_start():
+    # 5 min into its attempt (6 GPU-h attained before): protected by the 10 min
+    run = [ckpt(10, (100,), ran=300.0, prior_gpu_s=6 * HOUR)]
+    state = cluster(node_gpus(1, 1), [pending(1, 1)], run=run)
+    assert state.config.preempt_min_run_s == 600.0
+    assert not preempts(decide(state))
+    shorter = cluster(
+        node_gpus(1, 1), [pending(1, 1)], run=run, preempt_min_run_s=240.0
+    )
+    assert [p.victim_id for p in preempts(decide(shorter))] == [10]
+
+
+def test_a_job_is_not_started_when_its_victim_would_take_the_gpus_back():
+    # The waiting job has 1 GPU-h; after its protected 600 s it has 1 h 10 min
+    # of service. A victim with 1 h 5 min would outrank it then: not preempted.
+    run = [ckpt(10, (100,), ran=65 * 60.0)]
+    job = replace(pending(1, 1), attained_gpu_s=HOUR)
+    ds = decide(cluster(node_gpus(1, 1), [job], run=run))
+    assert not preempts(ds)
+    assert waits(ds)[1].reason is Reason.RESOURCES
+    # one with 1 h 15 min ranks behind it even then: preempted
+    run = [ckpt(10, (100,), ran=75 * 60.0)]
+    ds = decide(cluster(node_gpus(1, 1), [job], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [10]
+
+
+def test_the_bar_scales_with_the_waiting_jobs_gpus():
+    # a 4-GPU job reaches 4 x 600 s = 40 GPU-min in its protected run: 1-GPU
+    # victims that ran 45 min are behind it then, ones that ran 10 min are not
+    gpus = node_gpus(1, 4)
+    run = [ckpt(10 + i, (100 + i,), ran=45 * 60.0) for i in range(4)]
+    ds = decide(cluster(gpus, [pending(1, 4)], run=run))
+    assert sorted(p.victim_id for p in preempts(ds)) == [10, 11, 12, 13]
+    run = [ckpt(10 + i, (100 + i,), ran=10 * 60.0) for i in range(4)]
+    assert not preempts(decide(cluster(gpus, [pending(1, 4)], run=run)))
+
+
+def test_the_hourly_bound_holds():
+    run = [ckpt(10, (100,), ran=5 * HOUR, preemptions=2)]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1)], run=run))
+    assert not preempts(ds)
+    ds = decide(
+        cluster(node_gpus(1, 1), [pending(1, 1)], run=run, preempt_max_per_hour=3)
+    )
+    assert [p.victim_id for p in preempts(ds)] == [10]
+
+
+def test_a_job_of_a_higher_class_is_not_preempted_for_a_lower_one():
+    run = [ckpt(10, (100,), ran=5 * HOUR, cls="high")]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1, cls="normal")], run=run))
+    assert not preempts(ds)
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1, cls="high")], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [10]
+
+
+def test_a_best_effort_job_preempts_nothing():
+    run = [ckpt(10, (100,), ran=5 * HOUR, cls="best-effort")]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1, cls="best-effort")], run=run))
+    assert not preempts(ds)
+
+
+def test_class_victims_come_before_attained_service():
+    # a best-effort job (class preemption) is taken before a checkpointable one
+    run = [
+        running(10, (100,), cls="best-effort", started_ago=60.0),
+        ckpt(11, (101,), ran=9 * HOUR),
+    ]
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1)], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [10]
+    assert "class 'best-effort'" in preempts(ds)[0].reason
+
+
+def test_fewest_victims_on_one_node():
+    # node 1: two 1-GPU victims needed; node 2: one 2-GPU victim suffices
+    run = [
+        ckpt(10, (100,), ran=9 * HOUR),
+        ckpt(11, (101,), ran=8 * HOUR),
+        ckpt(20, (200, 201), ran=3 * HOUR),
+    ]
+    gpus = node_gpus(1, 2) + node_gpus(2, 2)
+    ds = decide(cluster(gpus, [pending(1, 2)], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [20]
+
+
+def test_a_job_being_stopped_is_waited_for_not_preempted_again():
+    stopping = replace(ckpt(10, (100,), ran=5 * HOUR), stopping=True)
+    run = [stopping, ckpt(11, (101,), ran=5 * HOUR)]
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1)], run=run))
+    assert not preempts(ds)
+    w = waits(ds)[1]
+    assert w.reason is Reason.WAITING_FOR_PREEMPTION
+    assert "waiting for job(s) 10" in w.message
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"config": SLURM}, {"las_preemption": False}],
+    ids=["slurm", "off"],
+)
+def test_slurm_and_the_switch_off_never_preempt_by_service(changes):
+    run = [ckpt(10, (100,), ran=9 * HOUR)]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1)], run=run, **changes))
+    assert not preempts(ds)
+    assert waits(ds)[1].reason is Reason.RESOURCES
+
+
+def test_gangs_preempt_across_nodes():
+    # 4 nodes x 2 GPUs, all checkpointable 2-GPU jobs; an 8-GPU gang needs them all
+    gpus = sum((node_gpus(n, 2) for n in (1, 2, 3, 4)), ())
+    run = [ckpt(10 + n, (n * 100, n * 100 + 1), ran=4 * HOUR) for n in (1, 2, 3, 4)]
+    ds = decide(cluster(gpus, [pending(1, 8)], run=run))
+    assert sorted(p.victim_id for p in preempts(ds)) == [11, 12, 13, 14]
