@@ -18,6 +18,7 @@ schedulable nodes count. At most one plan per pass (``stages.reserve_top`` asks 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ from scheduler.policy.priority import class_factor
 if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
+    from scheduler.policy.stages import Pass
     from scheduler.policy.state import GpuView, PendingJob, Placement, RunningJob
 
 
@@ -101,6 +103,84 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
             out.append((-attained, -r.started_at, -r.id, r))
     out.sort(key=lambda t: t[:3])
     return [t[3] for t in out]
+
+
+def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
+    """``base``, the scheduling order, with the LAS rule applied.
+
+    The multifactor order (priority desc, the higher class, submitted, id), except
+    that a waiting checkpointable job ``v`` that has waited less than
+    ``max_age_s`` since its submission goes behind every waiting job ``w`` of a
+    class weight at least its own with
+
+        attained(w) + w.gpus x preempt_min_run_s < attained(v)
+
+    (the bar of ``las_candidates``): a job preempted by attained service never
+    starts again ahead of the job it was stopped for, and resumed work waits
+    behind work that has had less. ``v`` goes right after the last such ``w``
+    (``w`` may itself have moved: its service is lower, so it is placed first);
+    the rest keep their order. Fresh jobs (no attained service) never move."""
+    state = p.state
+    cfg = p.cfg
+    now = state.now
+    movers = [
+        j
+        for j in base
+        if j.checkpointable
+        and j.attained_gpu_s > 0
+        and now - j.submitted_at < cfg.max_age_s
+    ]
+    if not movers:
+        return base
+    min_run = cfg.preempt_min_run_s
+    classes = state.classes
+
+    def weight(j: PendingJob) -> float:
+        spec = classes.get(j.priority_class)
+        return spec.weight if spec is not None else 0.0
+
+    # key of each job: (position in base, tier, attained, position): a moved job
+    # gets its last dominator's position and a higher tier
+    pos = {j.id: i for i, j in enumerate(base)}
+    key: dict[int, tuple[int, int, float, int]] = {
+        j.id: (pos[j.id], 0, 0.0, pos[j.id]) for j in base
+    }
+    moving = {j.id for j in movers}
+    # the unmoved jobs by bar, with the running maximum of their keys (per
+    # class weight: a dominator's weight must reach the mover's)
+    levels = sorted({weight(j) for j in base})
+    fixed = sorted(
+        (j.attained_gpu_s + j.gpus * min_run, weight(j), pos[j.id])
+        for j in base
+        if j.id not in moving
+    )
+    bars = [b for b, _, _ in fixed]
+    prefix: dict[float, list[int]] = {}
+    for lv in levels:
+        best, run = -1, []
+        for _, wt, i in fixed:
+            if wt >= lv and i > best:
+                best = i
+            run.append(best)
+        prefix[lv] = run
+    done: list[PendingJob] = []
+    for v in sorted(movers, key=lambda j: (j.attained_gpu_s, pos[j.id])):
+        a, wv = v.attained_gpu_s, weight(v)
+        last: tuple[int, int, float, int] | None = None
+        n = bisect_left(bars, a)
+        if n:
+            i = prefix[wv][n - 1]
+            if i >= 0:
+                last = key[base[i].id]
+        for d in done:
+            if d.attained_gpu_s + d.gpus * min_run < a and weight(d) >= wv:
+                k = key[d.id]
+                if last is None or k > last:
+                    last = k
+        if last is not None:
+            key[v.id] = (last[0], last[1] + 1, a, pos[v.id])
+        done.append(v)
+    return sorted(base, key=lambda j: key[j.id])
 
 
 def plan(

@@ -205,7 +205,10 @@ def ordering(p: Pass) -> list[PendingJob]:
         )
         for i, j in enumerate(pending)
     )
-    return [pending[k[4]] for k in keyed]
+    order = [pending[k[4]] for k in keyed]
+    if p.preemption and p.cfg.las_preemption:
+        return preempt.las_order(p, order)
+    return order
 
 
 # ------------------------------------------------------------------ placement

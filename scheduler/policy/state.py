@@ -206,8 +206,10 @@ class PendingJob:
     array_id: int | None = None
     array_limit: int | None = None
     dependencies: tuple[Dependency, ...] = ()
-    # GPU-seconds its earlier attempts ran (its attained service, for LAS)
+    # GPU-seconds its earlier attempts ran (its attained service, for LAS), and
+    # whether it saves its work when stopped (``Job.checkpointable``)
     attained_gpu_s: float = 0.0
+    checkpointable: bool = False
 
 
 @dataclass(frozen=True)

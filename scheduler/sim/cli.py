@@ -167,6 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="s a job resumed from a checkpoint spends before it progresses",
     )
     p.add_argument(
+        "--preempt-min-run",
+        type=_nonneg,
+        default=PolicyConfig.preempt_min_run_s,
+        help="gpulab: s a checkpointable job runs before it may be preempted by "
+        "attained service (GPULAB_PREEMPT_MIN_RUN)",
+    )
+    p.add_argument(
+        "--no-las",
+        action="store_true",
+        help="gpulab: no preemption by attained service (class preemption only)",
+    )
+    p.add_argument(
         "--tiresias-threshold",
         type=_positive,
         default=tiresias.DEFAULT_THRESHOLD_GPU_H,
@@ -257,6 +269,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name=args.policy,
             backfill_plan=args.backfill_plan,
             colo_packing=args.colo_packing,
+            las_preemption=not args.no_las,
+            preempt_min_run_s=args.preempt_min_run,
         ),
         SimOptions(
             period_s=args.period,
@@ -326,6 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "checkpointable_fraction": args.checkpointable_fraction,
                 "checkpoint_interval_s": args.checkpoint_interval,
                 "restart_overhead_s": args.restart_overhead,
+                "preempt_min_run_s": args.preempt_min_run,
+                "las_preemption": not args.no_las,
             },
             "assumptions": [
                 *prepared.assumptions,

@@ -57,6 +57,8 @@ class PolicyViews(GpuPhysics):
             shareable=job.shareable,
             workload=job.label,
             slowdown_cap=cls.slowdown_cap,
+            attained_gpu_s=job.gpus * job.run_total,
+            checkpointable=job.checkpointable,
         )
 
     def _running_view(self, job: SimJob, now: float) -> RunningJob:
@@ -93,6 +95,8 @@ class PolicyViews(GpuPhysics):
             measured_slowdown=measured,
             measured_for_s=measured_for,
             progress=self.tracker.view(job, now),
+            checkpointable=job.checkpointable,
+            prior_gpu_s=job.gpus * job.run_total,
         )
 
     def _state(self, now: float) -> ClusterState:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler.policy import Preempt, Reason, RunningJob, decide
+from scheduler.policy import PendingJob, Preempt, Reason, RunningJob, decide
 from tests.scheduler.test_policy_support import (
     SLURM,
     cluster,
@@ -187,3 +187,53 @@ def test_gangs_preempt_across_nodes():
     run = [ckpt(10 + n, (n * 100, n * 100 + 1), ran=4 * HOUR) for n in (1, 2, 3, 4)]
     ds = decide(cluster(gpus, [pending(1, 8)], run=run))
     assert sorted(p.victim_id for p in preempts(ds)) == [11, 12, 13, 14]
+
+
+def resumed(job_id: int, attained: float, **kw) -> PendingJob:
+    return replace(pending(job_id, **kw), checkpointable=True, attained_gpu_s=attained)
+
+
+def order_of(ds) -> list[int]:
+    return [w.job_id for w in sorted(waits(ds).values(), key=lambda w: w.position)]
+
+
+def test_a_preempted_job_waits_behind_the_job_it_was_stopped_for():
+    # the victim (5 GPU-h, submitted long ago) would rank first by age; it
+    # goes behind the fresh job it was preempted for, which takes the GPU
+    victim = resumed(10, 5 * HOUR, age=10 * HOUR)
+    ds = decide(cluster(node_gpus(1, 1), [victim, pending(1, 1)]))
+    assert list(starts(ds)) == [1]
+    assert order_of(ds) == [10]
+    # without the rule it would have started first
+    ds = decide(cluster(node_gpus(1, 1), [victim, pending(1, 1)], las_preemption=False))
+    assert list(starts(ds)) == [10]
+
+
+def test_resumed_work_waits_behind_less_attained_work_only():
+    # 10 has 1 GPU-h, 11 30 min, 12 and 13 are fresh (bars 40, 10, 10 min):
+    # 11 goes behind 12 and 13, 10 behind all three (by age: 10, 11, 12, 13)
+    jobs = [
+        resumed(10, HOUR, age=300.0),
+        resumed(11, 0.5 * HOUR, age=200.0),
+        pending(12, 1, age=100.0),
+        pending(13, 1, age=50.0),
+    ]
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs))
+    assert order_of(ds) == [12, 13, 11, 10]
+    # with a 2 h minimum run the fresh jobs' bars (2 GPU-h) are above both
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs, preempt_min_run_s=7200.0))
+    assert order_of(ds) == [10, 11, 12, 13]
+
+
+def test_the_order_rule_keeps_classes_and_the_max_age():
+    # a high resumed job stays ahead of a normal fresh one; a resumed job that
+    # has waited past max_age is never passed
+    jobs = [resumed(10, 5 * HOUR, cls="high", age=60.0), pending(11, 1, age=30.0)]
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs))
+    assert order_of(ds) == [10, 11]
+    old = [resumed(10, 5 * HOUR, age=8 * 86400.0), pending(11, 1, age=30.0)]
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), old))
+    assert order_of(ds) == [10, 11]
+    fresh = [resumed(10, 5 * HOUR, age=6 * 86400.0), pending(11, 1, age=30.0)]
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), fresh))
+    assert order_of(ds) == [11, 10]
