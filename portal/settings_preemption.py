@@ -1,0 +1,15 @@
+"""When the scheduler may preempt a checkpointable job to start a waiting one
+(``gpulab``: least attained service first, docs/policy.md "Preemption by
+attained service"). Imported at the end of ``portal.settings``; the hourly bound
+on preemptions of one job is ``GPULAB_PREEMPT_MAX_PER_HOUR`` (``GPULAB_POLICY``)."""
+
+from __future__ import annotations
+
+from portal.settings_env import envbool, envfloat
+
+# Preempt checkpointable jobs by attained service at all (off: class preemption
+# of best-effort jobs only).
+GPULAB_LAS_PREEMPTION = envbool("GPULAB_LAS_PREEMPTION", default=True)
+# Seconds a job runs after its own start before it may be preempted by attained
+# service (a resumed job is protected again after each restart).
+GPULAB_PREEMPT_MIN_RUN = envfloat("GPULAB_PREEMPT_MIN_RUN", 600.0, minimum=0)
