@@ -13,3 +13,7 @@ GPULAB_LAS_PREEMPTION = envbool("GPULAB_LAS_PREEMPTION", default=True)
 # Seconds a job runs after its own start before it may be preempted by attained
 # service (a resumed job is protected again after each restart).
 GPULAB_PREEMPT_MIN_RUN = envfloat("GPULAB_PREEMPT_MIN_RUN", 600.0, minimum=0)
+# GPU-hours of attained service (GPUs x hours run, every attempt) from which a job
+# is in the lower LAS queue: only such jobs are preempted by attained service, and
+# only for a job that stays under it through its own minimum run.
+GPULAB_LAS_THRESHOLD = envfloat("GPULAB_LAS_THRESHOLD", 16.0, minimum=0.01)

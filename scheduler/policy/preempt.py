@@ -18,7 +18,6 @@ schedulable nodes count. At most one plan per pass (``stages.reserve_top`` asks 
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,7 +30,13 @@ if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
     from scheduler.policy.stages import Pass
-    from scheduler.policy.state import GpuView, PendingJob, Placement, RunningJob
+    from scheduler.policy.state import (
+        GpuView,
+        PendingJob,
+        Placement,
+        PolicyConfig,
+        RunningJob,
+    )
 
 
 @dataclass(frozen=True)
@@ -63,27 +68,36 @@ def candidates(idx: PassIndex, fairshare: FairShare) -> list[RunningJob]:
     )
 
 
+def top_queue(job: PendingJob, cfg: PolicyConfig) -> bool:
+    """``job`` would still be in the top LAS queue at the end of its protected
+    minimum run: attained + gpus x ``preempt_min_run_s`` < ``las_threshold_gpu_s``."""
+    return (
+        job.attained_gpu_s + job.gpus * cfg.preempt_min_run_s < cfg.las_threshold_gpu_s
+    )
+
+
 def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     """The running jobs ``job`` may preempt by attained service, most attained
     first (then the latest started, then the highest id).
 
-    A victim ``v`` is checkpointable, not already being stopped, preempted fewer
-    than ``preempt_max_per_hour`` times in the last hour, has run at least
-    ``preempt_min_run_s`` in its current attempt, is of a class whose weight is
-    not above ``job``'s, and has attained more service than ``job`` will have at
-    the end of its own protected minimum run:
-
-        attained(v) > attained(job) + job.gpus x preempt_min_run_s
-
-    so when ``job``'s protection ends, each victim (waiting with its service
-    unchanged) still ranks behind it and cannot take its GPUs straight back: no
-    job is started only to be preempted at once."""
+    Two queues, as Tiresias' discretised LAS: a job is in the top queue while
+    its attained service (GPUs x seconds run, every attempt) is under
+    ``las_threshold_gpu_s``. ``job`` may preempt only if it would still be in the
+    top queue at the end of its own protected minimum run (``top_queue``); a
+    victim ``v`` is in the lower queue (attained >= the threshold), checkpointable,
+    not already being stopped, preempted fewer than ``preempt_max_per_hour`` times
+    in the last hour, has run at least ``preempt_min_run_s`` in its current
+    attempt, and is of a class whose weight is not above ``job``'s. A victim
+    waits in the lower queue, behind ``job`` (``las_order``), so it cannot take
+    the GPUs straight back: no job is started only to be preempted at once."""
     state = idx.state
     cfg = state.config
+    if not top_queue(job, cfg):
+        return []
     now = state.now
     classes = state.classes
     min_run = cfg.preempt_min_run_s
-    bar = job.attained_gpu_s + job.gpus * min_run
+    bar = cfg.las_threshold_gpu_s
     own = classes.get(job.priority_class)
     weight = own.weight if own is not None else 0.0
     out: list[tuple[float, float, int, RunningJob]] = []
@@ -99,7 +113,7 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         if spec is not None and spec.weight > weight:
             continue
         attained = r.attained_gpu_s(now)
-        if attained > bar:
+        if attained >= bar:
             out.append((-attained, -r.started_at, -r.id, r))
     out.sort(key=lambda t: t[:3])
     return [t[3] for t in out]
@@ -109,78 +123,48 @@ def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
     """``base``, the scheduling order, with the LAS rule applied.
 
     The multifactor order (priority desc, the higher class, submitted, id), except
-    that a waiting checkpointable job ``v`` that has waited less than
-    ``max_age_s`` since its submission goes behind every waiting job ``w`` of a
-    class weight at least its own with
-
-        attained(w) + w.gpus x preempt_min_run_s < attained(v)
-
-    (the bar of ``las_candidates``): a job preempted by attained service never
-    starts again ahead of the job it was stopped for, and resumed work waits
-    behind work that has had less. ``v`` goes right after the last such ``w``
-    (``w`` may itself have moved: its service is lower, so it is placed first);
-    the rest keep their order. Fresh jobs (no attained service) never move."""
+    that a waiting checkpointable job ``v`` of the lower queue (attained service
+    at least ``las_threshold_gpu_s``) that has waited less than ``max_age_s``
+    since its submission goes right after the last waiting job ``w`` that is in
+    the top queue (``top_queue``) and of a class weight at least its own: a job
+    preempted by attained service never starts again ahead of the job it was
+    stopped for, and resumed long work waits behind short work. The rest keep
+    their order; jobs with less service than the threshold never move."""
     state = p.state
     cfg = p.cfg
     now = state.now
-    movers = [
-        j
+    bar = cfg.las_threshold_gpu_s
+    movers = {
+        j.id
         for j in base
         if j.checkpointable
-        and j.attained_gpu_s > 0
+        and j.attained_gpu_s >= bar
         and now - j.submitted_at < cfg.max_age_s
-    ]
+    }
     if not movers:
         return base
-    min_run = cfg.preempt_min_run_s
     classes = state.classes
 
     def weight(j: PendingJob) -> float:
         spec = classes.get(j.priority_class)
         return spec.weight if spec is not None else 0.0
 
-    # key of each job: (position in base, tier, attained, position): a moved job
-    # gets its last dominator's position and a higher tier
-    pos = {j.id: i for i, j in enumerate(base)}
-    key: dict[int, tuple[int, int, float, int]] = {
-        j.id: (pos[j.id], 0, 0.0, pos[j.id]) for j in base
-    }
-    moving = {j.id for j in movers}
-    # the unmoved jobs by bar, with the running maximum of their keys (per
-    # class weight: a dominator's weight must reach the mover's)
-    levels = sorted({weight(j) for j in base})
-    fixed = sorted(
-        (j.attained_gpu_s + j.gpus * min_run, weight(j), pos[j.id])
-        for j in base
-        if j.id not in moving
-    )
-    bars = [b for b, _, _ in fixed]
-    prefix: dict[float, list[int]] = {}
-    for lv in levels:
-        best, run = -1, []
-        for _, wt, i in fixed:
-            if wt >= lv and i > best:
-                best = i
-            run.append(best)
-        prefix[lv] = run
-    done: list[PendingJob] = []
-    for v in sorted(movers, key=lambda j: (j.attained_gpu_s, pos[j.id])):
-        a, wv = v.attained_gpu_s, weight(v)
-        last: tuple[int, int, float, int] | None = None
-        n = bisect_left(bars, a)
-        if n:
-            i = prefix[wv][n - 1]
-            if i >= 0:
-                last = key[base[i].id]
-        for d in done:
-            if d.attained_gpu_s + d.gpus * min_run < a and weight(d) >= wv:
-                k = key[d.id]
-                if last is None or k > last:
-                    last = k
-        if last is not None:
-            key[v.id] = (last[0], last[1] + 1, a, pos[v.id])
-        done.append(v)
-    return sorted(base, key=lambda j: key[j.id])
+    # the last top-queue job of each class weight or more, by position
+    last: dict[float, int] = {}
+    for i, j in enumerate(base):
+        if top_queue(j, cfg):
+            last[weight(j)] = i
+    levels = sorted(last)
+
+    def key(i: int, j: PendingJob) -> tuple[int, int, int]:
+        if j.id not in movers:
+            return (i, 0, i)
+        wv = weight(j)
+        after = max((last[lv] for lv in levels if lv >= wv), default=-1)
+        return (after, 1, i) if after > i else (i, 0, i)
+
+    keyed = sorted((key(i, j), i) for i, j in enumerate(base))
+    return [base[i] for _, i in keyed]
 
 
 def plan(

@@ -83,6 +83,9 @@ class PolicyConfig:
     # than this after its own start (``GPULAB_PREEMPT_MIN_RUN``).
     las_preemption: bool = True
     preempt_min_run_s: float = 600.0
+    # the two LAS queues' boundary: a job with this much attained service (GPUs x
+    # seconds run) is in the lower queue (Tiresias' 16 GPU-h on (b), docs/policy.md)
+    las_threshold_gpu_s: float = 16 * 3600.0
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.

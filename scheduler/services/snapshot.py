@@ -39,6 +39,7 @@ def policy_config() -> policy.PolicyConfig:
         **settings.GPULAB_POLICY,
         las_preemption=settings.GPULAB_LAS_PREEMPTION,
         preempt_min_run_s=settings.GPULAB_PREEMPT_MIN_RUN,
+        las_threshold_gpu_s=settings.GPULAB_LAS_THRESHOLD * 3600.0,
     )
 
 

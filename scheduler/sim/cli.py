@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         "attained service (GPULAB_PREEMPT_MIN_RUN)",
     )
     p.add_argument(
+        "--las-threshold",
+        type=_positive,
+        default=PolicyConfig.las_threshold_gpu_s / 3600.0,
+        help="gpulab: attained service (GPU-hours) of the lower LAS queue, whose "
+        "checkpointable jobs top-queue jobs may preempt (GPULAB_LAS_THRESHOLD)",
+    )
+    p.add_argument(
         "--no-las",
         action="store_true",
         help="gpulab: no preemption by attained service (class preemption only)",
@@ -271,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             colo_packing=args.colo_packing,
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
+            las_threshold_gpu_s=args.las_threshold * 3600.0,
         ),
         SimOptions(
             period_s=args.period,
@@ -342,6 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "restart_overhead_s": args.restart_overhead,
                 "preempt_min_run_s": args.preempt_min_run,
                 "las_preemption": not args.no_las,
+                "las_threshold_gpu_h": args.las_threshold,
             },
             "assumptions": [
                 *prepared.assumptions,

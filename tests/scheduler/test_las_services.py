@@ -30,12 +30,14 @@ def at(seconds: float) -> datetime:
 
 
 def test_a_checkpointable_job_is_preempted_for_a_new_one_and_resumes_after_it(
+    settings: Any,
     alice: User,
     bob: User,
     cluster: list[Node],
     sent: AgentFrames,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
+    settings.GPULAB_LAS_THRESHOLD = 1.0  # GPU-hours: the lower queue from 1 GPU-h
     node_a, node_b = cluster
     # node-b's 2 GPUs: a checkpointable job of alice's that has run 2 h
     victim = JobFactory(

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from scheduler.policy import PendingJob, Preempt, Reason, RunningJob, decide
+from tests.scheduler import test_policy_support as support
 from tests.scheduler.test_policy_support import (
     SLURM,
-    cluster,
     node_gpus,
     pending,
     running,
@@ -18,6 +18,11 @@ from tests.scheduler.test_policy_support import (
 )
 
 HOUR = 3600.0
+
+
+def cluster(*args, **changes):
+    """``test_policy_support.cluster`` with the LAS queues split at 1 GPU-h."""
+    return support.cluster(*args, **{"las_threshold_gpu_s": HOUR, **changes})
 
 
 def ckpt(
@@ -87,29 +92,39 @@ def test_none_is_preempted_sooner_than_the_minimum_run_after_its_start():
     assert [p.victim_id for p in preempts(decide(shorter))] == [10]
 
 
-def test_a_job_is_not_started_when_its_victim_would_take_the_gpus_back():
-    # The waiting job has 1 GPU-h; after its protected 600 s it has 1 h 10 min
-    # of service. A victim with 1 h 5 min would outrank it then: not preempted.
-    run = [ckpt(10, (100,), ran=65 * 60.0)]
-    job = replace(pending(1, 1), attained_gpu_s=HOUR)
+def test_a_job_that_would_leave_the_top_queue_in_its_protected_run_preempts_none():
+    # 2,900 GPU-s + 600 s of protected run stays under the 1 GPU-h threshold;
+    # 3,000 + 600 reaches it: the job would be a lower-queue job when its
+    # protection ends, no better than its victim
+    run = [ckpt(10, (100,), ran=75 * 60.0)]
+    job = replace(pending(1, 1), attained_gpu_s=3000.0)
     ds = decide(cluster(node_gpus(1, 1), [job], run=run))
     assert not preempts(ds)
     assert waits(ds)[1].reason is Reason.RESOURCES
-    # one with 1 h 15 min ranks behind it even then: preempted
-    run = [ckpt(10, (100,), ran=75 * 60.0)]
+    job = replace(job, attained_gpu_s=2900.0)
     ds = decide(cluster(node_gpus(1, 1), [job], run=run))
     assert [p.victim_id for p in preempts(ds)] == [10]
 
 
-def test_the_bar_scales_with_the_waiting_jobs_gpus():
-    # a 4-GPU job reaches 4 x 600 s = 40 GPU-min in its protected run: 1-GPU
-    # victims that ran 45 min are behind it then, ones that ran 10 min are not
+def test_only_lower_queue_jobs_are_victims():
+    # 59 min of service is under the threshold: not a victim; 60 min is
+    run = [ckpt(10, (100,), ran=59 * 60.0)]
+    assert not preempts(decide(cluster(node_gpus(1, 1), [pending(1, 1)], run=run)))
+    run = [ckpt(10, (100,), ran=60 * 60.0)]
+    ds = decide(cluster(node_gpus(1, 1), [pending(1, 1)], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [10]
+
+
+def test_the_protected_run_scales_with_the_waiting_jobs_gpus():
+    # a 4-GPU job runs 4 x 600 s = 2,400 GPU-s protected: with 1,000 before it
+    # stays in the top queue (3,400), with 1,300 it does not (3,700)
     gpus = node_gpus(1, 4)
-    run = [ckpt(10 + i, (100 + i,), ran=45 * 60.0) for i in range(4)]
-    ds = decide(cluster(gpus, [pending(1, 4)], run=run))
+    run = [ckpt(10 + i, (100 + i,), ran=61 * 60.0) for i in range(4)]
+    job = replace(pending(1, 4), attained_gpu_s=1000.0)
+    ds = decide(cluster(gpus, [job], run=run))
     assert sorted(p.victim_id for p in preempts(ds)) == [10, 11, 12, 13]
-    run = [ckpt(10 + i, (100 + i,), ran=10 * 60.0) for i in range(4)]
-    assert not preempts(decide(cluster(gpus, [pending(1, 4)], run=run)))
+    job = replace(job, attained_gpu_s=1300.0)
+    assert not preempts(decide(cluster(gpus, [job], run=run)))
 
 
 def test_the_hourly_bound_holds():
@@ -182,10 +197,11 @@ def test_slurm_and_the_switch_off_never_preempt_by_service(changes):
 
 
 def test_gangs_preempt_across_nodes():
-    # 4 nodes x 2 GPUs, all checkpointable 2-GPU jobs; an 8-GPU gang needs them all
+    # 4 nodes x 2 GPUs, all checkpointable 2-GPU jobs; an 8-GPU gang needs them
+    # all (its protected run is 8 x 600 s: the queues split at 2 GPU-h here)
     gpus = sum((node_gpus(n, 2) for n in (1, 2, 3, 4)), ())
     run = [ckpt(10 + n, (n * 100, n * 100 + 1), ran=4 * HOUR) for n in (1, 2, 3, 4)]
-    ds = decide(cluster(gpus, [pending(1, 8)], run=run))
+    ds = decide(cluster(gpus, [pending(1, 8)], run=run, las_threshold_gpu_s=2 * HOUR))
     assert sorted(p.victim_id for p in preempts(ds)) == [11, 12, 13, 14]
 
 
@@ -209,18 +225,18 @@ def test_a_preempted_job_waits_behind_the_job_it_was_stopped_for():
     assert list(starts(ds)) == [10]
 
 
-def test_resumed_work_waits_behind_less_attained_work_only():
-    # 10 has 1 GPU-h, 11 30 min, 12 and 13 are fresh (bars 40, 10, 10 min):
-    # 11 goes behind 12 and 13, 10 behind all three (by age: 10, 11, 12, 13)
+def test_lower_queue_work_waits_behind_top_queue_work_only():
+    # 10 has 2 GPU-h (lower queue), 11 has 30 min (top queue: 40 min with its
+    # protected run), 12 and 13 are fresh: by age 10, 11, 12, 13; 10 goes last
     jobs = [
-        resumed(10, HOUR, age=300.0),
+        resumed(10, 2 * HOUR, age=300.0),
         resumed(11, 0.5 * HOUR, age=200.0),
         pending(12, 1, age=100.0),
         pending(13, 1, age=50.0),
     ]
     ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs))
-    assert order_of(ds) == [12, 13, 11, 10]
-    # with a 2 h minimum run the fresh jobs' bars (2 GPU-h) are above both
+    assert order_of(ds) == [11, 12, 13, 10]
+    # with a 2 h minimum run none of them stays in the top queue: nothing moves
     ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs, preempt_min_run_s=7200.0))
     assert order_of(ds) == [10, 11, 12, 13]
 

@@ -27,7 +27,7 @@ def replay(policy: str, *, ckpt: bool, interval: float | None = None, **opts):
     sim = Simulator(
         jobs,
         parse_cluster_spec("1x1:p100"),
-        PolicyConfig(name=policy),
+        PolicyConfig(name=policy, las_threshold_gpu_s=2000.0),
         SimOptions(**opts),
     )
     return jobs, summarize(sim.run())
@@ -67,11 +67,15 @@ def test_no_preemption_by_service_without_checkpoints_or_outside_gpulab(policy, 
 
 def test_the_minimum_run_protects_a_fresh_attempt():
     # B arrives 5 min after A's start: A is protected until 600, where its
-    # 600 GPU-s only equal B's bar (1 GPU x 600 s); the periodic pass at 660
-    # preempts it (the bar is strict)
+    # 600 GPU-s are still under the 650 GPU-s threshold; the periodic pass at
+    # 660 preempts it (B stays under the threshold through its own 600 s)
     a = sim_job(1, 0, 10_000, ckpt=True)
     jobs = [a, sim_job(2, 300, 100)]
-    Simulator(jobs, parse_cluster_spec("1x1:p100"), PolicyConfig(name="gpulab")).run()
+    Simulator(
+        jobs,
+        parse_cluster_spec("1x1:p100"),
+        PolicyConfig(name="gpulab", las_threshold_gpu_s=650.0),
+    ).run()
     assert a.preempt_times == [660.0]
     assert jobs[1].first_start == 690.0
 
