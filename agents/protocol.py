@@ -169,11 +169,21 @@ class MetricsData(_Model):
     gpus: Annotated[list[GpuSample], Field(max_length=64)]
 
 
+# What an interactive job runs: "" a batch command, "jupyter" JupyterLab (the
+# agent starts it, agents.jupyter), "shell" a job that holds its GPUs for terminals.
+InteractiveKind = Literal["", "jupyter", "shell"]
+
+
 class JobStartedData(_Model):
     attempt_id: PosInt
     job_id: PosInt
     pid: NonNegInt
     started_at: Timestamp
+    # An interactive job's server on the node: the address and port it listens
+    # on (where the portal's proxy forwards) and the command that ran.
+    interactive_host: Text = ""
+    interactive_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    interactive_command: Annotated[str, Field(max_length=1024)] = ""
 
 
 ExitReason = Literal[
@@ -240,6 +250,12 @@ class JobLaunchData(_Model):
     run_as_uid: UnixId | None = None
     run_as_gid: UnixId | None = None
     run_as_gids: Annotated[list[UnixId], Field(max_length=MAX_GIDS)] = []
+    # An interactive job: the agent runs its own server in place of ``command``
+    # ("jupyter": JupyterLab under ``interactive_base_url`` with the token the
+    # portal's proxy presents; the token never reaches a browser).
+    interactive: InteractiveKind = ""
+    interactive_token: Annotated[str, Field(max_length=64)] = ""
+    interactive_base_url: Annotated[str, Field(max_length=256)] = ""
 
     @model_validator(mode="after")
     def _uid_with_gid(self) -> JobLaunchData:

@@ -455,12 +455,20 @@ _CLASS_PORTAL_FIELDS: dict[str, dict[str, Any]] = {
         "max_time_limit": 14 * 24 * 3600,
         "idle_action": "cancel",
     },
+    # Interactive jobs (docs/interactive.md): short limits, like Slurm's
+    # interactive partitions; idle culling is the interactive jobs' own rule.
+    "interactive": {
+        "default_time_limit": 2 * 3600,
+        "max_time_limit": 12 * 3600,
+        "idle_action": "notify",
+    },
 }
 GPULAB_PRIORITY_CLASSES: dict[str, dict[str, Any]] = {
     name: {
         "weight": spec.weight,
         "slowdown_cap": spec.slowdown_cap,
         "preemptible": spec.preemptible,
+        "interactive": spec.interactive,
         **_CLASS_PORTAL_FIELDS[name],
     }
     for name, spec in DEFAULT_CLASSES.items()
@@ -601,12 +609,14 @@ GPULAB_LIVE_INTERVAL = envfloat("GPULAB_LIVE_INTERVAL", 1.0, minimum=1.0, maximu
 GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
 # Each feature's settings live in a module of their own (read from the environment
 # the same way): the lab's directory (LDAP and the group mapping), what a job
-# request may ask for, the limits on what one request may cost, /metrics, the
-# CLI's sign-in through the browser, OpenID Connect sign-in (after the directory's:
-# it adds to its AUTHENTICATION_BACKENDS), when checkpointable jobs are preempted.
+# request may ask for, interactive jobs, the limits on what one request may cost,
+# /metrics, the CLI's sign-in through the browser, OpenID Connect sign-in (after
+# the directory's: it adds to its AUTHENTICATION_BACKENDS), when checkpointable
+# jobs are preempted.
 from portal.settings_device import *  # noqa: E402,F403
 from portal.settings_directory import *  # noqa: E402,F403
 from portal.settings_input import *  # noqa: E402,F403
+from portal.settings_interactive import *  # noqa: E402,F403
 from portal.settings_limits import *  # noqa: E402,F403
 from portal.settings_metrics import *  # noqa: E402,F403
 from portal.settings_oidc import *  # noqa: E402,F403

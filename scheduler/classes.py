@@ -17,6 +17,8 @@ class PriorityClass:
     max_time_limit: int
     preemptible: bool
     idle_action: str
+    # The class of interactive jobs (JupyterLab, terminals): only they run in it.
+    interactive: bool = False
     # Idle detection (portal/idle): None = the GPULAB_IDLE_* default.
     idle_threshold: float | None = None
     idle_window: int | None = None
@@ -40,4 +42,16 @@ def get_class(name: str) -> PriorityClass | None:
 
 
 def class_choices() -> list[tuple[str, str]]:
-    return [(name, name) for name in settings.GPULAB_PRIORITY_CLASSES]
+    """The classes a batch job may ask for: every class but the interactive ones."""
+    return [(c.name, c.name) for c in all_classes().values() if not c.interactive]
+
+
+def interactive_class() -> PriorityClass:
+    """The class interactive jobs run in: the first with ``interactive`` set."""
+    for c in all_classes().values():
+        if c.interactive:
+            return c
+    raise ImproperlyConfigured(
+        "GPULAB_PRIORITY_CLASSES has no class with interactive=True"
+        " (interactive jobs need one)."
+    )

@@ -104,6 +104,11 @@ class Attempt(models.Model):
     # times its GPUs. Null: nothing lost (it was not requeued).
     checkpoint_at = models.DateTimeField(null=True, blank=True)
     lost_work_gpu_s = models.PositiveIntegerField(null=True, blank=True)
+    # An interactive attempt's server on its node (as the agent reported it in
+    # job.started): where the portal's proxy forwards, and the command that ran.
+    interactive_host = models.CharField(max_length=255, blank=True)
+    interactive_port = models.PositiveIntegerField(null=True, blank=True)
+    interactive_command = models.CharField(max_length=1024, blank=True)
 
     class Meta:
         ordering = ("job", "number")

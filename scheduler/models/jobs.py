@@ -194,6 +194,20 @@ class Job(models.Model):
     checkpoint_signal = models.CharField(max_length=8, default="TERM")
     checkpoint_grace_s = models.PositiveIntegerField(default=60)
 
+    class Interactive(models.TextChoices):
+        BATCH = "", "batch"
+        JUPYTER = "jupyter", "JupyterLab"
+        SHELL = "shell", "terminal"
+
+    # An interactive job (docs/interactive.md): the product generates its command
+    # and runs it in the interactive class; "" is a batch job.
+    interactive = models.CharField(
+        max_length=8, choices=Interactive.choices, default="", blank=True
+    )
+    # The secret the portal's proxy presents to the job's JupyterLab (sent to the
+    # node in the launch, never shown on a page, in the API or to the browser).
+    interactive_token = models.CharField(max_length=64, blank=True, editable=False)
+
     status = models.CharField(
         max_length=16, choices=Status.choices, default=Status.PENDING
     )
@@ -286,6 +300,9 @@ class Job(models.Model):
             ("hold_job", "Can hold and release any user's job"),
             ("requeue_job", "Can requeue a running job"),
             ("change_job_priority", "Can change the priority class of a waiting job"),
+            # Opening another user's interactive job (JupyterLab, a terminal)
+            # through the portal; every opening is recorded as a job event.
+            ("open_any_interactive", "Can open any user's interactive job"),
         ]
 
     def __str__(self) -> str:

@@ -33,6 +33,9 @@ class ClassSpec:
     weight: float  # the class factor, 0..1
     preemptible: bool = False
     slowdown_cap: float | None = 1.5  # co-location: the class's slowdown cap
+    # Interactive jobs' class (JupyterLab, a terminal): only interactive jobs run
+    # in it and none other; the policy places them ahead of batch work.
+    interactive: bool = False
 
 
 # The classes gpulab ships: what the policy knows of each (``portal.settings``
@@ -44,6 +47,9 @@ DEFAULT_CLASSES: Mapping[str, ClassSpec] = MappingProxyType(
         "normal": ClassSpec("normal", 0.5, preemptible=False, slowdown_cap=1.5),
         "best-effort": ClassSpec(
             "best-effort", 0.0, preemptible=True, slowdown_cap=None
+        ),
+        "interactive": ClassSpec(
+            "interactive", 1.0, preemptible=False, slowdown_cap=1.5, interactive=True
         ),
     }
 )

@@ -92,7 +92,21 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
         if first:
             attempt.started_at = started
             attempt.pid = data.pid
-        attempt.save(update_fields=["rank_starts", "started_at", "pid"])
+        if data.interactive_port is not None:
+            # an interactive job's server: where the proxy forwards
+            attempt.interactive_host = data.interactive_host
+            attempt.interactive_port = data.interactive_port
+            attempt.interactive_command = data.interactive_command
+        attempt.save(
+            update_fields=[
+                "rank_starts",
+                "started_at",
+                "pid",
+                "interactive_host",
+                "interactive_port",
+                "interactive_command",
+            ]
+        )
         name = Node.objects.values_list("name", flat=True).get(pk=node_id)
         message = (
             rank_started_message(attempt, rank, name, data.pid)

@@ -190,6 +190,12 @@ def set_priority_class(job_id: int, priority_class: str, *, by: User) -> Job:
             )
         if job.priority_class == spec.name:
             raise JobStateError(f"Job #{job.pk} is already in class {spec.name}.")
+        if spec.interactive != bool(job.interactive):
+            raise ValueError(
+                f"Job #{job.pk} is {'an interactive' if job.interactive else 'a batch'}"
+                f" job; the {spec.name} class is for"
+                f" {'interactive' if spec.interactive else 'batch'} jobs only."
+            )
         if job.time_limit_s > spec.max_time_limit:
             raise ValueError(
                 f"Job #{job.pk}'s time limit ({job.time_limit_s // 3600} h) is above"

@@ -4,6 +4,7 @@ prediction, the group a job is charged to, submit and cancel.
 
 from __future__ import annotations
 
+import secrets
 import unicodedata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -127,6 +128,48 @@ class JobRequest:
     checkpointable: bool = False
     checkpoint_signal: str = ""
     checkpoint_grace_s: int | None = None
+    # An interactive job ("jupyter", "shell"; "" batch): it runs in the
+    # interactive class only, with the command ``interactive_request`` writes.
+    interactive: str = ""
+
+
+# What an interactive job's command is (the agent runs JupyterLab itself for
+# "jupyter"; a "shell" job holds its GPUs for terminals until its limit or cancel).
+INTERACTIVE_COMMANDS = {"jupyter": "jupyter lab", "shell": "exec sleep infinity"}
+INTERACTIVE_NAMES = {"jupyter": "JupyterLab", "shell": "terminal"}
+
+
+def interactive_request(
+    kind: str,
+    *,
+    gpus: int = 1,
+    gpu_memory_mib: int | None = None,
+    time_limit_s: int | None = None,
+    shareable: bool = False,
+    group: str = "",
+    workdir: str = "",
+    name: str = "",
+) -> JobRequest:
+    """The request of an interactive job of ``kind`` ("jupyter" or "shell"):
+    the product writes its name and command and puts it in the interactive
+    class; the user chooses only its size, limit, sharing, group and workdir.
+    ``submit_job`` stores it (an unknown kind is refused there)."""
+    return JobRequest(
+        name=name or INTERACTIVE_NAMES.get(kind, kind),
+        command=INTERACTIVE_COMMANDS.get(kind, "true"),
+        workdir=workdir,
+        gpus=gpus,
+        gpu_memory_mib=gpu_memory_mib,
+        time_limit_s=time_limit_s,
+        priority_class=_interactive_class_name(),
+        shareable=shareable,
+        group=group,
+        interactive=kind,
+    )
+
+
+def _interactive_class_name() -> str:
+    return classes.interactive_class().name
 
 
 def cluster_capacity(model: str = "") -> tuple[int, int, int]:
@@ -232,10 +275,25 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
         errors["env"] = "At most 200 environment variables."
 
     pclass = classes.get_class(req.priority_class or settings.GPULAB_DEFAULT_CLASS)
+    if req.interactive not in INTERACTIVE_COMMANDS and req.interactive:
+        errors["interactive"] = (
+            f"Unknown interactive kind {req.interactive[:20]!r};"
+            f" choose one of: {', '.join(INTERACTIVE_COMMANDS)}."
+        )
     if pclass is None:
-        names = ", ".join(settings.GPULAB_PRIORITY_CLASSES)
+        names = ", ".join(n for n, _ in classes.class_choices())
         errors["priority_class"] = (
             f"Unknown class {req.priority_class!r}; choose one of: {names}."
+        )
+    elif pclass.interactive and not req.interactive:
+        names = ", ".join(n for n, _ in classes.class_choices())
+        errors["priority_class"] = (
+            f"The {pclass.name} class is for interactive jobs (JupyterLab, a"
+            f" terminal); a batch job chooses one of: {names}."
+        )
+    elif req.interactive and not pclass.interactive:
+        errors["priority_class"] = (
+            f"An interactive job runs in the interactive class, not {pclass.name}."
         )
     time_limit = req.time_limit_s
     if pclass is not None:
@@ -349,6 +407,7 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
         "checkpointable": req.checkpointable,
         "checkpoint_signal": signal_name,
         "checkpoint_grace_s": checkpoint_grace,
+        "interactive": req.interactive,
     }
 
 
@@ -426,12 +485,42 @@ def validated_submission(
     return fields, deps
 
 
+def _check_interactive_cap(owner: User) -> None:
+    """Refuse a user's interactive job beyond ``GPULAB_INTERACTIVE_MAX_PER_USER``
+    unfinished ones, naming those they have. The caller holds the user's row
+    lock, so two submissions at once cannot both pass."""
+    cap = settings.GPULAB_INTERACTIVE_MAX_PER_USER
+    mine = list(
+        Job.objects.filter(owner=owner)
+        .exclude(interactive="")
+        .exclude(status__in=Job.TERMINAL)
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+    if len(mine) >= cap:
+        ids = ", ".join(f"#{i}" for i in mine)
+        have = f"you already have {ids}" if mine else "none are allowed"
+        raise ValidationError(
+            {
+                "interactive": (
+                    f"At most {cap} interactive job(s) at a time per user"
+                    f" (GPULAB_INTERACTIVE_MAX_PER_USER); {have}: end it first."
+                )
+            }
+        )
+
+
 def submit_job(owner: User, req: JobRequest) -> Job:
     """Validate and store a new PENDING job (with its dependencies, if any), then
-    ask for a scheduling pass."""
+    ask for a scheduling pass. An interactive job (``interactive_request``) is
+    also held to the per-user cap and given its server's secret token."""
     fields, deps = validated_submission(owner, req)
     predicted = predict_runtime(owner.pk, fields["workload"])
     with transaction.atomic():
+        if req.interactive:
+            type(owner).objects.select_for_update().filter(pk=owner.pk).first()
+            _check_interactive_cap(owner)
+            fields["interactive_token"] = secrets.token_urlsafe(32)
         group = _charge_group(owner, req.group)
         job = Job.objects.create(
             owner=owner,

@@ -50,6 +50,7 @@ def class_specs() -> dict[str, policy.ClassSpec]:
             weight=c.weight,
             preemptible=c.preemptible,
             slowdown_cap=c.slowdown_cap,
+            interactive=c.interactive,
         )
         for name, c in classes.all_classes().items()
     }

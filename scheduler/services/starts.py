@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -392,8 +392,18 @@ def launch_frame(
             run_as_uid=account.uid if numbered else None,
             run_as_gid=account.gid if numbered else None,
             run_as_gids=list(account.gids) if numbered else [],
+            interactive=cast("protocol.InteractiveKind", job.interactive),
+            interactive_token=job.interactive_token,
+            interactive_base_url=interactive_base_url(job.pk)
+            if job.interactive
+            else "",
         ),
     )
+
+
+def interactive_base_url(job_id: int) -> str:
+    """Where the portal's proxy serves an interactive job: its server's base URL."""
+    return f"/interactive/{job_id}/"
 
 
 def rank_launch(attempt: Attempt, node_id: int) -> dict[str, Any]:

@@ -94,8 +94,8 @@ def test_jobs_by_state_class_and_reason_and_the_longest_wait(
     assert value(s, "gpulab_jobs", state="pending", **{"class": "high"}) == 1
     assert value(s, "gpulab_jobs", state="held", **{"class": "normal"}) == 1
     assert value(s, "gpulab_jobs", state="completed", **{"class": "high"}) == 1
-    # Every state and class is written, zeros included (9 states x 3 classes).
-    assert len(series(s, "gpulab_jobs")) == 27
+    # Every state and class is written, zeros included (9 states x 4 classes).
+    assert len(series(s, "gpulab_jobs")) == 36
     assert value(s, "gpulab_jobs", state="running", **{"class": "best-effort"}) == 0
     # Waiting: pending jobs only (the held job is counted as held, not here).
     assert value(s, "gpulab_jobs_waiting", reason="resources") == 2
