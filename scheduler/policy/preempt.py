@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from scheduler.policy.ledger import Ledger
 from scheduler.policy.place import _fitting, is_gang, place
 from scheduler.policy.priority import class_factor
+from scheduler.policy.state import is_interactive
 
 if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
@@ -63,6 +64,7 @@ def candidates(idx: PassIndex, fairshare: FairShare) -> list[RunningJob]:
             if r.preemptible
             and not r.stopping
             and r.preemptions_last_hour < cfg.preempt_max_per_hour
+            and not is_interactive(state, r)
         ),
         key=key,
     )
@@ -89,10 +91,16 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     in the last hour, has run at least ``preempt_min_run_s`` in its current
     attempt, and is of a class whose weight is not above ``job``'s. A victim
     waits in the lower queue, behind ``job`` (``las_order``), so it cannot take
-    the GPUs straight back: no job is started only to be preempted at once."""
+    the GPUs straight back: no job is started only to be preempted at once.
+
+    An interactive ``job`` (``ClassSpec.interactive``) needs no rank: any
+    checkpointable batch job within the same bounds (hourly, minimum run, not
+    being stopped) is a victim, the most attained first. An interactive job is
+    never a victim."""
     state = idx.state
     cfg = state.config
-    if not top_queue(job, cfg):
+    interactive = is_interactive(state, job)
+    if not interactive and not top_queue(job, cfg):
         return []
     now = state.now
     classes = state.classes
@@ -110,10 +118,12 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         ):
             continue
         spec = classes.get(r.priority_class)
-        if spec is not None and spec.weight > weight:
+        if spec is not None and spec.interactive:
             continue
         attained = r.attained_gpu_s(now)
-        if attained >= bar:
+        if interactive or (
+            attained >= bar and not (spec is not None and spec.weight > weight)
+        ):
             out.append((-attained, -r.started_at, -r.id, r))
     out.sort(key=lambda t: t[:3])
     return [t[3] for t in out]

@@ -178,8 +178,9 @@ def share_setup(p: Pass, rules: str | None, estimator: Estimator | None) -> None
 
 
 def ordering(p: Pass) -> list[PendingJob]:
-    """The pending jobs in scheduling order: priority desc, then (``runtime``) the
-    higher class, submitted asc, id asc. Fills ``p.breakdowns`` and ``p.prio``."""
+    """The pending jobs in scheduling order: interactive jobs first, then
+    priority desc, then (``runtime``) the higher class, submitted asc, id asc
+    (``preempt.las_order`` then moves lower-queue resumed work, in ``gpulab``). Fills ``p.breakdowns`` and ``p.prio``."""
     state = p.state
     p.breakdowns, p.prio = breakdowns, prio = priority.breakdowns(
         state.pending,
@@ -192,11 +193,14 @@ def ordering(p: Pass) -> list[PendingJob]:
     )
     pending = state.pending
     runtime = p.runtime
+    # interactive jobs (``ClassSpec.interactive``) ahead of batch work
+    interactive = {n for n, spec in state.classes.items() if spec.interactive}
     # tuples compare in C; the position breaks nothing (ids are unique). gpulab: at
     # equal priority the higher class first (a max-aged job's whole runtime part
     # may tie a new job one class up: see priority.py), then older
     keyed = sorted(
         (
+            j.priority_class not in interactive,
             -prio[j.id],
             -breakdowns[j.id]["class"] if runtime else 0.0,
             j.submitted_at,
@@ -205,7 +209,7 @@ def ordering(p: Pass) -> list[PendingJob]:
         )
         for i, j in enumerate(pending)
     )
-    order = [pending[k[4]] for k in keyed]
+    order = [pending[k[5]] for k in keyed]
     if p.preemption and p.cfg.las_preemption:
         return preempt.las_order(p, order)
     return order

@@ -336,6 +336,13 @@ class ClusterState:
     quotas: tuple[QuotaView, ...] = ()
 
 
+def is_interactive(state: ClusterState, job: RunningJob | PendingJob) -> bool:
+    """``job`` runs in an interactive class (``ClassSpec.interactive``): it is
+    ordered ahead of batch work and never preempted nor evicted."""
+    spec = state.classes.get(job.priority_class)
+    return spec is not None and spec.interactive
+
+
 # ------------------------------------------------------------------ decisions
 
 
