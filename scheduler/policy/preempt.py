@@ -18,6 +18,7 @@ schedulable nodes count. At most one plan per pass (``stages.reserve_top`` asks 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -133,24 +134,22 @@ def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
     """``base``, the scheduling order, with the LAS rule applied.
 
     The multifactor order (priority desc, the higher class, submitted, id), except
-    that a waiting checkpointable job ``v`` of the lower queue (attained service
-    at least ``las_threshold_gpu_s``) that has waited less than ``max_age_s``
-    since its submission goes right after the last waiting job ``w`` that is in
-    the top queue (``top_queue``) and of a class weight at least its own: a job
-    preempted by attained service never starts again ahead of the job it was
-    stopped for, and resumed long work waits behind short work. The rest keep
-    their order; jobs with less service than the threshold never move."""
+    that a waiting job ``v`` that was preempted (``preempted_at``), checkpoints
+    and is in the lower queue (attained service at least ``las_threshold_gpu_s``)
+    goes right after the last waiting job ``w`` that is in the top queue
+    (``top_queue``), of a class weight at least its own, and was submitted by
+    ``v``'s preemption: a job preempted by attained service never starts again
+    ahead of the job it was stopped for. It yields only to jobs that were waiting
+    when it was stopped, never to later arrivals, so its wait is bounded by
+    theirs. The rest keep their order."""
     state = p.state
     cfg = p.cfg
-    now = state.now
     bar = cfg.las_threshold_gpu_s
-    movers = {
-        j.id
-        for j in base
-        if j.checkpointable
-        and j.attained_gpu_s >= bar
-        and now - j.submitted_at < cfg.max_age_s
-    }
+    movers = [
+        (i, j)
+        for i, j in enumerate(base)
+        if j.preempted_at is not None and j.checkpointable and j.attained_gpu_s >= bar
+    ]
     if not movers:
         return base
     classes = state.classes
@@ -159,22 +158,31 @@ def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
         spec = classes.get(j.priority_class)
         return spec.weight if spec is not None else 0.0
 
-    # the last top-queue job of each class weight or more, by position
-    last: dict[float, int] = {}
-    for i, j in enumerate(base):
-        if top_queue(j, cfg):
-            last[weight(j)] = i
-    levels = sorted(last)
-
-    def key(i: int, j: PendingJob) -> tuple[int, int, int]:
-        if j.id not in movers:
-            return (i, 0, i)
-        wv = weight(j)
-        after = max((last[lv] for lv in levels if lv >= wv), default=-1)
-        return (after, 1, i) if after > i else (i, 0, i)
-
-    keyed = sorted((key(i, j), i) for i, j in enumerate(base))
-    return [base[i] for _, i in keyed]
+    # per class weight: the top-queue jobs of that weight or more by submit
+    # time, with the running maximum of their positions
+    tops = [
+        (j.submitted_at, i, weight(j)) for i, j in enumerate(base) if top_queue(j, cfg)
+    ]
+    tops.sort()
+    stamps = [t for t, _, _ in tops]
+    prefix: dict[float, list[int]] = {}
+    for lv in {weight(j) for _, j in movers}:
+        best, run = -1, []
+        for _, i, w in tops:
+            if w >= lv and i > best:
+                best = i
+            run.append(best)
+        prefix[lv] = run
+    key = list(range(len(base)))
+    sub = [0] * len(base)
+    for i, v in movers:
+        assert v.preempted_at is not None
+        n = bisect_right(stamps, v.preempted_at)
+        after = prefix[weight(v)][n - 1] if n else -1
+        if after > i:
+            key[i], sub[i] = after, 1
+    keyed = sorted(zip(key, sub, range(len(base)), strict=True))
+    return [base[k[2]] for k in keyed]
 
 
 def plan(

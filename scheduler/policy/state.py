@@ -219,6 +219,8 @@ class PendingJob:
     # whether it saves its work when stopped (``Job.checkpointable``)
     attained_gpu_s: float = 0.0
     checkpointable: bool = False
+    # when it was last preempted (None: never); ``preempt.las_order`` reads it
+    preempted_at: float | None = None
 
 
 @dataclass(frozen=True)

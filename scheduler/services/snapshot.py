@@ -122,6 +122,7 @@ SELECT j.id, j.gpus, j.gpu_memory_mib, date_part('epoch', j.submitted_at), j.own
        j.group_id, j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        j.shareable, j.gpu_model, j.workload, j.slowdown_cap, j.array_id,
        a.max_running, j.checkpointable, {_PRIOR_SQL},
+       date_part('epoch', j.last_preempted_at),
        j.pending_reason, j.pending_message, j.queue_order,
        j.priority_breakdown::text, date_part('epoch', j.est_start)
 FROM scheduler_job j LEFT JOIN scheduler_jobarray a ON a.id = j.array_id
@@ -272,6 +273,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         array_limit,
         checkpointable,
         attained,
+        preempted_at,
         reason,
         message,
         order_key,
@@ -299,6 +301,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 dependencies=tuple(dependencies.get(pk, ())),
                 attained_gpu_s=float(attained),
                 checkpointable=checkpointable,
+                preempted_at=preempted_at,
             )
         )
         stored_waits[pk] = (reason, message, order_key, breakdown, est_start)

@@ -59,6 +59,7 @@ class PolicyViews(GpuPhysics):
             slowdown_cap=cls.slowdown_cap,
             attained_gpu_s=job.gpus * job.run_total,
             checkpointable=job.checkpointable,
+            preempted_at=job.preempt_times[-1] if job.preempt_times else None,
         )
 
     def _running_view(self, job: SimJob, now: float) -> RunningJob:

@@ -9,6 +9,7 @@ import pytest
 from scheduler.policy import PendingJob, Preempt, Reason, RunningJob, decide
 from tests.scheduler import test_policy_support as support
 from tests.scheduler.test_policy_support import (
+    NOW,
     SLURM,
     node_gpus,
     pending,
@@ -205,8 +206,16 @@ def test_gangs_preempt_across_nodes():
     assert sorted(p.victim_id for p in preempts(ds)) == [11, 12, 13, 14]
 
 
-def resumed(job_id: int, attained: float, **kw) -> PendingJob:
-    return replace(pending(job_id, **kw), checkpointable=True, attained_gpu_s=attained)
+def resumed(
+    job_id: int, attained: float, *, preempted_at: float = NOW, **kw
+) -> PendingJob:
+    """A checkpointable job back in the queue after a preemption."""
+    return replace(
+        pending(job_id, **kw),
+        checkpointable=True,
+        attained_gpu_s=attained,
+        preempted_at=preempted_at,
+    )
 
 
 def order_of(ds) -> list[int]:
@@ -241,15 +250,30 @@ def test_lower_queue_work_waits_behind_top_queue_work_only():
     assert order_of(ds) == [10, 11, 12, 13]
 
 
-def test_the_order_rule_keeps_classes_and_the_max_age():
-    # a high resumed job stays ahead of a normal fresh one; a resumed job that
-    # has waited past max_age is never passed
+def test_the_order_rule_keeps_classes():
+    # a high resumed job stays ahead of a normal fresh one
     jobs = [resumed(10, 5 * HOUR, cls="high", age=60.0), pending(11, 1, age=30.0)]
     ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs))
     assert order_of(ds) == [10, 11]
-    old = [resumed(10, 5 * HOUR, age=8 * 86400.0), pending(11, 1, age=30.0)]
-    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), old))
-    assert order_of(ds) == [10, 11]
-    fresh = [resumed(10, 5 * HOUR, age=6 * 86400.0), pending(11, 1, age=30.0)]
-    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), fresh))
-    assert order_of(ds) == [11, 10]
+
+
+def test_a_preempted_job_yields_only_to_jobs_that_waited_when_it_was_stopped():
+    # 10 was preempted 10 min ago: 11 (waiting for 20 min) passes it, 12
+    # (submitted 5 min ago) does not
+    jobs = [
+        resumed(10, 5 * HOUR, age=3 * HOUR, preempted_at=NOW - 600.0),
+        pending(11, 1, age=1200.0),
+        pending(12, 1, age=300.0),
+    ]
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs))
+    assert order_of(ds) == [11, 10, 12]
+
+
+def test_only_preempted_checkpointable_work_moves():
+    # the same service without a preemption, or without checkpoints: no move
+    for job in (
+        replace(resumed(10, 5 * HOUR, age=HOUR), preempted_at=None),
+        replace(resumed(10, 5 * HOUR, age=HOUR), checkpointable=False),
+    ):
+        ds = decide(cluster(node_gpus(1, 1, busy=(0,)), [job, pending(11, 1)]))
+        assert order_of(ds) == [10, 11]
