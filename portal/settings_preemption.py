@@ -17,3 +17,7 @@ GPULAB_PREEMPT_MIN_RUN = envfloat("GPULAB_PREEMPT_MIN_RUN", 600.0, minimum=0)
 # is in the lower LAS queue: only such jobs are preempted by attained service, and
 # only for a job that stays under it through its own minimum run.
 GPULAB_LAS_THRESHOLD = envfloat("GPULAB_LAS_THRESHOLD", 16.0, minimum=0.01)
+# The wait bound: a job in the system (since its submission) longer than this many
+# times its service time (attained GPU-seconds / its GPUs) is no longer preempted
+# by attained service nor held behind the jobs it was preempted for.
+GPULAB_LAS_MAX_SLOWDOWN = envfloat("GPULAB_LAS_MAX_SLOWDOWN", 2.0, minimum=1.0)

@@ -90,7 +90,9 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     victim ``v`` is in the lower queue (attained >= the threshold), checkpointable,
     not already being stopped, preempted fewer than ``preempt_max_per_hour`` times
     in the last hour, has run at least ``preempt_min_run_s`` in its current
-    attempt, and is of a class whose weight is not above ``job``'s. A victim
+    attempt, is of a class whose weight is not above ``job``'s, and has been in
+    the system at most ``las_max_slowdown`` times its service time (attained /
+    GPUs; ``RunningJob.las_slowdown``): the wait bound. A victim
     waits in the lower queue, behind ``job`` (``las_order``), so it cannot take
     the GPUs straight back: no job is started only to be preempted at once.
 
@@ -121,6 +123,8 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         spec = classes.get(r.priority_class)
         if spec is not None and spec.interactive:
             continue
+        if r.las_slowdown(now) > cfg.las_max_slowdown:
+            continue  # the wait bound: it has waited as long as it may
         attained = r.attained_gpu_s(now)
         if interactive or (
             attained >= bar and not (spec is not None and spec.weight > weight)
@@ -140,15 +144,21 @@ def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
     (``top_queue``), of a class weight at least its own, and was submitted by
     ``v``'s preemption: a job preempted by attained service never starts again
     ahead of the job it was stopped for. It yields only to jobs that were waiting
-    when it was stopped, never to later arrivals, so its wait is bounded by
-    theirs. The rest keep their order."""
+    when it was stopped, never to later arrivals, and only while its time since
+    submission is at most ``las_max_slowdown`` times its service time (attained /
+    GPUs). The rest keep their order."""
     state = p.state
     cfg = p.cfg
     bar = cfg.las_threshold_gpu_s
+    now = state.now
+    most = cfg.las_max_slowdown
     movers = [
         (i, j)
         for i, j in enumerate(base)
-        if j.preempted_at is not None and j.checkpointable and j.attained_gpu_s >= bar
+        if j.preempted_at is not None
+        and j.checkpointable
+        and j.attained_gpu_s >= bar
+        and (now - j.submitted_at) * j.gpus <= most * j.attained_gpu_s
     ]
     if not movers:
         return base

@@ -92,6 +92,10 @@ class PolicyConfig:
     # the two LAS queues' boundary: a job with this much attained service (GPUs x
     # seconds run) is in the lower queue (Tiresias' 16 GPU-h on (b), docs/policy.md)
     las_threshold_gpu_s: float = 16 * 3600.0
+    # the LAS wait bound: a job whose time since submission is over this many
+    # times its service time (attained / GPUs) is neither preempted by attained
+    # service nor held back by ``las_order``
+    las_max_slowdown: float = 2.0
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.
@@ -264,6 +268,15 @@ class RunningJob:
     # preempt it. ``prior_gpu_s``: GPU-seconds its earlier attempts ran.
     checkpointable: bool = False
     prior_gpu_s: float = 0.0
+    submitted_at: float | None = None  # (None: unknown; the LAS wait bound skips it)
+
+    def las_slowdown(self, now: float) -> float:
+        """Time since its submission over its service time (attained / GPUs);
+        0 when its submission is unknown."""
+        if self.submitted_at is None:
+            return 0.0
+        served = self.attained_gpu_s(now) / max(len(self.gpu_ids), 1)
+        return (now - self.submitted_at) / served if served > 0 else float("inf")
 
     def attained_gpu_s(self, now: float) -> float:
         """Its attained service at ``now``: GPUs x seconds run, every attempt."""

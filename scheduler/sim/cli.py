@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpointable jobs top-queue jobs may preempt (GPULAB_LAS_THRESHOLD)",
     )
     p.add_argument(
+        "--las-max-slowdown",
+        type=_positive,
+        default=PolicyConfig.las_max_slowdown,
+        help="gpulab: a job in the system longer than this x its service time is "
+        "not preempted nor held back by attained service (GPULAB_LAS_MAX_SLOWDOWN)",
+    )
+    p.add_argument(
         "--no-las",
         action="store_true",
         help="gpulab: no preemption by attained service (class preemption only)",
@@ -279,6 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
             las_threshold_gpu_s=args.las_threshold * 3600.0,
+            las_max_slowdown=args.las_max_slowdown,
         ),
         SimOptions(
             period_s=args.period,
@@ -294,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress_noise=args.progress_noise,
             checkpoint_interval_s=args.checkpoint_interval,
             restart_overhead_s=args.restart_overhead,
-            preempt_any=args.policy == tiresias.NAME,
+            preempt_checkpointable=args.policy == tiresias.NAME,
         ),
         throughputs=table,
         colocation=colocation,
@@ -351,6 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "preempt_min_run_s": args.preempt_min_run,
                 "las_preemption": not args.no_las,
                 "las_threshold_gpu_h": args.las_threshold,
+                "las_max_slowdown": args.las_max_slowdown,
             },
             "assumptions": [
                 *prepared.assumptions,

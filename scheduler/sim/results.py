@@ -47,8 +47,11 @@ class SimOptions:
     # moment is checkpointed) and pays ``restart_overhead_s`` when it resumes.
     checkpoint_interval_s: float = 1800.0
     restart_overhead_s: float = 60.0
-    # the policy may preempt any running job, whatever its class (tiresias)
+    # the policy may preempt any running job, whatever its class
     preempt_any: bool = False
+    # the policy may preempt any checkpointable job, whatever its class (tiresias:
+    # a job that cannot checkpoint would lose its whole attempt)
+    preempt_checkpointable: bool = False
 
 
 @dataclass

@@ -82,7 +82,11 @@ class PolicyViews(GpuPhysics):
             user=job.user,
             group=job.group,
             priority_class=job.priority_class,
-            preemptible=(cls.preemptible or self.opts.preempt_any)
+            preemptible=(
+                cls.preemptible
+                or self.opts.preempt_any
+                or (self.opts.preempt_checkpointable and job.checkpointable)
+            )
             and job.state == "running",
             preemptions_last_hour=recent,
             stopping=job.state == "stopping",
@@ -98,6 +102,7 @@ class PolicyViews(GpuPhysics):
             progress=self.tracker.view(job, now),
             checkpointable=job.checkpointable,
             prior_gpu_s=job.gpus * job.run_total,
+            submitted_at=job.submit,
         )
 
     def _state(self, now: float) -> ClusterState:

@@ -42,6 +42,7 @@ def test_a_checkpointable_job_is_preempted_for_a_new_one_and_resumes_after_it(
     # node-b's 2 GPUs: a checkpointable job of alice's that has run 2 h
     victim = JobFactory(
         owner=alice,
+        submitted_at=at(0),
         gpus=2,
         checkpointable=True,
         checkpoint_signal="USR1",

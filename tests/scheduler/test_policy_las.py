@@ -277,3 +277,24 @@ def test_only_preempted_checkpointable_work_moves():
     ):
         ds = decide(cluster(node_gpus(1, 1, busy=(0,)), [job, pending(11, 1)]))
         assert order_of(ds) == [10, 11]
+
+
+def test_the_wait_bound_exempts_a_job_that_has_waited_as_long_as_it_ran():
+    # 10 ran 5 h of its 8 h in the system (slowdown 1.6): a victim; 11 ran
+    # 5 h of 11 h (2.2, over the bound of 2): not
+    run = [
+        replace(ckpt(10, (100,), ran=5 * HOUR), submitted_at=NOW - 8 * HOUR),
+        replace(ckpt(11, (101,), ran=5 * HOUR), submitted_at=NOW - 11 * HOUR),
+    ]
+    ds = decide(cluster(node_gpus(1, 2), [pending(1, 1), pending(2, 1)], run=run))
+    assert [p.victim_id for p in preempts(ds)] == [10]
+    # the same in the order: a preempted job past the bound is not held back
+    late = resumed(10, 5 * HOUR, age=11 * HOUR)
+    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), [late, pending(11, 1)]))
+    assert order_of(ds) == [10, 11]
+    ds = decide(
+        cluster(
+            node_gpus(1, 1, busy=(0,)), [late, pending(11, 1)], las_max_slowdown=3.0
+        )
+    )
+    assert order_of(ds) == [11, 10]

@@ -12,6 +12,7 @@ from scheduler.policy import PolicyConfig
 from scheduler.sim.engine import SimOptions, Simulator
 from scheduler.sim.metrics import summarize
 from scheduler.sim.prepare import PrepareOptions, prepare
+from scheduler.sim.tiresias import TiresiasParams, runner
 from scheduler.sim.trace import TraceError, read_trace
 from tests.scheduler.test_sim_policies import sim_job
 
@@ -122,3 +123,19 @@ def test_bad_checkpoint_cells_name_the_column_and_line(tmp_path, cells, match):
     )
     with pytest.raises(TraceError, match=rf"t\.csv:2: column {match}"):
         read_trace(path)
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_tiresias_preempts_only_jobs_that_checkpoint(ckpt):
+    # 1 GPU, threshold 100 GPU-s: B (50 s) arrives at 200 while A is in queue 1
+    jobs = [sim_job(1, 0, 1000, ckpt=ckpt), sim_job(2, 200, 50)]
+    policy = runner(TiresiasParams(threshold_gpu_s=100.0), {j.id: j for j in jobs})
+    Simulator(
+        jobs,
+        parse_cluster_spec("1x1:p100"),
+        PolicyConfig(name="tiresias"),
+        SimOptions(preempt_checkpointable=True),
+        pass_fn=policy.run,
+    ).run()
+    assert jobs[0].preemptions == (1 if ckpt else 0)
+    assert jobs[1].first_start == (230 if ckpt else 1000)
