@@ -6,7 +6,11 @@ pairs with NVML topology levels, two GPU models; pending jobs of 1/2/4/8 GPUs
 (a few larger than a node: gangs), three classes, 20 groups with decayed usage,
 1 in 10 asking for a model, 1 in 10 for a memory minimum. Two fills: ``busy`` (3 in 4
 GPUs running, with planned ends, some best-effort: backfill and preemption work) and
-``empty`` (every GPU free: the most starts per pass). The figure is the median of
+``empty`` (every GPU free: the most starts per pass). For preemption by attained
+service (a second generator, so the draws above are those of earlier runs): a
+third of the running jobs checkpointable with 0-40 GPU-h attained before their
+attempt, and 1 in 10 pending jobs resumed checkpointable work with 0-40 GPU-h, so
+the LAS order and candidates run. The figure is the median of
 ``--repeat`` calls. Goal: under 100 ms for 10,000 pending on 4,096 GPUs.
 
 Prints a table and writes ``<out-dir>/decide_scaling.json``. Needs no database.
@@ -50,6 +54,7 @@ CLASSES = {
 
 def build(n_gpus: int, n_pending: int, fill: str, policy: str) -> ClusterState:
     rng = random.Random(n_gpus * 7919 + n_pending)
+    las = random.Random(n_gpus * 7919 + n_pending + 1)
     per_node = 8
     nodes = []
     gpus = []
@@ -101,6 +106,8 @@ def build(n_gpus: int, n_pending: int, fill: str, policy: str) -> ClusterState:
                     group=f"g{rng.randrange(20)}",
                     priority_class=cls,
                     preemptible=cls == "best-effort",
+                    checkpointable=las.random() < 1 / 3,
+                    prior_gpu_s=las.uniform(0, 40 * 3600.0),
                 )
             )
             jid += 1
@@ -125,6 +132,8 @@ def build(n_gpus: int, n_pending: int, fill: str, policy: str) -> ClusterState:
                 priority_class=cls,
                 gpu_model="h100" if rng.random() < 0.1 else "",
                 planned_s=rng.choice((600.0, 3600.0, 4 * 3600.0, 86400.0)),
+                checkpointable=(resumed := las.random() < 0.1),
+                attained_gpu_s=las.uniform(0, 40 * 3600.0) if resumed else 0.0,
             )
         )
     usage = Usage(

@@ -121,6 +121,7 @@ TABLE_KEYS = (
     ("timeouts", "timeouts", "{:.0f}"),
     ("preemptions", "preemptions", "{:.0f}"),
     ("preempted_gpu_s_lost", "GPU-h lost to preemption", "h"),
+    ("preemption_lost_share", "share of GPU time lost to preemption", "{:.3f}"),
     ("passes", "passes", "{:.0f}"),
     ("avg_decide_ms", "avg decide (ms)", "{:.2f}"),
     ("p99_decide_ms", "p99 decide (ms)", "{:.2f}"),

@@ -164,6 +164,26 @@ def markdown(
                     )
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    lost = []
+    for p in policies:
+        got = [
+            (metric(r, "preemption_lost_gpu_hours"), metric(r, "preemption_lost_share"))
+            for seed in seeds
+            if (r := runs.get((p, seed))) is not None
+        ]
+        pairs = [(h, f) for h, f in got if h is not None and f is not None]
+        if pairs:
+            h = statistics.mean(x for x, _ in pairs)
+            f = statistics.mean(y for _, y in pairs)
+            lost.append(f"`{p}` {h:.1f} GPU-h ({100 * f:.2f} %)")
+    if lost:
+        lines += [
+            "Work lost to preemption (since the last checkpoint, plus restart"
+            " overheads; mean over the seeds, share of busy GPU time): "
+            + ", ".join(lost)
+            + ".",
+            "",
+        ]
     summary = compare(runs, policies, baseline, seeds)
     names = {"avg_jct_s": "avg JCT", "p99_jct_s": "p99 JCT"}
     for policy, by_key in summary.items():
@@ -199,7 +219,7 @@ def run_one(
         reuse=args.reuse,
         max_jobs=args.max_jobs,
         timeout=args.timeout,
-        extra=("--no-check", *extra),
+        extra=("--no-check", *extra, *args.common),
     )
     if result is not None:
         sys.stdout.write(
@@ -228,7 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--reuse", action="store_true", help="keep replays already in --out-dir"
     )
+    p.add_argument(
+        "--checkpointable-fraction",
+        type=float,
+        help="every policy's replays (tiresias' too) with this seeded share of"
+        " checkpointable jobs (use a separate --out-dir per value)",
+    )
     args = p.parse_args(argv)
+    frac = args.checkpointable_fraction
+    if frac is not None and not 0.0 <= frac <= 1.0:
+        p.error(f"--checkpointable-fraction must be in [0, 1], not {frac:g}")
+    args.common = () if frac is None else ("--checkpointable-fraction", f"{frac:g}")
     try:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:
@@ -263,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         " `python -m scheduler.sim` with the scenario options of"
         " `bench/sim_report.py` and `--no-check`"
         + (f", `--max-jobs {args.max_jobs}`" if args.max_jobs else "")
+        + (f", `{' '.join(args.common)}`" if args.common else "")
         + ".",
         "",
     ]

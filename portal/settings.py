@@ -634,7 +634,8 @@ GPULAB_DEFAULT_WORKDIR = envstr("GPULAB_DEFAULT_WORKDIR", "/tmp")
 # the same way): the lab's directory (LDAP and the group mapping), what a job
 # request may ask for, interactive jobs, the limits on what one request may cost,
 # /metrics, the CLI's sign-in through the browser, OpenID Connect sign-in (after
-# the directory's: it adds to its AUTHENTICATION_BACKENDS).
+# the directory's: it adds to its AUTHENTICATION_BACKENDS), when checkpointable
+# jobs are preempted.
 from portal.settings_device import *  # noqa: E402,F403
 from portal.settings_directory import *  # noqa: E402,F403
 from portal.settings_input import *  # noqa: E402,F403
@@ -642,6 +643,7 @@ from portal.settings_interactive import *  # noqa: E402,F403
 from portal.settings_limits import *  # noqa: E402,F403
 from portal.settings_metrics import *  # noqa: E402,F403
 from portal.settings_oidc import *  # noqa: E402,F403
+from portal.settings_preemption import *  # noqa: E402,F403
 
 CELERY_BEAT_SCHEDULE.update(DIRECTORY_BEAT_SCHEDULE)  # noqa: F405
 CELERY_BEAT_SCHEDULE.update(METRICS_BEAT_SCHEDULE)  # noqa: F405

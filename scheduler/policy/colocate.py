@@ -37,7 +37,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy.interference import Estimate, Profile, gain
-from scheduler.policy.state import Evict
+from scheduler.policy.state import Evict, is_interactive
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -536,7 +536,8 @@ class Sharing:
 def evictions(state: ClusterState) -> list[Evict]:
     """The later job of each shared GPU on which a job was measured over its cap
     for half of ``colo_detect_window_s`` or more (if its owner allows it to be
-    requeued): the reports start a minute or two into the episode and the next
+    requeued; an interactive job is never evicted: when it is the later job, its
+    earliest batch partner goes instead): the reports start a minute or two into the episode and the next
     pass comes within a minute, so the job is stopped within the window."""
     window = state.config.colo_detect_window_s
     by_gpu: dict[int, list[RunningJob]] = {}
@@ -561,6 +562,12 @@ def evictions(state: ClusterState) -> list[Evict]:
         if not joined:
             continue
         later = max(joined, key=lambda r: (r.joined_at or 0.0, r.id))
+        if is_interactive(state, later):
+            # an interactive job is never evicted: its batch partner goes
+            batch = [r for r in rs if not is_interactive(state, r)]
+            if not batch:
+                continue
+            later = min(batch, key=lambda r: (r.joined_at or 0.0, r.id))
         if not later.evictable:
             continue
         hurt = next((r for r in over if r.id != later.id), over[0])

@@ -1,6 +1,11 @@
 """The reservation stage (gpulab only): a preemption plan for the top blocked job.
 
-Only for a job of a non-preemptible class; victims are running jobs marked
+Two kinds of victims, tried in this order: by class (below), then by least
+attained service (``las_candidates``: checkpointable jobs, the most attained
+first; docs/policy.md "Preemption by attained service"). Both use the same
+minimal-set search (``plan``).
+
+Class preemption is only for a job of a non-preemptible class; victims are running jobs marked
 ``preemptible`` that were preempted fewer than ``preempt_max_per_hour`` times in the
 last hour (so a best-effort job is never stopped for another best-effort job, nor
 stopped over and over). Kueue's ``minimalPreemptions``: order the candidates (groups
@@ -13,6 +18,7 @@ schedulable nodes count. At most one plan per pass (``stages.reserve_top`` asks 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,11 +26,19 @@ from typing import TYPE_CHECKING
 from scheduler.policy.ledger import Ledger
 from scheduler.policy.place import _fitting, is_gang, place
 from scheduler.policy.priority import class_factor
+from scheduler.policy.state import is_interactive
 
 if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
     from scheduler.policy.index import Constraint, PassIndex
-    from scheduler.policy.state import GpuView, Placement, RunningJob
+    from scheduler.policy.stages import Pass
+    from scheduler.policy.state import (
+        GpuView,
+        PendingJob,
+        Placement,
+        PolicyConfig,
+        RunningJob,
+    )
 
 
 @dataclass(frozen=True)
@@ -51,9 +65,134 @@ def candidates(idx: PassIndex, fairshare: FairShare) -> list[RunningJob]:
             if r.preemptible
             and not r.stopping
             and r.preemptions_last_hour < cfg.preempt_max_per_hour
+            and not is_interactive(state, r)
         ),
         key=key,
     )
+
+
+def top_queue(job: PendingJob, cfg: PolicyConfig) -> bool:
+    """``job`` would still be in the top LAS queue at the end of its protected
+    minimum run: attained + gpus x ``preempt_min_run_s`` < ``las_threshold_gpu_s``."""
+    return (
+        job.attained_gpu_s + job.gpus * cfg.preempt_min_run_s < cfg.las_threshold_gpu_s
+    )
+
+
+def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
+    """The running jobs ``job`` may preempt by attained service, most attained
+    first (then the latest started, then the highest id).
+
+    Two queues, as Tiresias' discretised LAS: a job is in the top queue while
+    its attained service (GPUs x seconds run, every attempt) is under
+    ``las_threshold_gpu_s``. ``job`` may preempt only if it would still be in the
+    top queue at the end of its own protected minimum run (``top_queue``); a
+    victim ``v`` is in the lower queue (attained >= the threshold), checkpointable,
+    not already being stopped, preempted fewer than ``preempt_max_per_hour`` times
+    in the last hour, has run at least ``preempt_min_run_s`` in its current
+    attempt, is of a class whose weight is not above ``job``'s, and has been in
+    the system at most ``las_max_slowdown`` times its service time (attained /
+    GPUs; ``RunningJob.las_slowdown``): the wait bound. A victim
+    waits in the lower queue, behind ``job`` (``las_order``), so it cannot take
+    the GPUs straight back: no job is started only to be preempted at once.
+
+    An interactive ``job`` (``ClassSpec.interactive``) needs no rank: any
+    checkpointable batch job within the same bounds (hourly, minimum run, not
+    being stopped) is a victim, the most attained first. An interactive job is
+    never a victim."""
+    state = idx.state
+    cfg = state.config
+    interactive = is_interactive(state, job)
+    if not interactive and not top_queue(job, cfg):
+        return []
+    now = state.now
+    classes = state.classes
+    min_run = cfg.preempt_min_run_s
+    bar = cfg.las_threshold_gpu_s
+    own = classes.get(job.priority_class)
+    weight = own.weight if own is not None else 0.0
+    out: list[tuple[float, float, int, RunningJob]] = []
+    for r in state.running:
+        if (
+            not r.checkpointable
+            or r.stopping
+            or r.preemptions_last_hour >= cfg.preempt_max_per_hour
+            or now - r.started_at < min_run
+        ):
+            continue
+        spec = classes.get(r.priority_class)
+        if spec is not None and spec.interactive:
+            continue
+        if r.las_slowdown(now) > cfg.las_max_slowdown:
+            continue  # the wait bound: it has waited as long as it may
+        attained = r.attained_gpu_s(now)
+        if interactive or (
+            attained >= bar and not (spec is not None and spec.weight > weight)
+        ):
+            out.append((-attained, -r.started_at, -r.id, r))
+    out.sort(key=lambda t: t[:3])
+    return [t[3] for t in out]
+
+
+def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
+    """``base``, the scheduling order, with the LAS rule applied.
+
+    The multifactor order (priority desc, the higher class, submitted, id), except
+    that a waiting job ``v`` that was preempted (``preempted_at``), checkpoints
+    and is in the lower queue (attained service at least ``las_threshold_gpu_s``)
+    goes right after the last waiting job ``w`` that is in the top queue
+    (``top_queue``), of a class weight at least its own, and was submitted by
+    ``v``'s preemption: a job preempted by attained service never starts again
+    ahead of the job it was stopped for. It yields only to jobs that were waiting
+    when it was stopped, never to later arrivals, and only while its time since
+    submission is at most ``las_max_slowdown`` times its service time (attained /
+    GPUs). The rest keep their order."""
+    state = p.state
+    cfg = p.cfg
+    bar = cfg.las_threshold_gpu_s
+    now = state.now
+    most = cfg.las_max_slowdown
+    movers = [
+        (i, j)
+        for i, j in enumerate(base)
+        if j.preempted_at is not None
+        and j.checkpointable
+        and j.attained_gpu_s >= bar
+        and (now - j.submitted_at) * j.gpus <= most * j.attained_gpu_s
+    ]
+    if not movers:
+        return base
+    classes = state.classes
+
+    def weight(j: PendingJob) -> float:
+        spec = classes.get(j.priority_class)
+        return spec.weight if spec is not None else 0.0
+
+    # per class weight: the top-queue jobs of that weight or more by submit
+    # time, with the running maximum of their positions
+    tops = [
+        (j.submitted_at, i, weight(j)) for i, j in enumerate(base) if top_queue(j, cfg)
+    ]
+    tops.sort()
+    stamps = [t for t, _, _ in tops]
+    prefix: dict[float, list[int]] = {}
+    for lv in {weight(j) for _, j in movers}:
+        best, run = -1, []
+        for _, i, w in tops:
+            if w >= lv and i > best:
+                best = i
+            run.append(best)
+        prefix[lv] = run
+    key = list(range(len(base)))
+    sub = [0] * len(base)
+    for i, v in movers:
+        assert v.preempted_at is not None
+        n = bisect_right(stamps, v.preempted_at)
+        after = prefix[weight(v)][n - 1] if n else -1
+        if after > i:
+            key[i], sub[i] = after, 1
+    keyed = sorted(zip(key, sub, range(len(base)), strict=True))
+    return [base[k[2]] for k in keyed]
 
 
 def plan(
@@ -65,6 +204,7 @@ def plan(
     *,
     spread: bool,
     topology: bool,
+    cands: list[RunningJob] | None = None,
 ) -> Plan | None:
     """The victims (in removal order) and where the job then goes, or None.
 
@@ -78,7 +218,8 @@ def plan(
     could free four GPUs on one node when two on another suffice. A gang gets one
     plan over the whole cluster.
     """
-    cands = candidates(idx, fairshare)
+    if cands is None:
+        cands = candidates(idx, fairshare)
     stopping = [r for r in idx.state.running if r.stopping]
     if not cands and not stopping:
         return None

@@ -13,8 +13,10 @@
   ``start``, or ``share``) until the first job that does not fit: the top blocked
   job;
 - ``reservation``: ``reserve_top``: for the top blocked job, in ``gpulab`` and a
-  non-preemptible class, a preemption plan if one exists (``preempt_for``), else
-  the EASY shadow-time reservation (``reserve_shadow``);
+  non-preemptible class, a preemption plan if one exists (``preempt_for``):
+  victims by class first, else checkpointable jobs by least attained service
+  (``preempt.las_candidates``); else the EASY shadow-time reservation
+  (``reserve_shadow``);
 - ``backfill``: ``backfill``: each later job, at most ``backfill_max_tested`` of
   them, starts if it fits now and either ends by the shadow time or avoids the
   reserved GPUs; without backfill later jobs wait ``PRIORITY``;
@@ -176,8 +178,9 @@ def share_setup(p: Pass, rules: str | None, estimator: Estimator | None) -> None
 
 
 def ordering(p: Pass) -> list[PendingJob]:
-    """The pending jobs in scheduling order: priority desc, then (``runtime``) the
-    higher class, submitted asc, id asc. Fills ``p.breakdowns`` and ``p.prio``."""
+    """The pending jobs in scheduling order: interactive jobs first, then
+    priority desc, then (``runtime``) the higher class, submitted asc, id asc
+    (``preempt.las_order`` then moves lower-queue resumed work, in ``gpulab``). Fills ``p.breakdowns`` and ``p.prio``."""
     state = p.state
     p.breakdowns, p.prio = breakdowns, prio = priority.breakdowns(
         state.pending,
@@ -190,11 +193,14 @@ def ordering(p: Pass) -> list[PendingJob]:
     )
     pending = state.pending
     runtime = p.runtime
+    # interactive jobs (``ClassSpec.interactive``) ahead of batch work
+    interactive = {n for n, spec in state.classes.items() if spec.interactive}
     # tuples compare in C; the position breaks nothing (ids are unique). gpulab: at
     # equal priority the higher class first (a max-aged job's whole runtime part
     # may tie a new job one class up: see priority.py), then older
     keyed = sorted(
         (
+            j.priority_class not in interactive,
             -prio[j.id],
             -breakdowns[j.id]["class"] if runtime else 0.0,
             j.submitted_at,
@@ -203,7 +209,10 @@ def ordering(p: Pass) -> list[PendingJob]:
         )
         for i, j in enumerate(pending)
     )
-    return [pending[k[4]] for k in keyed]
+    order = [pending[k[5]] for k in keyed]
+    if p.preemption and p.cfg.las_preemption:
+        return preempt.las_order(p, order)
+    return order
 
 
 # ------------------------------------------------------------------ placement
@@ -352,6 +361,17 @@ def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
             spread=p.spread,
             topology=p.topology,
         )
+        if plan is None and p.cfg.las_preemption:
+            plan = preempt.plan(
+                c,
+                job.gpus,
+                p.ledger,
+                p.idx,
+                p.fairshare,
+                spread=p.spread,
+                topology=p.topology,
+                cands=preempt.las_candidates(p.idx, job),
+            )
         if plan is not None:
             preempt_for(p, job, plan)
             return
@@ -371,15 +391,22 @@ def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
         tuple(v.id for v in victims) + plan.waiting_on,
     )
     p.reserved += 1
+    classes = p.state.classes
     for v in victims:
-        p.decisions.append(
-            Preempt(
-                v.id,
-                job.id,
+        spec = classes.get(v.priority_class)
+        if spec is not None and spec.preemptible:
+            why = (
                 f"preempted (class {v.priority_class!r}) so that job"
-                f" {job.id} (class {job.priority_class!r}) can start",
+                f" {job.id} (class {job.priority_class!r}) can start"
             )
-        )
+        else:
+            why = (
+                f"preempted (checkpointable, {_gpu_h(v.attained_gpu_s(p.now))}"
+                f" attained) so that job {job.id}"
+                f" ({_gpu_h(job.attained_gpu_s)} attained) can start:"
+                " least attained service first"
+            )
+        p.decisions.append(Preempt(v.id, job.id, why))
     node_key = p.idx.node_key
     nodes = ", ".join(
         node_key.get(pl.node_id, ("", pl.node_id))[0] or str(pl.node_id)
@@ -387,8 +414,13 @@ def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
     )
     parts = []
     if victims:
+        by_class = all(
+            (spec := classes.get(v.priority_class)) is not None and spec.preemptible
+            for v in victims
+        )
         parts.append(
-            "stopping preemptible job(s) " + ", ".join(str(v.id) for v in victims)
+            f"stopping {'preemptible' if by_class else 'checkpointable'} job(s) "
+            + ", ".join(str(v.id) for v in victims)
         )
     if plan.waiting_on:
         parts.append(
@@ -402,6 +434,10 @@ def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
         f"{' and '.join(parts)} to free {gpus_word(job.gpus)} on {nodes};"
         " it starts when they exit",
     )
+
+
+def _gpu_h(gpu_s: float) -> str:
+    return f"{gpu_s / 3600.0:.1f} GPU-h"
 
 
 def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:

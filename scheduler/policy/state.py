@@ -84,6 +84,18 @@ class PolicyConfig:
     backfill_max_tested: int = 500
     # Preemption: a job is preempted at most this many times per hour.
     preempt_max_per_hour: int = 2
+    # ``gpulab``: the top blocked job may preempt checkpointable jobs by least
+    # attained service (``preempt.las_candidates``); none is preempted sooner
+    # than this after its own start (``GPULAB_PREEMPT_MIN_RUN``).
+    las_preemption: bool = True
+    preempt_min_run_s: float = 600.0
+    # the two LAS queues' boundary: a job with this much attained service (GPUs x
+    # seconds run) is in the lower queue (Tiresias' 16 GPU-h on (b), docs/policy.md)
+    las_threshold_gpu_s: float = 16 * 3600.0
+    # the LAS wait bound: a job whose time since submission is over this many
+    # times its service time (attained / GPUs) is neither preempted by attained
+    # service nor held back by ``las_order``
+    las_max_slowdown: float = 2.0
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.
@@ -207,6 +219,12 @@ class PendingJob:
     array_id: int | None = None
     array_limit: int | None = None
     dependencies: tuple[Dependency, ...] = ()
+    # GPU-seconds its earlier attempts ran (its attained service, for LAS), and
+    # whether it saves its work when stopped (``Job.checkpointable``)
+    attained_gpu_s: float = 0.0
+    checkpointable: bool = False
+    # when it was last preempted (None: never); ``preempt.las_order`` reads it
+    preempted_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +264,23 @@ class RunningJob:
     # What it reported of its progress over this attempt (None: nothing usable
     # yet); ``remaining.expected_end`` reads it.
     progress: Progress | None = None
+    # It saves its work when stopped (``Job.checkpointable``): the LAS stage may
+    # preempt it. ``prior_gpu_s``: GPU-seconds its earlier attempts ran.
+    checkpointable: bool = False
+    prior_gpu_s: float = 0.0
+    submitted_at: float | None = None  # (None: unknown; the LAS wait bound skips it)
+
+    def las_slowdown(self, now: float) -> float:
+        """Time since its submission over its service time (attained / GPUs);
+        0 when its submission is unknown."""
+        if self.submitted_at is None:
+            return 0.0
+        served = self.attained_gpu_s(now) / max(len(self.gpu_ids), 1)
+        return (now - self.submitted_at) / served if served > 0 else float("inf")
+
+    def attained_gpu_s(self, now: float) -> float:
+        """Its attained service at ``now``: GPUs x seconds run, every attempt."""
+        return self.prior_gpu_s + len(self.gpu_ids) * max(now - self.started_at, 0.0)
 
     @property
     def planned_end(self) -> float:
@@ -314,6 +349,13 @@ class ClusterState:
     )
     # Quotas (``policy.quota``) and their state now; the simulator passes none.
     quotas: tuple[QuotaView, ...] = ()
+
+
+def is_interactive(state: ClusterState, job: RunningJob | PendingJob) -> bool:
+    """``job`` runs in an interactive class (``ClassSpec.interactive``): it is
+    ordered ahead of batch work and never preempted nor evicted."""
+    spec = state.classes.get(job.priority_class)
+    return spec is not None and spec.interactive
 
 
 # ------------------------------------------------------------------ decisions

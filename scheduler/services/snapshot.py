@@ -35,7 +35,13 @@ if TYPE_CHECKING:
 
 
 def policy_config() -> policy.PolicyConfig:
-    return policy.PolicyConfig(**settings.GPULAB_POLICY)
+    return policy.PolicyConfig(
+        **settings.GPULAB_POLICY,
+        las_preemption=settings.GPULAB_LAS_PREEMPTION,
+        preempt_min_run_s=settings.GPULAB_PREEMPT_MIN_RUN,
+        las_threshold_gpu_s=settings.GPULAB_LAS_THRESHOLD * 3600.0,
+        las_max_slowdown=settings.GPULAB_LAS_MAX_SLOWDOWN,
+    )
 
 
 def class_specs() -> dict[str, policy.ClassSpec]:
@@ -102,14 +108,23 @@ SELECT id, node_id, index, memory_total_mib, slots, present, mig_enabled, name,
        nvlink_peers::text, topology::text
 FROM scheduler_gpu
 """
+# A job's attained service before its current attempt (LAS preemption,
+# ``policy.preempt``): GPUs x seconds its ended attempts ran. One indexed look-up
+# per row, not a scan of every attempt in the history.
+_PRIOR_SQL = """(SELECT coalesce(sum(date_part('epoch', e.ended_at - e.started_at)), 0)
+        FROM scheduler_attempt e
+        WHERE e.job_id = j.id AND e.started_at IS NOT NULL
+              AND e.ended_at IS NOT NULL) * j.gpus"""
 # Each pending job with what decide needs and, after it, its wait fields as stored
 # (WAIT_FIELDS), so apply_decisions writes only what changed without reading 10,000
 # rows a second time.
-_PENDING_SQL = """
+_PENDING_SQL = f"""
 SELECT j.id, j.gpus, j.gpu_memory_mib, date_part('epoch', j.submitted_at), j.owner_id,
        j.group_id, j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        j.shareable, j.gpu_model, j.workload, j.slowdown_cap, j.array_id,
-       a.max_running, j.pending_reason, j.pending_message, j.queue_order,
+       a.max_running, j.checkpointable, {_PRIOR_SQL},
+       date_part('epoch', j.last_preempted_at),
+       j.pending_reason, j.pending_message, j.queue_order,
        j.priority_breakdown::text, date_part('epoch', j.est_start)
 FROM scheduler_job j LEFT JOIN scheduler_jobarray a ON a.id = j.array_id
 WHERE j.status = 'pending'
@@ -123,14 +138,15 @@ JOIN scheduler_jobdependency d ON d.job_id = p.id
 JOIN scheduler_job t ON t.id = d.depends_on_id
 WHERE p.status = 'pending'
 """
-_RUNNING_SQL = """
+_RUNNING_SQL = f"""
 SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        date_part('epoch', t.created_at), t.kill_reason, j.owner_id, j.group_id,
        j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
        j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
-       t.peak_memory_mib, j.array_id,
+       t.peak_memory_mib, j.array_id, j.checkpointable, {_PRIOR_SQL},
+       date_part('epoch', j.submitted_at),
        t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
        t.progress_first_step, date_part('epoch', t.progress_first_at)
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
@@ -257,6 +273,9 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         own_cap,
         array_id,
         array_limit,
+        checkpointable,
+        attained,
+        preempted_at,
         reason,
         message,
         order_key,
@@ -282,6 +301,9 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 array_id=array_id,
                 array_limit=array_limit,
                 dependencies=tuple(dependencies.get(pk, ())),
+                attained_gpu_s=float(attained),
+                checkpointable=checkpointable,
+                preempted_at=preempted_at,
             )
         )
         stored_waits[pk] = (reason, message, order_key, breakdown, est_start)
@@ -314,6 +336,9 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         trial,
         peak_mib,
         array_id,
+        checkpointable,
+        prior,
+        submitted_at,
         *reports,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
@@ -353,6 +378,9 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 evictable=evictable,
                 array_id=array_id,
                 progress=from_reports(*reports),
+                checkpointable=checkpointable,
+                prior_gpu_s=float(prior),
+                submitted_at=submitted_at,
             )
         )
     knowledge, trials = load_knowledge(

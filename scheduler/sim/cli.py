@@ -167,6 +167,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="s a job resumed from a checkpoint spends before it progresses",
     )
     p.add_argument(
+        "--preempt-min-run",
+        type=_nonneg,
+        default=PolicyConfig.preempt_min_run_s,
+        help="gpulab: s a checkpointable job runs before it may be preempted by "
+        "attained service (GPULAB_PREEMPT_MIN_RUN)",
+    )
+    p.add_argument(
+        "--las-threshold",
+        type=_positive,
+        default=PolicyConfig.las_threshold_gpu_s / 3600.0,
+        help="gpulab: attained service (GPU-hours) of the lower LAS queue, whose "
+        "checkpointable jobs top-queue jobs may preempt (GPULAB_LAS_THRESHOLD)",
+    )
+    p.add_argument(
+        "--las-max-slowdown",
+        type=_positive,
+        default=PolicyConfig.las_max_slowdown,
+        help="gpulab: a job in the system longer than this x its service time is "
+        "not preempted nor held back by attained service (GPULAB_LAS_MAX_SLOWDOWN)",
+    )
+    p.add_argument(
+        "--no-las",
+        action="store_true",
+        help="gpulab: no preemption by attained service (class preemption only)",
+    )
+    p.add_argument(
         "--tiresias-threshold",
         type=_positive,
         default=tiresias.DEFAULT_THRESHOLD_GPU_H,
@@ -257,6 +283,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name=args.policy,
             backfill_plan=args.backfill_plan,
             colo_packing=args.colo_packing,
+            las_preemption=not args.no_las,
+            preempt_min_run_s=args.preempt_min_run,
+            las_threshold_gpu_s=args.las_threshold * 3600.0,
+            las_max_slowdown=args.las_max_slowdown,
         ),
         SimOptions(
             period_s=args.period,
@@ -272,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress_noise=args.progress_noise,
             checkpoint_interval_s=args.checkpoint_interval,
             restart_overhead_s=args.restart_overhead,
-            preempt_any=args.policy == tiresias.NAME,
+            preempt_checkpointable=args.policy == tiresias.NAME,
         ),
         throughputs=table,
         colocation=colocation,
@@ -326,6 +356,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "checkpointable_fraction": args.checkpointable_fraction,
                 "checkpoint_interval_s": args.checkpoint_interval,
                 "restart_overhead_s": args.restart_overhead,
+                "preempt_min_run_s": args.preempt_min_run,
+                "las_preemption": not args.no_las,
+                "las_threshold_gpu_h": args.las_threshold,
+                "las_max_slowdown": args.las_max_slowdown,
             },
             "assumptions": [
                 *prepared.assumptions,

@@ -8,8 +8,8 @@ built like the Celery pass builds it: true durations stay in the physics),
 ``results`` (options and the recorded result), ``usage`` (decayed usage). A
 preempted job is requeued with its original submit time; it restarts from scratch
 (no checkpoint credit) unless it is checkpointable: then it keeps its work up to its
-last checkpoint (``SimOptions.checkpoint_interval_s`` of progress apart; 0: all of
-it) and its next attempt pays ``restart_overhead_s`` before it progresses.
+last checkpoint (``SimOptions.checkpoint_interval_s`` of progress apart, or the
+job's own ``checkpoint_interval_s``; 0: all of it) and its next attempt pays ``restart_overhead_s`` before it progresses.
 
 Co-location (``--colocation``): a GPU has ``gpu_job_limit`` slots. A shareable
 single-GPU job takes one slot (alone, a partner may join it later; or beside jobs
@@ -243,6 +243,7 @@ class Simulator(PolicyViews):
             )
             job.resumes += 1
             self.result.resumes += 1
+            self.result.overhead_gpu_s += job.overhead_s * job.gpus
         job.slots_taken = 1 if job.shareable and job.gpus == 1 else self.slots
         job.done_work = 0.0
         job.rate = 1.0
@@ -330,9 +331,10 @@ class Simulator(PolicyViews):
             raise PolicyContractError(
                 f"Preempt of job {decision.victim_id}, which is not running"
             )
-        if not view.preemptible:
+        if not (view.preemptible or view.checkpointable):
             raise PolicyContractError(
-                f"Preempt of job {job.id}, which is not preemptible"
+                f"Preempt of job {job.id}, which is neither preemptible nor"
+                " checkpointable"
             )
         job.state = "stopping"
         job.preemptions += 1
@@ -360,6 +362,7 @@ class Simulator(PolicyViews):
         ran = self._release(job, now)
         kept = self._checkpointed(job) if job.checkpointable else 0.0
         self.result.lost_gpu_s += (ran - kept) * job.gpus
+        self.result.overhead_in_lost_gpu_s += min(ran, job.overhead_s) * job.gpus
         self.result.kept_gpu_s += kept * job.gpus
         self._back_to_queue(job, ran, now)
 
@@ -369,7 +372,11 @@ class Simulator(PolicyViews):
         ``done_fraction`` grows by their share of the attempt's work."""
         work = job.run_duration - job.overhead_s  # this attempt's share of the job
         useful = min(max(job.done_work - job.overhead_s, 0.0), work)
-        every = self.opts.checkpoint_interval_s
+        every = (
+            self.opts.checkpoint_interval_s
+            if job.checkpoint_interval_s is None
+            else job.checkpoint_interval_s
+        )
         saved = useful if every <= 0 else (useful // every) * every
         if saved > 0 and work > 0:
             job.limit_used_s += saved

@@ -28,6 +28,8 @@ class RawJob:
     time_limit: float | None = None
     priority: str = ""
     shareable: bool | None = None  # None: the trace has no ``shareable`` column
+    checkpointable: bool | None = None  # None: no ``checkpointable`` value
+    checkpoint_interval_s: float | None = None  # None: ``--checkpoint-interval``
 
 
 @dataclass(eq=False)
@@ -52,6 +54,7 @@ class SimJob:
     # a preempted checkpointable job keeps its work up to its last checkpoint and
     # pays a restart overhead when it resumes; any other loses its attempt
     checkpointable: bool = False
+    checkpoint_interval_s: float | None = None  # None: ``SimOptions``'
     # --- physics and bookkeeping, owned by the engine
     state: str = "future"  # future | pending | running | stopping | done
     outcome: str = ""  # completed | timeout

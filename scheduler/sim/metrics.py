@@ -108,6 +108,7 @@ def colocation(result: SimResult) -> dict[str, Any]:
 def summarize(result: SimResult) -> dict[str, Any]:
     """The output keys computed from the jobs that finished."""
     done = [j for j in result.jobs if j.state == "done"]
+    lost = result.lost_gpu_s - result.overhead_in_lost_gpu_s + result.overhead_gpu_s
     jcts = [jct(j) for j in done]
     queues = [queue_time(j) for j in done]
     slow = [bounded_slowdown(j) for j in done]
@@ -178,6 +179,12 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "periodic_passes_skipped": result.periodic_skipped,
         "preempted_gpu_s_lost": result.lost_gpu_s,
         "preempted_gpu_s_kept": result.kept_gpu_s,
+        # what preemptions cost: the work since each victim's last checkpoint
+        # (its whole attempt if it does not checkpoint) plus the restart
+        # overheads paid, and its share of the GPU time jobs held
+        "preemption_lost_gpu_hours": lost / 3600.0,
+        "preemption_lost_share": lost / result.busy_gpu_s if result.busy_gpu_s else 0.0,
+        "checkpointable_jobs": sum(1 for j in result.jobs if j.checkpointable),
         "resumes": result.resumes,
         "slowdown_by_group": group_means,
         "prediction": {

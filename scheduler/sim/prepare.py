@@ -176,7 +176,9 @@ def prepare(
             limit, user_limit = user_limit_for(duration, factor), True
         cls = r.priority or ("best-effort" if best_effort else DEFAULT_CLASS)
         checkpointable = (
-            opts.checkpointable_fraction > 0
+            r.checkpointable
+            if r.checkpointable is not None
+            else opts.checkpointable_fraction > 0
             and _checkpoint_draw(opts.seed, r.name) < opts.checkpointable_fraction
         )
         shareable = (
@@ -204,6 +206,7 @@ def prepare(
                 shareable=shareable,
                 steps=r.steps if r.duration is None else None,
                 checkpointable=checkpointable,
+                checkpoint_interval_s=r.checkpoint_interval_s,
             )
         )
     if not jobs:
@@ -243,7 +246,8 @@ def prepare(
         )
     if opts.checkpointable_fraction > 0:
         assumptions.append(
-            f"checkpointable: a seeded {opts.checkpointable_fraction:g} of jobs "
+            f"checkpointable: a seeded {opts.checkpointable_fraction:g} of the jobs "
+            "the trace does not mark "
             f"({sum(j.checkpointable for j in jobs)} of {len(jobs)}); a preempted one "
             "keeps its work up to its last checkpoint and pays a restart overhead"
         )

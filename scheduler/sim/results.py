@@ -47,8 +47,11 @@ class SimOptions:
     # moment is checkpointed) and pays ``restart_overhead_s`` when it resumes.
     checkpoint_interval_s: float = 1800.0
     restart_overhead_s: float = 60.0
-    # the policy may preempt any running job, whatever its class (tiresias)
+    # the policy may preempt any running job, whatever its class
     preempt_any: bool = False
+    # the policy may preempt any checkpointable job, whatever its class (tiresias:
+    # a job that cannot checkpoint would lose its whole attempt)
+    preempt_checkpointable: bool = False
 
 
 @dataclass
@@ -62,6 +65,10 @@ class SimResult:
     lost_gpu_s: float = 0.0  # work thrown away by preemptions
     kept_gpu_s: float = 0.0  # work of preempted attempts kept by checkpoints
     resumes: int = 0  # starts from a checkpoint (each paid the restart overhead)
+    # restart overheads: paid (GPUs x seconds, at each resumed start), and the part
+    # of them inside preempted attempts (already in ``lost_gpu_s``)
+    overhead_gpu_s: float = 0.0
+    overhead_in_lost_gpu_s: float = 0.0
     busy_gpu_s: float = 0.0  # time GPUs held at least one job
     shared_gpu_s: float = 0.0  # time GPUs held two jobs or more
     # co-location: one entry per (joiner, partner) of each shared start:

@@ -54,6 +54,7 @@ from scheduler.policy.state import (
     STAGE_ORDERING,
     STAGE_PLACEMENT,
     STAGE_RESERVATION,
+    is_interactive,
 )
 
 if TYPE_CHECKING:
@@ -240,7 +241,10 @@ class Tiresias:
             (
                 r
                 for r in state.running
-                if r.preemptible and r.id not in stopping and running_rank[r.id][0] > 0
+                if r.preemptible
+                and r.id not in stopping
+                and running_rank[r.id][0] > 0
+                and not is_interactive(state, r)
             ),
             key=lambda r: (running_rank[r.id], r.id),
             reverse=True,

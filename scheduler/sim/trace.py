@@ -205,6 +205,16 @@ def _canonical(path: str, header: list[str], rows: Rows) -> list[RawJob]:
             raise TraceError(f"{path}:{line}: column 'shareable' must be 0 or 1")
         if "shareable" in header:
             job.shareable = share == "1"
+        ckpt = _opt(row, "checkpointable")
+        if ckpt not in ("", "0", "1"):
+            raise TraceError(f"{path}:{line}: column 'checkpointable' must be 0 or 1")
+        if ckpt:
+            job.checkpointable = ckpt == "1"
+        every = _opt(row, "checkpoint_interval_s")
+        if every:
+            job.checkpoint_interval_s = _nonneg(
+                path, line, "checkpoint_interval_s", every
+            )
         jobs.append(job)
     return jobs
 

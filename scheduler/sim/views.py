@@ -57,6 +57,9 @@ class PolicyViews(GpuPhysics):
             shareable=job.shareable,
             workload=job.label,
             slowdown_cap=cls.slowdown_cap,
+            attained_gpu_s=job.gpus * job.run_total,
+            checkpointable=job.checkpointable,
+            preempted_at=job.preempt_times[-1] if job.preempt_times else None,
         )
 
     def _running_view(self, job: SimJob, now: float) -> RunningJob:
@@ -79,7 +82,11 @@ class PolicyViews(GpuPhysics):
             user=job.user,
             group=job.group,
             priority_class=job.priority_class,
-            preemptible=(cls.preemptible or self.opts.preempt_any)
+            preemptible=(
+                cls.preemptible
+                or self.opts.preempt_any
+                or (self.opts.preempt_checkpointable and job.checkpointable)
+            )
             and job.state == "running",
             preemptions_last_hour=recent,
             stopping=job.state == "stopping",
@@ -93,6 +100,9 @@ class PolicyViews(GpuPhysics):
             measured_slowdown=measured,
             measured_for_s=measured_for,
             progress=self.tracker.view(job, now),
+            checkpointable=job.checkpointable,
+            prior_gpu_s=job.gpus * job.run_total,
+            submitted_at=job.submit,
         )
 
     def _state(self, now: float) -> ClusterState:

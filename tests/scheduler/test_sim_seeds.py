@@ -124,3 +124,29 @@ def test_a_colocation_scenario_or_a_missing_baseline_is_refused(capsys):
     with pytest.raises(SystemExit):
         seeds_bench.main(["--policies", "gpulab", "--baseline", "slurm"])
     assert "--baseline 'slurm' is not one of --policies" in capsys.readouterr().err
+
+
+def test_a_checkpointable_fraction_reaches_every_replay_and_the_table(tmp_path):
+    code = seeds_bench.main(
+        ["--only", "b", "--seeds", "0", "--max-jobs", "300", "--policies",
+         "slurm,gpulab", "--checkpointable-fraction", "0.5",
+         "--out-dir", str(tmp_path), "--parallel", "1"]
+    )  # fmt: skip
+    assert code == 0
+    for policy in ("slurm", "gpulab"):
+        data = json.loads((tmp_path / f"seeds_b_{policy}_0.json").read_text())
+        assert data["options"]["checkpointable_fraction"] == 0.5
+        assert 0 < data["checkpointable_jobs"] < 300
+        assert data["preemption_lost_share"] >= 0.0
+    table = (tmp_path / "sim_seeds.md").read_text()
+    assert "`--checkpointable-fraction 0.5`" in table
+    assert "Work lost to preemption" in table and "`slurm` 0.0 GPU-h" in table
+
+
+def test_a_checkpointable_fraction_out_of_range_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        seeds_bench.main(["--checkpointable-fraction", "1.5"])
+    assert exc.value.code == 2
+    assert "--checkpointable-fraction must be in [0, 1], not 1.5" in (
+        capsys.readouterr().err
+    )

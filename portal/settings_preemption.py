@@ -1,0 +1,23 @@
+"""When the scheduler may preempt a checkpointable job to start a waiting one
+(``gpulab``: least attained service first, docs/policy.md "Preemption by
+attained service"). Imported at the end of ``portal.settings``; the hourly bound
+on preemptions of one job is ``GPULAB_PREEMPT_MAX_PER_HOUR`` (``GPULAB_POLICY``)."""
+
+from __future__ import annotations
+
+from portal.settings_env import envbool, envfloat
+
+# Preempt checkpointable jobs by attained service at all (off: class preemption
+# of best-effort jobs only).
+GPULAB_LAS_PREEMPTION = envbool("GPULAB_LAS_PREEMPTION", default=True)
+# Seconds a job runs after its own start before it may be preempted by attained
+# service (a resumed job is protected again after each restart).
+GPULAB_PREEMPT_MIN_RUN = envfloat("GPULAB_PREEMPT_MIN_RUN", 600.0, minimum=0)
+# GPU-hours of attained service (GPUs x hours run, every attempt) from which a job
+# is in the lower LAS queue: only such jobs are preempted by attained service, and
+# only for a job that stays under it through its own minimum run.
+GPULAB_LAS_THRESHOLD = envfloat("GPULAB_LAS_THRESHOLD", 16.0, minimum=0.01)
+# The wait bound: a job in the system (since its submission) longer than this many
+# times its service time (attained GPU-seconds / its GPUs) is no longer preempted
+# by attained service nor held behind the jobs it was preempted for.
+GPULAB_LAS_MAX_SLOWDOWN = envfloat("GPULAB_LAS_MAX_SLOWDOWN", 2.0, minimum=1.0)

@@ -1,0 +1,77 @@
+"""Preemption by attained service in production: the snapshot gives the policy
+each job's attained service and whether it checkpoints, and the pass's LAS
+decision goes through the usual preemption path (the kill frame with the job's
+checkpoint signal and grace, the requeue, the order after it), on the real
+database and the frames agents get through Redis."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from scheduler import policy, services
+from scheduler.models import Job
+from tests.factories import JobFactory
+from tests.scheduler.test_checkpointable_services import T0, exit_at, kills, running
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
+
+    from scheduler.models import Node
+    from tests.capture import AgentFrames
+
+pytestmark = pytest.mark.django_db
+
+
+def at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(T0 + seconds, tz=UTC)
+
+
+def test_a_checkpointable_job_is_preempted_for_a_new_one_and_resumes_after_it(
+    settings: Any,
+    alice: User,
+    bob: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    settings.GPULAB_LAS_THRESHOLD = 1.0  # GPU-hours: the lower queue from 1 GPU-h
+    node_a, node_b = cluster
+    # node-b's 2 GPUs: a checkpointable job of alice's that has run 2 h
+    victim = JobFactory(
+        owner=alice,
+        submitted_at=at(0),
+        gpus=2,
+        checkpointable=True,
+        checkpoint_signal="USR1",
+        checkpoint_grace_s=90,
+    )
+    first = running(victim, node_b, at=T0)
+    # node-a's 4 GPUs: a job that does not checkpoint
+    other = JobFactory(owner=alice, gpus=4)
+    running(other, node_a, at=T0)
+    new = JobFactory(owner=bob, gpus=2)
+    state = services.cluster_state(at(2 * 3600))
+    [r] = [r for r in state.running if r.id == victim.pk]
+    assert r.checkpointable and r.prior_gpu_s == 0.0
+    assert r.attained_gpu_s(state.now) == pytest.approx(2 * 2 * 3600)
+    decisions = policy.decide(state)
+    [p] = [d for d in decisions if isinstance(d, policy.Preempt)]
+    assert (p.victim_id, p.for_job_id) == (victim.pk, new.pk)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.apply_decisions(decisions)
+    [kill] = kills(sent)
+    assert (kill.reason, kill.signal, kill.grace_s) == ("preempted", "USR1", 90)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.finish_attempt(node_b.pk, exit_at(first, T0 + 2 * 3600 + 60))
+    victim.refresh_from_db()
+    assert victim.status == Job.Status.PENDING
+    state = services.cluster_state(at(2 * 3600 + 70))
+    [v] = [j for j in state.pending if j.id == victim.pk]
+    assert v.checkpointable
+    assert v.attained_gpu_s == pytest.approx(2 * (2 * 3600 + 60))
+    # older, yet it waits behind the job it was stopped for, which starts
+    started = [d.job_id for d in policy.decide(state) if isinstance(d, policy.Start)]
+    assert started == [new.pk]
