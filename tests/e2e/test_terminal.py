@@ -202,18 +202,35 @@ def test_gpulab_shell_runs_one_command_and_returns_its_status(
 ) -> None:
     import pexpect
 
-    job_id = shell_job(stack, alice, tmp_path)
+    from scheduler.models import Job
+
+    # No --job: the CLI submits the interactive job itself, and cancels it
+    # when the command is done (its GPU is freed).
+    stack.start_node(f"term-{uuid.uuid4().hex[:4]}", "1xA100-80GB", 1)
+    work = tmp_path / "work"
+    work.mkdir(mode=0o777, exist_ok=True)
     child = pexpect.spawn(
         GPULAB,
-        ["shell", "--job", str(job_id), "-c", "echo ran-as-$(id -un); exit 3"],
+        [
+            "shell",
+            "--workdir",
+            str(work),
+            "-c",
+            "echo ran-as-$(id -un) in $PWD; exit 3",
+        ],
         env=gpulab_env(stack, alice, tmp_path),
         timeout=60,
         encoding="utf-8",
     )
-    child.expect(f"ran-as-{account.pw_name}")
+    child.expect(r"submitted interactive job (\d+)")
+    job_id = int(child.match.group(1))
+    child.expect(f"ran-as-{account.pw_name} in {work}")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 3
+    job = Job.objects.get(pk=job_id)
+    assert (job.owner_id, job.interactive) == (alice.pk, "shell")
+    assert wait_for_job(job_id, {"cancelled"}) == "cancelled"
 
 
 def test_gpulab_shell_is_a_remote_terminal(
