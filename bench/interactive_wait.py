@@ -24,8 +24,8 @@ Per policy (``gpulab``, ``slurm`` as the baseline) and checkpointable fraction
 (``--fractions``, 0, 0.5, 1) over seeds ``--seeds`` (0-2): the interactive
 waits (first start - submit, pooled over the seeds) p50/p90/p99/max, the
 share started within 5 minutes, the batch jobs' average JCT, preemptions, the
-work they lost (GPU-hours thrown away; checkpoints every 30 min of progress,
-60 s restart overhead: ``SimOptions``) and the GPUs' busy share over the day.
+work they lost (GPU-hours: progress past the last checkpoint, one every 30 min
+of progress, plus the 60 s restart overheads: ``SimOptions``) and the GPUs' busy share over the day.
 
 ``python bench/interactive_wait.py [--seeds 0-2] [--fractions 0,0.5,1]
 [--policies gpulab,slurm] [--out-dir DIR]``. Writes ``DIR/trace_<seed>_<f>.csv``,
@@ -54,7 +54,7 @@ from agents.spec import SpecError, parse_cluster_spec  # noqa: E402
 from portal.stack.up import DEFAULT_DEMO_NODES  # noqa: E402
 from scheduler.policy import PolicyConfig  # noqa: E402
 from scheduler.sim.engine import SimOptions, Simulator  # noqa: E402
-from scheduler.sim.metrics import percentile  # noqa: E402
+from scheduler.sim.metrics import percentile, summarize  # noqa: E402
 from scheduler.sim.prepare import PrepareOptions, prepare  # noqa: E402
 from scheduler.sim.trace import (  # noqa: E402
     TraceError,
@@ -175,10 +175,13 @@ def replay(trace: Path, cluster: str, policy: str, seed: int) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     inter = [j for j in result.jobs if j.priority_class == "interactive"]
     batch = [j for j in result.jobs if j.priority_class != "interactive"]
+    # the replay runs until every job has ended: one never started is a bug
     waits = [
         (j.first_start if j.first_start is not None else math.inf) - j.submit
         for j in inter
     ]
+    if math.inf in waits:
+        raise RuntimeError(f"{trace}: an interactive job never started ({policy})")
     jcts = [j.end - j.submit for j in batch if j.state == "done"]
     day = [s for s in result.samples if s[0] < DAY_S]
     return {
@@ -192,7 +195,9 @@ def replay(trace: Path, cluster: str, policy: str, seed: int) -> dict[str, Any]:
         "batch_unfinished": len(batch) - len(jcts),
         "batch_avg_jct_s": statistics.fmean(jcts) if jcts else None,
         "preemptions": result.preemptions,
-        "lost_gpu_h": result.lost_gpu_s / 3600.0,
+        # the simulator's own figure: preempted work past the last checkpoint,
+        # plus the restart overheads paid
+        "lost_gpu_h": summarize(result)["preemption_lost_gpu_hours"],
         "kept_gpu_h": result.kept_gpu_s / 3600.0,
         "busy_day": statistics.fmean(s[3] for s in day) if day else None,
         "replay_wall_s": wall,
@@ -276,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch_users < 1:
             raise ValueError("--batch-users must be >= 1")
         policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+        unknown = [x for x in policies if x not in ("gpulab", "slurm", "fifo")]
+        if unknown or not policies:
+            raise ValueError(
+                f"--policies: {', '.join(unknown) or 'none'}: choose among "
+                "gpulab, slurm, fifo"
+            )
         pool = batch_pool(sum(n.gpus for n in nodes))
     except (ValueError, SpecError, TraceError) as exc:
         sys.stderr.write(f"error: {exc}\n")
@@ -308,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {"header": head, "runs": runs},
             indent=1,
-            default=lambda v: None,
-        ).replace("Infinity", "null")
+            allow_nan=False,
+        )
         + "\n",
         encoding="utf-8",
     )
