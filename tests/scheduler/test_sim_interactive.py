@@ -5,7 +5,6 @@ interactive treatment; and ``bench/interactive_wait.py``'s trace (pure)."""
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import sys
 from pathlib import Path
@@ -71,48 +70,78 @@ def load_bench():
         sys.path.remove(str(BENCH))
 
 
-def rows(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="", encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
+ARGS = argparse.Namespace(load=1.2, students=3, gap_min=20.0, batch_users=6)
+POOL = [(1, 3600.0), (4, 36000.0), (2, 600.0)]
 
 
-def test_the_bench_s_trace_differs_between_fractions_only_in_checkpointable(tmp_path):
+def test_the_bench_s_batch_jobs_differ_between_fractions_only_in_checkpointable():
     bench = load_bench()
-    args = argparse.Namespace(load=1.2, students=3, gap_min=20.0, batch_users=6)
-    pool = [(1, 3600.0), (4, 36000.0), (2, 600.0)]
-    got = {}
-    for f in (0.0, 0.5, 1.0):
-        bench.write_trace(tmp_path / f"{f}.csv", 7, f, pool, 8, args)
-        got[f] = rows(tmp_path / f"{f}.csv")
-    strip = [{k: v for k, v in r.items() if k != "checkpointable"} for r in got[0.0]]
-    for f in (0.5, 1.0):
-        assert [
-            {k: v for k, v in r.items() if k != "checkpointable"} for r in got[f]
-        ] == strip
-    batch = [i for i, r in enumerate(got[0.0]) if r["priority"] != "interactive"]
-    inter = [i for i, r in enumerate(got[0.0]) if r["priority"] == "interactive"]
-    assert inter and batch
-    ck = {f: {i for i in batch if got[f][i]["checkpointable"] == "1"} for f in got}
-    assert ck[0.0] == set() and ck[1.0] == set(batch)
-    assert ck[0.5] < ck[1.0] and ck[0.5]
-    assert all(got[1.0][i]["checkpointable"] == "0" for i in inter)
-    assert all(
-        got[0.0][i]["time_limit"] == "7200" and got[0.0][i]["num_gpus"] == "1"
-        for i in inter
-    )
+    got = {f: bench.batch_rows(7, f, POOL, 8, ARGS) for f in (0.0, 0.5, 1.0)}
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k != "checkpointable"} for r in rows]
+
+    assert strip(got[0.5]) == strip(got[0.0]) == strip(got[1.0])
+    ck = {
+        f: {r["job_id"] for r in rows if r["checkpointable"]} for f, rows in got.items()
+    }
+    assert ck[0.0] == set() and ck[1.0] == {r["job_id"] for r in got[0.0]}
+    assert set() < ck[0.5] < ck[1.0]
     # the backlog fills twice the cluster at t=0
-    assert (
-        sum(
-            int(got[0.0][i]["num_gpus"])
-            for i in batch
-            if got[0.0][i]["submit_time"] == "0.0"
-        )
-        >= 16
-    )
+    assert sum(r["num_gpus"] for r in got[0.0] if r["submit_time"] == "0.0") >= 16
+
+
+def test_a_student_opens_the_next_session_a_gap_after_the_last_one_ended():
+    bench = load_bench()
+    plans = {"s": [(100.0, 600.0), (50.0, 900.0), (70.0, 700.0)]}
+    submits = bench.open_loop(plans)
+    assert submits == {"s": [100.0, 750.0, 1720.0]}
+    rows = bench.session_rows(plans, submits)
+    assert [
+        (r["job_id"], r["priority"], r["num_gpus"], r["time_limit"]) for r in rows
+    ] == [
+        ("s-0", "interactive", 1, "7200"),
+        ("s-1", "interactive", 1, "7200"),
+        ("s-2", "interactive", 1, "7200"),
+    ]
+    # s-0 waited 300 s: s-1 comes its 50 s gap after s-0's true end, 1,000
+    nxt = bench.closed_loop(plans, submits, {"s-0": 1000.0, "s-1": 1950.0})
+    assert nxt == {"s": [100.0, 1050.0, 2020.0]}
+    # a session whose predecessor was not in the day is pushed out of it
+    late = bench.closed_loop(plans, {"s": [100.0, bench.DAY_S, bench.DAY_S]}, {})
+    assert bench.session_rows(plans, late) == [rows[0]]
+
+
+def test_the_bench_settles_to_one_session_at_a_time(tmp_path):
+    bench = load_bench()
+    args = argparse.Namespace(**vars(ARGS), cluster="1x2:A100-80GB", max_replays=30)
+    # two students on 2 GPUs, one held by a 10-hour batch job
+    batch = [
+        {
+            "job_id": "b0",
+            "submit_time": "0.0",
+            "num_gpus": 1,
+            "duration": "36000.0",
+            "user": "b",
+            "group": "batch",
+            "priority": "",
+            "time_limit": "",
+            "checkpointable": 0,
+        }
+    ]
+    plans = {
+        "student1": [(60.0, 3000.0)] * 30,
+        "student2": [(120.0, 3000.0)] * 30,
+    }
+    run = bench.settle(tmp_path, 0, 0.0, "gpulab", batch, plans, args)
+    assert run["sessions_over_cap"] == 0 and run["iterations"] > 1
+    assert max(run["interactive_waits_s"]) > 0  # they queued behind each other
 
 
 def test_the_bench_rejects_bad_options(capsys):
     bench = load_bench()
+    assert bench.main(["--max-replays", "0"]) == 2
+    assert "--max-replays" in capsys.readouterr().err
     assert bench.main(["--fractions", "0,2"]) == 2
     assert "--fractions" in capsys.readouterr().err
     assert bench.main(["--policies", "nope"]) == 2
