@@ -54,4 +54,15 @@ def job_request_kinds(result: dict[str, Any], **_: Any) -> dict[str, Any]:
             "not": {"anyOf": [{"required": [name]} for name in INTERACTIVE_SETS]},
         },
     ]
+    # Every field has a default now (either kind may leave out the other's), so
+    # drf-spectacular no longer marks the body required: it is.
+    ref = "#/components/schemas/JobRequestRequest"
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            body = operation.get("requestBody") if isinstance(operation, dict) else None
+            if body and any(
+                media.get("schema", {}).get("$ref") == ref
+                for media in body.get("content", {}).values()
+            ):
+                body["required"] = True
     return result

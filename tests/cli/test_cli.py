@@ -85,6 +85,7 @@ def test_running_the_cli_loads_no_django(
         "portal.units",
         *(f"portal.cli{m}" for m in ("", ".main", ".client", ".config", ".errors")),
         *(f"portal.cli.{m}" for m in ("app", "account", "submit", "jobs", "watch")),
+        *(f"portal.cli.{m}" for m in ("interactive", "shell", "terminal")),
         "portal.cli.output",
     }
 

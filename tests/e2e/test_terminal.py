@@ -256,7 +256,10 @@ def test_gpulab_shell_is_a_remote_terminal(
     child.sendline('echo "size=$(stty size)"')
     child.expect("size=40 120")
     # Ctrl-C interrupts the remote foreground command, not gpulab.
-    child.sendline("sleep 600")
+    # (Once the command says it runs: a ^C typed before the shell has made it
+    # the foreground job would reach the shell instead.)
+    child.sendline("sh -c 'echo run''ning; exec sleep 600'")
+    child.expect("running")  # (typed as run''ning: only the output matches)
     child.sendcontrol("c")
     child.sendline("echo status=$?")
     child.expect("status=130")

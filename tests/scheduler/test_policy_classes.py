@@ -63,7 +63,10 @@ def test_the_setting_is_derived_from_them_with_the_portal_fields():
             "max_time_limit": 12 * 3600,
             "preemptible": False,
             "interactive": True,
-            "idle_action": "notify",
+            # culled: warned after 25 min of an idle GPU and no use, ended at 30
+            "idle_action": "cancel",
+            "idle_window": 1500,
+            "idle_grace": 300,
         },
     }
 

@@ -137,6 +137,8 @@ CASES = [
     ),
     Case("portal-jobs", "GET", everyone(200)),
     Case("portal-job-new", "GET", everyone(200)),
+    Case("portal-jupyter-new", "GET", everyone(200)),
+    Case("portal-terminal-new", "GET", everyone(200)),
     Case("portal-job", "GET", owner_and_staff(200), args=job),
     Case("portal-job-series", "GET", owner_and_staff(200), args=job),
     # Staff see every job, and a leader the group's, but cancelling another's

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from scheduler.models import Node
     from tests.cli.conftest import Gpulab
 
-pytest_plugins = ["tests.cli.conftest"]
-
 
 def test_no_wait_prints_the_address_and_submits_to_the_interactive_class(
     gpulab: Gpulab, alice: User, cluster: list[Node], tmp_path: Path
