@@ -124,7 +124,7 @@ def jupyter_new(request: AuthenticatedHttpRequest) -> HttpResponse:
             )
             return redirect("portal-job", job.pk)
     status = 400 if request.method == "POST" else 200
-    context = {"form": form, **interactive_limits()}
+    context = {"form": form, "heading": "Start JupyterLab", **interactive_limits()}
     return render(request, "portal/jupyter_new.html", context, status=status)
 
 

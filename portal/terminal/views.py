@@ -83,5 +83,9 @@ def terminal_new(request: AuthenticatedHttpRequest) -> HttpResponse:
             )
             return redirect("portal-job", job.pk)
     status = 400 if request.method == "POST" else 200
-    context = {"form": form, "max_per_user": settings.GPULAB_INTERACTIVE_MAX_PER_USER}
+    context = {
+        "form": form,
+        "heading": "Open a terminal",
+        "max_per_user": settings.GPULAB_INTERACTIVE_MAX_PER_USER,
+    }
     return render(request, "portal/terminal_new.html", context, status=status)
