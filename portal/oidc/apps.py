@@ -11,3 +11,6 @@ class OidcConfig(AppConfig):
     label = "oidc"
     verbose_name = "OpenID Connect"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from portal.oidc import checks  # noqa: F401  (registers the check)

@@ -100,3 +100,19 @@ def test_a_wrong_setting_stops_the_process_naming_it(
     assert done.returncode != 0
     assert "ImproperlyConfigured" in done.stderr
     assert says in done.stderr
+
+
+def test_check_warns_when_offline_access_is_not_asked() -> None:
+    """``manage.py check`` (run by migrate) warns, naming the scopes, when the
+    refresh could read an expired token as a removal; asking for it is quiet."""
+    check = (
+        "import django; django.setup(); "
+        "from django.core.management import call_command; call_command('check')"
+    )
+    without = start(ON, check)
+    assert "gpulab.W001" in without.stderr
+    assert "GPULAB_OIDC_SCOPES='openid email profile' does not ask" in without.stderr
+    asked = start({**ON, "GPULAB_OIDC_SCOPES": "openid profile offline_access"}, check)
+    assert "gpulab.W001" not in asked.stderr + asked.stdout
+    off = start({}, check)
+    assert "gpulab.W001" not in off.stderr + off.stdout
