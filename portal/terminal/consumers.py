@@ -60,6 +60,7 @@ from redis.exceptions import RedisError
 
 from agents import protocol
 from portal.api.auth import user_for_token
+from portal.directory.identity import user_group
 from portal.idle import activity
 from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
@@ -78,6 +79,8 @@ CLOSE_NOT_FOUND = 4404
 CLOSE_NOT_RUNNING = 4409
 # The first message was not a valid "open".
 CLOSE_BAD_OPEN = 4400
+# The viewer's account was deactivated (as the live pages' sockets).
+CLOSE_SIGNED_OUT = 4401
 # Most characters one viewer message may hold (a paste).
 MAX_MESSAGE_CHARS = protocol.MAX_TERMINAL_CHARS
 # The permission that lets staff open another user's interactive job.
@@ -105,6 +108,8 @@ class Target:
     job_id: int
     attempt_id: int
     node_id: int
+    # The viewer's account: its group closes the socket when it is deactivated.
+    user_id: int
 
 
 def new_terminal_id(attempt_id: int) -> str:
@@ -177,7 +182,7 @@ def _target(
             actor=user,
             message=f"terminal opened by {user.get_username()} (staff)",
         )
-    return Target(job_id, attempt["pk"], attempt["node_id"]), None, True
+    return Target(job_id, attempt["pk"], attempt["node_id"], user.pk), None, True
 
 
 class TerminalConsumer(AsyncWebsocketConsumer):
@@ -213,12 +218,21 @@ class TerminalConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_NOT_RUNNING)
             return
         self.target = target
+        # Deactivated (directory, identity provider): the socket closes at once.
+        await self.channel_layer.group_add(
+            user_group(target.user_id), self.channel_name
+        )
         self.messages = TokenBucket(MAX_MESSAGES_PER_S, BURST_S, clock=self._now)
         self.chars = TokenBucket(MAX_CHARS_PER_S, BURST_S, clock=self._now)
 
     async def disconnect(self, code: int) -> None:
         if self.retry is not None:
             self.retry.cancel()
+        if self.target is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.channel_layer.group_discard(
+                    user_group(self.target.user_id), self.channel_name
+                )
         if self.group is not None:
             try:
                 await self.channel_layer.group_discard(self.group, self.channel_name)
@@ -376,6 +390,11 @@ class TerminalConsumer(AsyncWebsocketConsumer):
                     protocol.TerminalInput,
                     protocol.TerminalInputData(terminal_id=self.terminal_id, data=text),
                 )
+
+    async def user_signed_out(self, event: dict[str, Any]) -> None:
+        """The viewer's account was deactivated: signed out (4401), as its live
+        pages are; the shell stays the job's until the job ends."""
+        await self.close(code=CLOSE_SIGNED_OUT)
 
     async def terminal_output(self, event: dict[str, Any]) -> None:
         await self._answered()

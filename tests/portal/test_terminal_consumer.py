@@ -233,3 +233,24 @@ async def test_a_flood_of_input_is_dropped_with_an_error(
     # Exactly the allowance (the open took one message of it).
     assert relayed == burst - 1 or relayed == burst
     await comm.disconnect()
+
+
+async def test_a_viewer_deactivated_by_the_directory_is_signed_out(alice: User) -> None:
+    """A removal at the directory or identity provider closes the open terminal
+    (4401, as the live pages); the agent is told the viewer left."""
+    from portal.directory.identity import deactivate_user
+
+    job, _, node_id = await database_sync_to_async(running_shell_job)(alice)
+    agent = await agent_listener(node_id)
+    comm = await viewer(job.pk, await login(alice), GOOD_ORIGIN)
+    await comm.send_json_to({"type": "open", "cols": 80, "rows": 24})
+    assert (await comm.receive_json_from(TIMEOUT))["type"] == "opened"
+    assert (await next_frame(agent, opens=True))["type"] == "terminal.open"
+
+    await database_sync_to_async(deactivate_user)(alice, "removed from the directory")
+
+    closed = await comm.receive_output(TIMEOUT)
+    assert closed == {"type": "websocket.close", "code": 4401}
+    await comm.disconnect()  # the browser's side of the closing handshake
+    left = await next_frame(agent)
+    assert (left["type"], left["data"]["detach"]) == ("terminal.close", True)
