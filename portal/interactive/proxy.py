@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
+import logging
 import re
 import time
 from collections import Counter
@@ -40,9 +41,12 @@ from urllib.parse import quote, urlsplit
 import httpx
 import websockets
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.shortcuts import resolve_url
+from redis.exceptions import RedisError
 
+from portal.directory.identity import user_group
 from portal.idle import activity
 from portal.interactive.access import Refusal, Target, resolve
 
@@ -94,6 +98,9 @@ WS_OWN = frozenset(
 _lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="interactive")
 
 
+log = logging.getLogger(__name__)
+# A notebook's socket closed because its user was deactivated (as the live pages').
+CLOSE_SIGNED_OUT = 4401
 # Requests that change nothing: not counted as a person's use.
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -287,7 +294,7 @@ class InteractiveProxy:
             await send(
                 {"type": "websocket.accept", "subprotocol": upstream.subprotocol}
             )
-            await _relay(receive, send, upstream, target.job_id)
+            await _relay(receive, send, upstream, target.job_id, target.user_id)
 
     async def _refuse(
         self, scope: Scope, receive: Receive, send: Send, refusal: Refusal
@@ -311,7 +318,11 @@ class InteractiveProxy:
 
 
 async def _relay(
-    receive: Receive, send: Send, upstream: websockets.ClientConnection, job_id: int
+    receive: Receive,
+    send: Send,
+    upstream: websockets.ClientConnection,
+    job_id: int,
+    user_id: int,
 ) -> None:
     """Frames both ways until either side closes; then the other is closed. A
     frame from the browser (a cell to run, a keystroke in Jupyter's terminal) is
@@ -342,9 +353,32 @@ async def _relay(
                 {"type": "websocket.close", "code": code if code != 1005 else 1000}
             )
 
+    async def signed_out() -> None:
+        """The user's account deactivated (directory, identity provider): the
+        notebook's socket closes (4401), as the portal's live pages do."""
+        layer = get_channel_layer()
+        group = user_group(user_id)
+        try:
+            channel = await layer.new_channel()
+            await layer.group_add(group, channel)
+        except (RedisError, OSError) as exc:
+            # The session is checked again at the next connection.
+            log.warning("job %s: cannot watch for sign-out: %r", job_id, exc)
+            await asyncio.Event().wait()
+        try:
+            while (await layer.receive(channel)).get("type") != "user.signed_out":
+                pass
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await layer.group_discard(group, channel)
+        await upstream.close()
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": CLOSE_SIGNED_OUT})
+
     tasks = [
         asyncio.ensure_future(browser_to_node()),
         asyncio.ensure_future(node_to_browser()),
+        asyncio.ensure_future(signed_out()),
     ]
     try:
         _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

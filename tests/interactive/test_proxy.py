@@ -309,3 +309,57 @@ def test_websockets_are_relayed_and_the_cap_answers_503(
     assert p.active == {}  # the place is given back
     # The browser's frame (a cell to run) is the job's use.
     assert list(activity.last_used([job.pk])) == [job.pk]
+
+
+def test_a_notebook_socket_closes_when_its_user_is_deactivated(
+    alice: User, cluster: list[Node], upstream: int
+) -> None:
+    """A removal at the directory or identity provider closes the open kernel
+    socket (4401, as the live pages'), not only the next request."""
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from portal.directory.identity import deactivate_user
+
+    job = running_jupyter(alice, cluster[0], upstream)
+    session = session_of(alice)
+    p = proxy()
+
+    async def run() -> list[dict[str, Any]]:
+        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        sent: list[dict[str, Any]] = []
+        accepted, closed = asyncio.Event(), asyncio.Event()
+
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+            if msg["type"] == "websocket.accept":
+                accepted.set()
+            if msg["type"] == "websocket.close":
+                closed.set()
+
+        path = f"/interactive/{job.pk}/api/kernels/k1/channels"
+        scope = {
+            "type": "websocket", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "subprotocols": [],
+            "headers": [
+                (b"host", HOST.encode()), (b"origin", f"http://{HOST}".encode()),
+                (b"cookie", f"sessionid={session}".encode()),
+            ],
+        }  # fmt: skip
+        await inbox.put({"type": "websocket.connect"})
+        task = asyncio.ensure_future(p(scope, inbox.get, send))
+        await asyncio.wait_for(accepted.wait(), 10)
+        await inbox.put({"type": "websocket.receive", "text": "hello"})
+        while not any(m.get("text") == "echo:hello" for m in sent):
+            await asyncio.sleep(0.01)
+        await sync_to_async(deactivate_user)(alice, "removed from the directory")
+        await asyncio.wait_for(closed.wait(), 10)
+        await inbox.put({"type": "websocket.disconnect", "code": 4401})
+        await asyncio.wait_for(task, 10)
+        await p.aclose()
+        await sync_to_async(connections.close_all)()  # deactivate_user's thread
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent[-1] == {"type": "websocket.close", "code": 4401}
+    assert p.active == {}
