@@ -357,6 +357,7 @@ async def _relay(
         """The user's account deactivated (directory, identity provider): the
         notebook's socket closes (4401), as the portal's live pages do."""
         layer = get_channel_layer()
+        assert layer is not None  # CHANNEL_LAYERS is always configured
         group = user_group(user_id)
         try:
             channel = await layer.new_channel()
