@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from django import forms
-from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.shortcuts import redirect, render
 
+from portal.interactive.views import interactive_limits
 from scheduler import classes, services
 
 if TYPE_CHECKING:
@@ -83,9 +83,5 @@ def terminal_new(request: AuthenticatedHttpRequest) -> HttpResponse:
             )
             return redirect("portal-job", job.pk)
     status = 400 if request.method == "POST" else 200
-    context = {
-        "form": form,
-        "heading": "Open a terminal",
-        "max_per_user": settings.GPULAB_INTERACTIVE_MAX_PER_USER,
-    }
+    context = {"form": form, "heading": "Open a terminal", **interactive_limits()}
     return render(request, "portal/terminal_new.html", context, status=status)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from agents import jupyter
 from agents.launcher import Job, Launcher, Outcome
 from agents.protocol import JobLaunchData
 from agents.statedir import StateDir
+from tests.e2e.conftest import wait_until
 from tests.interactive.accounts import root_only
 
 if TYPE_CHECKING:
@@ -33,13 +33,7 @@ pytestmark = root_only
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {check}")
+    return wait_until(check, timeout)
 
 
 def launcher(tmp_path: Path) -> Launcher:
