@@ -230,6 +230,19 @@ def _no_activity_remembered() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _channel_layer_per_test() -> Iterator[None]:
+    """Each test gets its own channel layer instance. channels_redis keeps one
+    asyncio lock per channel prefix (``receive_clean_locks``), bound to the event
+    loop of the first receive that had to wait on it; each async test runs its own
+    loop, so a layer kept from an earlier test fails such a receive with "bound to
+    a different event loop" (the layer itself is made for one loop per process)."""
+    yield
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_pass_queued(request: pytest.FixtureRequest) -> None:
     """Each test starts with no scheduling pass marked queued (a pass request
     marks it, scheduler.pass_requests.claim_pass_request, and a later request
