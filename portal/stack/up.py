@@ -2,8 +2,10 @@
 
 1. Check ``GPULAB_DEMO_NODES`` and ``PORT`` before starting anything.
 2. Start the embedded PostgreSQL / Redis that the URLs do not configure.
-3. Keep a secret key in ``<state>/secret_key``; DEBUG off, cookies over plain HTTP
-   and mail printed in the log, unless set (``portal_env``).
+3. Keep a secret key in ``<state>/secret_key``; DEBUG off, cookies over plain HTTP,
+   mail printed in the log and this environment's JupyterLab, unless set
+   (``portal_env``). Run by root: demo jobs run as an ordinary account
+   (``portal.stack.accounts``), never as root.
 4. ``migrate``, ``ensure_admin``, ``create_node demo-N --if-missing`` per demo node.
 5. Run web, worker, beat and one simulated agent per demo node under honcho, with
    prefixed, coloured output; say where the portal is once web answers.
@@ -32,6 +34,12 @@ from honcho.manager import (  # type: ignore[import-untyped]
 )
 from honcho.printer import Message, Printer  # type: ignore[import-untyped]
 
+from portal.stack.accounts import (
+    AccountError,
+    demo_account,
+    interpreter_paths,
+    traversable,
+)
 from portal.stack.embedded import REPO_ROOT, StackError, ensure_services, secret_key
 
 if TYPE_CHECKING:
@@ -116,8 +124,11 @@ def setup_steps(state: Path, nodes: list[DemoNode]) -> list[list[str]]:
     return steps
 
 
-def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list[str]]:
-    """Name -> argv of every long-running process (DESIGN.md "Processes")."""
+def processes(
+    state: Path, nodes: list[DemoNode], number: int, account: str | None = None
+) -> dict[str, list[str]]:
+    """Name -> argv of every long-running process (DESIGN.md "Processes");
+    ``account``: the agents' ``--default-account`` (``make up`` run by root)."""
     py = sys.executable
     procs = {
         "web": [
@@ -157,8 +168,9 @@ def processes(state: Path, nodes: list[DemoNode], number: int) -> dict[str, list
             # Simulated GPU uuids derive from the host name: give each demo node
             # its own, or two nodes on this machine would report the same GPUs.
             "--hostname", node.name,
-            # The demo runs jobs as whoever runs `make up`, root included.
-            *(["--allow-root-jobs"] if os.geteuid() == 0 else []),
+            # Jobs run as whoever runs `make up`; run by root, as the demo
+            # account (portal.stack.accounts), never as root.
+            *(["--default-account", account] if account else []),
         ]  # fmt: skip
     return procs
 
@@ -216,6 +228,11 @@ def portal_env(env: Mapping[str, str], state: Path, number: int) -> dict[str, st
     # No mail server in a demo: mail is printed in the log.
     added["GPULAB_EMAIL_BACKEND"] = env.get("GPULAB_EMAIL_BACKEND", "console")
     added["PYTHONUNBUFFERED"] = "1"
+    # JupyterLab comes with the portal's environment, which `make` does not put on
+    # the PATH the demo's jobs inherit (agents.jupyter falls back to this).
+    jupyter = Path(sys.prefix) / "bin" / "jupyter"
+    if not env.get("GPULAB_JUPYTER_COMMAND") and jupyter.exists():
+        added["GPULAB_JUPYTER_COMMAND"] = str(jupyter)
     # The demo's jobs run on this machine: besides the usual directories, the
     # checkout, where `gpulab submit` (whose default is the current directory)
     # is run from.
@@ -262,8 +279,13 @@ def up(env: Mapping[str, str] | None = None) -> int:
                 )
                 return 1
 
-        return _supervise(state, nodes, number, env)
-    except StackError as exc:
+        account = demo_account(env)
+        if account is None:
+            return _supervise(state, nodes, number, env)
+        sys.stdout.write(f"gpulab: demo jobs run as the Unix account {account}\n")
+        with traversable(*interpreter_paths(), say=_say):
+            return _supervise(state, nodes, number, env, account)
+    except (StackError, AccountError) as exc:
         sys.stderr.write(f"gpulab: {exc}\n")
         return 1
     except KeyboardInterrupt:
@@ -279,12 +301,21 @@ def up(env: Mapping[str, str] | None = None) -> int:
             services.stop()
 
 
+def _say(text: str) -> None:
+    sys.stdout.write(f"gpulab: {text}\n")
+    sys.stdout.flush()
+
+
 def _supervise(
-    state: Path, nodes: list[DemoNode], number: int, env: dict[str, Any]
+    state: Path,
+    nodes: list[DemoNode],
+    number: int,
+    env: dict[str, Any],
+    account: str | None = None,
 ) -> int:
     printer = Printer(sys.stdout, colour=sys.stdout.isatty())
     manager = _Supervisor(printer)
-    for name, argv in processes(state, nodes, number).items():
+    for name, argv in processes(state, nodes, number, account).items():
         # exec: the shell honcho starts is replaced, so its SIGTERM reaches us.
         manager.add_process(name, "exec " + shlex.join(argv), env=env, cwd=REPO_ROOT)
     stop = threading.Event()

@@ -14,14 +14,14 @@ import contextlib
 import os
 import pwd
 import shutil
-import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from portal.stack.accounts import interpreter_paths, traversable
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -29,32 +29,6 @@ if TYPE_CHECKING:
 root_only = pytest.mark.skipif(
     os.geteuid() != 0, reason="starting a job as another account needs root"
 )
-
-
-def _closed_dirs(path: Path) -> list[Path]:
-    """The directories above ``path`` that other accounts may not traverse."""
-    closed = []
-    for parent in reversed(path.parents):
-        mode = parent.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            closed.append(parent)
-    return closed
-
-
-@contextlib.contextmanager
-def traversable(*paths: Path) -> Iterator[None]:
-    opened: list[tuple[Path, int]] = []
-    try:
-        for path in paths:
-            for d in _closed_dirs(path):
-                if all(d != o for o, _ in opened):
-                    mode = stat.S_IMODE(d.stat().st_mode)
-                    d.chmod(mode | stat.S_IXOTH)
-                    opened.append((d, mode))
-        yield
-    finally:
-        for d, mode in reversed(opened):
-            d.chmod(mode)
 
 
 @contextlib.contextmanager
@@ -74,9 +48,7 @@ def jupyter_account() -> Iterator[pwd.struct_passwd]:
             capture_output=True,
         )
     try:
-        with traversable(
-            Path(os.path.realpath(sys.executable)), Path(sys.prefix) / "bin"
-        ):
+        with traversable(*interpreter_paths()):
             yield pwd.getpwnam(name)
     finally:
         if not given:

@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import re
+import shutil
+import stat
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+import tempfile
+from pathlib import Path
 
+import pytest
+
+from portal.stack import accounts
 from portal.stack.embedded import REPO_ROOT
-from portal.stack.up import portal_env
+from portal.stack.up import DemoNode, portal_env, processes
 
-if TYPE_CHECKING:
-    from pathlib import Path
+root_only = pytest.mark.skipif(
+    os.geteuid() != 0, reason="creating a Unix account needs root"
+)
 
 SETTINGS = """
 import json, django
@@ -66,3 +75,92 @@ def test_a_debug_setting_given_to_make_up_is_kept(tmp_path: Path) -> None:
     added = portal_env({"DJANGO_DEBUG": "true"}, tmp_path, 8000)
 
     assert added["DJANGO_DEBUG"] == "true"
+
+
+def test_make_up_gives_jobs_this_environments_jupyterlab(tmp_path: Path) -> None:
+    """`make` does not activate the venv, so a demo job's PATH has no jupyter: the
+    agents fall back to GPULAB_JUPYTER_COMMAND, which names the portal's own; one
+    the user set is kept."""
+    added = portal_env({}, tmp_path, 8000)
+    jupyter = Path(sys.prefix) / "bin" / "jupyter"
+    assert added["GPULAB_JUPYTER_COMMAND"] == str(jupyter)
+    assert os.access(jupyter, os.X_OK)
+
+    kept = portal_env({"GPULAB_JUPYTER_COMMAND": "/opt/lab/bin/jupyter"}, tmp_path, 1)
+    assert "GPULAB_JUPYTER_COMMAND" not in kept
+
+
+def test_demo_agents_run_jobs_as_the_demo_account_never_as_root() -> None:
+    nodes = [DemoNode("demo-1", "4xA100-80GB"), DemoNode("demo-2", "4xA100-80GB")]
+
+    as_root = processes(Path("/nonexistent"), nodes, 8000, "gpulab-demo")
+    as_user = processes(Path("/nonexistent"), nodes, 8000, None)
+
+    for node in nodes:
+        argv = as_root[node.name]
+        assert argv[argv.index("--default-account") + 1] == "gpulab-demo"
+        assert "--allow-root-jobs" not in argv
+        assert "--default-account" not in as_user[node.name]
+        assert "--allow-root-jobs" not in as_user[node.name]
+
+
+@root_only
+def test_the_demo_account_is_created_once_and_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = f"gpulabd{os.getpid() % 100000}"
+    monkeypatch.setattr(accounts, "DEFAULT_DEMO_ACCOUNT", name)
+    try:
+        assert accounts.demo_account({}) == name
+        entry = pwd.getpwnam(name)
+        assert entry.pw_uid != 0
+        assert entry.pw_shell == "/bin/bash"
+        assert Path(entry.pw_dir).is_dir()
+        # the second `make up` finds it
+        assert accounts.demo_account({"GPULAB_DEMO_ACCOUNT": name}) == name
+        assert pwd.getpwnam(name).pw_uid == entry.pw_uid
+    finally:
+        subprocess.run(["userdel", "--remove", name], check=False, capture_output=True)
+
+
+@root_only
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("no-such-account-here", "'no-such-account-here': no such Unix account"),
+        ("root", "'root' is root (uid 0)"),
+    ],
+)
+def test_a_demo_account_that_cannot_run_jobs_stops_make_up(
+    given: str, says: str
+) -> None:
+    with pytest.raises(accounts.AccountError, match=re.escape(says)):
+        accounts.demo_account({"GPULAB_DEMO_ACCOUNT": given})
+
+
+def test_closed_directories_above_python_are_opened_for_traversal_only_meanwhile() -> (
+    None
+):
+    # Not tmp_path: pytest's base directory is itself closed to others.
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    base.chmod(0o755)
+    try:
+        _opened_meanwhile(base / "home")
+    finally:
+        shutil.rmtree(base)
+
+
+def _opened_meanwhile(closed: Path) -> None:
+    (closed / "venv" / "bin").mkdir(parents=True)
+    closed.chmod(0o700)
+    python = closed / "venv" / "bin" / "python"
+    python.touch()
+    said: list[str] = []
+
+    with accounts.traversable(python, closed / "venv" / "bin", say=said.append) as o:
+        assert o == [closed]
+        assert stat.S_IMODE(closed.stat().st_mode) == 0o701
+        assert accounts.closed_dirs(python) == []
+        assert len(said) == 1 and str(closed) in said[0]
+    assert stat.S_IMODE(closed.stat().st_mode) == 0o700
+    assert accounts.closed_dirs(python) == [closed]
