@@ -16,11 +16,14 @@ a known path, never listing) while the demo runs, and closed again when it stops
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import pwd
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,26 +92,101 @@ def interpreter_paths() -> tuple[Path, Path]:
     return Path(os.path.realpath(sys.executable)), Path(sys.prefix) / "bin"
 
 
+def _registry() -> tuple[Path, Path, Path]:
+    """The files every ``traversable`` of this account shares (per uid: only that
+    uid may chmod its directories): a mutex for entering and leaving, a lock its
+    users hold shared, and the record of the directories' original modes."""
+    base = Path(tempfile.gettempdir()) / f"gpulab-traversable-{os.geteuid()}"
+    return (
+        base.with_suffix(".mutex"),
+        base.with_suffix(".users"),
+        base.with_suffix(".json"),
+    )
+
+
+def _open_private(path: Path) -> int:
+    """Open (create, mode 600) a file of ours in the shared temp directory, never
+    through a symlink someone else planted there."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        raise AccountError(f"{path} belongs to another account; remove it")
+    return fd
+
+
+def _read_modes(path: Path) -> dict[str, int]:
+    try:
+        fd = _open_private(path)
+    except FileNotFoundError:
+        return {}
+    with os.fdopen(fd, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return {}
+    return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _write_modes(path: Path, modes: dict[str, int]) -> None:
+    fd = _open_private(path)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.truncate()
+        json.dump(modes, fh)
+
+
 @contextlib.contextmanager
 def traversable(
     *paths: Path, say: Callable[[str], object] = lambda _: None
 ) -> Iterator[list[Path]]:
     """Open the closed directories above ``paths`` for traversal by others
-    (``o+x``) for the block, restoring their modes after; yields those opened.
-    ``say`` is told each one."""
-    opened: list[tuple[Path, int]] = []
+    (``o+x``) for the block; yields those this block opened. ``say`` is told each.
+
+    Several blocks may overlap, in one process or several (``make up`` beside the
+    test suite's JupyterLab tests): each holds a shared lock for its duration, the
+    directories' original modes are recorded once, and whoever leaves last (an
+    exclusive lock taken without waiting) puts them back. A block that dies leaves
+    them open until the next one leaves."""
+    mutex_path, users_path, modes_path = _registry()
+    mutex = _open_private(mutex_path)
+    users = _open_private(users_path)
+    opened: list[Path] = []
     try:
-        for path in paths:
-            for d in closed_dirs(path):
-                if all(d != o for o, _ in opened):
+        with _held(mutex):
+            modes = _read_modes(modes_path)
+            for path in paths:
+                for d in closed_dirs(path):
                     mode = stat.S_IMODE(d.stat().st_mode)
+                    modes.setdefault(str(d), mode)
                     d.chmod(mode | stat.S_IXOTH)
-                    opened.append((d, mode))
+                    opened.append(d)
                     say(
                         f"opened {d} for traversal (o+x) while the demo runs, so"
                         " demo jobs can start this Python"
                     )
-        yield [d for d, _ in opened]
+            _write_modes(modes_path, modes)
+            fcntl.flock(users, fcntl.LOCK_SH)
+        yield opened
     finally:
-        for d, mode in reversed(opened):
-            d.chmod(mode)
+        with _held(mutex):
+            fcntl.flock(users, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # another block is inside: the last one out restores
+            else:
+                for d, mode in _read_modes(modes_path).items():
+                    with contextlib.suppress(FileNotFoundError):
+                        Path(d).chmod(mode)
+                _write_modes(modes_path, {})
+        os.close(users)
+        os.close(mutex)
+
+
+@contextlib.contextmanager
+def _held(fd: int) -> Iterator[None]:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -164,3 +164,24 @@ def _opened_meanwhile(closed: Path) -> None:
         assert len(said) == 1 and str(closed) in said[0]
     assert stat.S_IMODE(closed.stat().st_mode) == 0o700
     assert accounts.closed_dirs(python) == [closed]
+
+
+def test_overlapping_traversals_restore_the_modes_when_the_last_one_leaves() -> None:
+    """`make up` beside the suite's JupyterLab tests (or two test workers): the
+    first to leave must not close a directory the other still needs."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    base.chmod(0o755)
+    closed = base / "home"
+    (closed / "bin").mkdir(parents=True)
+    closed.chmod(0o700)
+    python = closed / "bin" / "python"
+    try:
+        first = accounts.traversable(python)
+        assert first.__enter__() == [closed]
+        with accounts.traversable(python) as second:
+            assert second == []  # already open: the first recorded its mode
+            first.__exit__(None, None, None)
+            assert stat.S_IMODE(closed.stat().st_mode) == 0o701  # still needed
+        assert stat.S_IMODE(closed.stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(base)
