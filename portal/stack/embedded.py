@@ -39,11 +39,12 @@ On a crash the kernel drops the dead process's locks and nothing else: the serve
 runs on for the other users and the last of them stops it; if none is left, the next
 entry point finds it answering, reuses it and, being its only user, stops it when it
 leaves. A starter killed mid-start leaves at worst a server still starting: the next
-entry point waits for PostgreSQL to be ready, and ends a redis-server of this state
-dir that does not answer when nobody else holds a lease, then starts its own. So
-there is never a second server on one state dir nor a server stopped under a live
-user. The lease belongs to the entry point's process: the processes it starts (web,
-worker, pytest) use the server while it holds it.
+entry point waits for PostgreSQL to be ready; a redis-server of this state dir that
+does not answer it ends and replaces when nobody else holds a lease, and otherwise
+refuses to start, naming it. So there is never a second server on one state dir nor
+a server stopped under a live user. The lease belongs to the entry point's process
+(its descriptor is not inherited): the processes it starts (web, worker, pytest) use
+the server while it holds it.
 """
 
 from __future__ import annotations
