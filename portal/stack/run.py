@@ -3,7 +3,8 @@
 Starts the embedded servers that ``DATABASE_URL`` / ``REDIS_URL`` do not configure,
 exports the URLs (and ``GPULAB_STATE_DIR``; ``DJANGO_SECRET_KEY`` from
 ``<state>/secret_key`` when unset) to CMD, returns CMD's exit code
-(128 + N when a signal N ended it) and stops what it started. ``make test`` is
+(128 + N when a signal N ended it) and stops the embedded servers unless another
+entry point still uses them (``portal.stack.embedded``, "Sharing"). ``make test`` is
 ``python -m portal.stack.run -- python -m pytest``.
 """
 

@@ -9,8 +9,9 @@
 4. ``migrate``, ``ensure_admin``, ``create_node demo-N --if-missing`` per demo node.
 5. Run web, worker, beat and one simulated agent per demo node under honcho, with
    prefixed, coloured output; say where the portal is once web answers.
-6. Ctrl-C / SIGTERM stops them all, then the embedded servers. If one process dies,
-   the rest are stopped and we exit non-zero naming it.
+6. Ctrl-C / SIGTERM stops them all, then the embedded servers unless another entry
+   point (``make test``) still uses them. If one process dies, the rest are stopped
+   and we exit non-zero naming it.
 """
 
 from __future__ import annotations
@@ -298,7 +299,12 @@ def up(env: Mapping[str, str] | None = None) -> int:
         if services is not None:
             sys.stdout.write("gpulab: stopping embedded servers\n")
             sys.stdout.flush()
-            services.stop()
+            shared = services.stop()
+            if shared:
+                sys.stdout.write(
+                    f"gpulab: the embedded {' and '.join(shared)} kept running: "
+                    f"another gpulab process (make test, make up) uses them\n"
+                )
 
 
 def _say(text: str) -> None:

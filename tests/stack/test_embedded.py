@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import stat
 from typing import TYPE_CHECKING
 
 import dj_database_url
 import psycopg
+import pytest
 import redis
 from kombu import Connection  # type: ignore[attr-defined]
 
 from portal.stack.embedded import (
     MAX_SOCKET_PATH,
+    StackError,
     ensure_services,
     redis_socket_path,
     secret_key,
@@ -117,6 +120,50 @@ def test_it_reuses_a_running_redis_and_leaves_it_running(
         assert redis.Redis.from_url(first.url).ping()
     finally:
         first.stop()
+
+
+def test_a_redis_outlives_its_starter_while_another_user_holds_it(
+    short_state_dir: Path,
+) -> None:
+    starter = start_redis(short_state_dir)
+    joiner = start_redis(short_state_dir)
+    try:
+        starter.stop()
+        assert redis.Redis.from_url(joiner.url).ping()
+    finally:
+        joiner.stop()  # the last user stops it, though it did not start it
+    assert starter.process is not None
+    assert starter.process.wait(10) == 0
+    assert not joiner.socket_path.exists()
+
+
+def test_a_redis_that_does_not_answer_is_replaced_only_when_nobody_holds_it(
+    short_state_dir: Path,
+) -> None:
+    wedged = start_redis(short_state_dir)
+    assert wedged.process is not None and wedged.lease is not None
+    wedged.process.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(StackError) as refused:
+            start_redis(short_state_dir, timeout=1)
+        assert (
+            f"on {wedged.socket_path} (pid {wedged.process.pid}) is in use by "
+            f"another gpulab process but does not answer"
+        ) in str(refused.value)
+
+        # Its user dies (the kernel drops its lease): the next one replaces it.
+        wedged.lease.close()
+        fresh = start_redis(short_state_dir, timeout=1)
+        try:
+            assert fresh.process is not None
+            assert redis.Redis.from_url(fresh.url).ping()
+            assert wedged.process.wait(10) == -signal.SIGKILL
+        finally:
+            fresh.stop()
+    finally:
+        if wedged.process.poll() is None:
+            wedged.process.kill()
+            wedged.process.wait()
 
 
 def test_it_moves_the_redis_socket_to_tmp_when_the_state_dir_is_long(

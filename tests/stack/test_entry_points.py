@@ -43,7 +43,7 @@ def _env(state: Path, **extra: str) -> dict[str, str]:
 
 def _redis_servers_of(state: Path) -> list[str]:
     ps = subprocess.run(
-        ["ps", "-eo", "args"], capture_output=True, text=True, check=True
+        ["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True
     ).stdout
     return [line for line in ps.splitlines() if str(state) in line]
 
