@@ -271,6 +271,11 @@ def usage_report(usage: Mapping[str, Any]) -> str:
             else ""
         ),
     ]
+    if usage.get("lost_gpu_hours"):
+        lines.append(
+            f"  Lost:       {usage['lost_gpu_hours']:.2f} GPU-hours to preemption"
+            " (charged to nobody)"
+        )
     if usage.get("energy_kwh") is not None:
         lines.append(f"  Energy:     {usage['energy_kwh']:.2f} kWh")
     if usage.get("efficiency") is not None:

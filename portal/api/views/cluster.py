@@ -323,6 +323,14 @@ class UsageOut(serializers.Serializer[Any]):
         child=serializers.ListField(child=serializers.FloatField())
     )
     top_jobs = TopJobOut(many=True, help_text="The 10 jobs that used most.")
+    lost_gpu_hours = serializers.FloatField(
+        help_text="Work lost to preemption: the run of preempted or requeued"
+        " attempts after their last checkpoint, charged to nobody's quota and"
+        " not in gpu_hours."
+    )
+    lost_jobs = TopJobOut(
+        many=True, help_text="The 10 jobs that lost most (GPU-hours lost)."
+    )
     quotas = QuotaOut(many=True)
 
 
@@ -388,6 +396,8 @@ class Usage(APIView):
                     "days": report.days,
                     "series": report.series,
                     "top_jobs": report.top_jobs,
+                    "lost_gpu_hours": report.lost_gpu_hours,
+                    "lost_jobs": report.lost_jobs,
                     "quotas": [
                         {
                             "scope": q.view().label,
