@@ -27,12 +27,11 @@ from django.utils import timezone
 from agents import jobtext
 from portal.notifications import secrets, signing, targets
 from portal.notifications.models import Delivery, Kind, Preference
-from scheduler.models import Attempt
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
-    from scheduler.models import Job
+    from scheduler.models import Attempt, Job
 
 log = logging.getLogger(__name__)
 
@@ -344,47 +343,32 @@ def _job_notice(job: Job, kind: str, what: str, message: str) -> None:
     )
 
 
-def _preempted_text(job: Job, message: str) -> str:
-    """A preemption as its owner reads it: whom the job yielded to, the work its
-    attempt lost (charged to nobody) and that it waits to resume."""
-    attempt = (
-        Attempt.objects.filter(job_id=job.pk, ended_at__isnull=False)
-        .order_by("-number")
-        .only(
-            "number", "lost_work_gpu_s", "lost_since", "checkpoint_at", "preempted_for"
-        )
-        .first()
-    )
+def job_preempted(job: Job, attempt: Attempt, message: str) -> None:
+    """Called by ``scheduler.services.finish_attempt`` when a preempted job is
+    back in the queue: its owner reads whom it yielded to, the work ``attempt``
+    lost (charged to nobody) and that it waits to resume."""
     parts = [message]
-    if attempt is not None:
-        if attempt.preempted_for_id is not None:
-            parts.append(f"its GPUs went to job #{attempt.preempted_for_id}")
-        if attempt.lost_work_gpu_s is not None:
-            minutes = round(attempt.lost_work_gpu_s / max(1, job.gpus) / 60)
-            since = (
-                "since its last checkpoint"
-                if job.checkpointable
-                and attempt.lost_since is not None
-                and attempt.checkpoint_at is not None
-                else "since its start"
-            )
-            parts.append(
-                f"{minutes} min of work lost {since} (charged to nobody's quota)"
-            )
+    if attempt.preempted_for_id is not None:
+        parts.append(f"its GPUs went to job #{attempt.preempted_for_id}")
+    if attempt.lost_work_gpu_s is not None:
+        minutes = round(attempt.lost_work_gpu_s / max(1, job.gpus) / 60)
+        since = (
+            "since its last checkpoint"
+            if job.checkpointable and attempt.lost_since != attempt.started_at
+            else "since its start"
+        )
+        parts.append(f"{minutes} min of work lost {since} (charged to nobody's quota)")
     parts.append(
         "it waits in the queue to resume from its last checkpoint"
         if job.checkpointable
         else "it waits in the queue to start again"
     )
-    return "; ".join(parts)
+    _job_notice(job, Kind.JOB_PREEMPTED, "preempted", "; ".join(parts))
 
 
 def job_changed(job: Job, message: str) -> None:
     """Called (inside its transaction) wherever ``scheduler.services`` records a
-    job's new status: an end, a failure or a preemption is told to its owner."""
-    if job.status == "preempted":
-        _job_notice(job, Kind.JOB_PREEMPTED, "preempted", _preempted_text(job, message))
-        return
+    job's new status: an end or a failure is told to its owner."""
     kind = _END_KINDS.get(str(job.status))
     if kind is not None:
         _job_notice(job, kind, str(job.status), message)
@@ -403,3 +387,6 @@ class Handlers:
 
     def job_changed(self, job: Job, message: str) -> None:
         job_changed(job, message)
+
+    def job_preempted(self, job: Job, attempt: Attempt, message: str) -> None:
+        job_preempted(job, attempt, message)

@@ -63,7 +63,12 @@ QUEUE_FIELDS = (
 # What a running row reads to say it is being preempted (``portal.preemption``):
 # its attempt's and its job's stop terms.
 PREEMPTION_FIELDS = ("ended_at", "kill_reason", "kill_sent_at", "preempted_for")
-STOP_FIELDS = ("checkpointable", "checkpoint_signal", "checkpoint_grace_s", "kill_grace_s")
+STOP_FIELDS = (
+    "checkpointable",
+    "checkpoint_signal",
+    "checkpoint_grace_s",
+    "kill_grace_s",
+)
 
 
 def _partial(request: AuthenticatedHttpRequest) -> bool:

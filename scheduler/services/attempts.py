@@ -216,6 +216,7 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
                 preemptions=job.preemptions + 1,
                 last_preempted_at=ended,
             )
+            hooks.notifier().job_preempted(job, attempt, verdict.message)
         else:
             transition(
                 job,
