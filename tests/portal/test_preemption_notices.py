@@ -12,6 +12,7 @@ import pytest
 import time_machine
 
 from agents import protocol
+from portal.cli import output
 from portal.notifications.models import Delivery, Kind, Preference
 from scheduler import policy, services
 from tests.factories import JobFactory, exited_data, start_job, started_data
@@ -75,6 +76,28 @@ def test_the_queue_says_whom_a_victim_yields_to_and_when(
         f" #{waiting.pk} in about 1m 30s (SIGUSR1 sent: it may save its work until"
         " then)</span>"
     ) in html
+
+
+def test_the_queue_api_and_the_cli_say_it_too(
+    client: Client,
+    bob: User,
+    victim: tuple[Job, Job, Attempt],
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    job, waiting, _ = victim
+    preempt(job, waiting, django_capture_on_commit_callbacks)
+    with time_machine.travel(NOW + timedelta(seconds=30), tick=False):
+        client.force_login(bob)
+        rows = {row["id"]: row for row in client.get("/api/v1/queue/").json()}
+    assert (rows[job.pk]["preempted_for"], rows[job.pk]["preempted_in_s"]) == (
+        waiting.pk,
+        pytest.approx(90),
+    )
+    assert (rows[waiting.pk]["preempted_for"], rows[waiting.pk]["preempted_in_s"]) == (
+        None,
+        None,
+    )
+    assert output.where(rows[job.pk]) == f"node-a (preempted for {waiting.pk})"
 
 
 def test_the_job_page_says_it_too_and_nothing_once_requeued(
