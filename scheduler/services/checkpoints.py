@@ -5,9 +5,10 @@ A job marks a checkpoint by printing a line ``GPULAB_CHECKPOINT`` (anything may
 follow on the line, e.g. the step or the file). The portal notes when such a
 line reached it (``Attempt.checkpoint_at``): a checkpointable job stopped to be
 requeued then loses only the work since then; any other requeued attempt loses
-all of its run (``Attempt.lost_work_gpu_s``, GPU-seconds, from
-``Attempt.lost_since``). The lost part is charged to nobody: the charging rule
-keeps it apart from the GPU time charged (``UsageRecord.lost_gpu_seconds``).
+all of its run (``Attempt.lost_work_gpu_s``, GPU-seconds). Where the scheduler or
+an admin stopped it (``UNCHARGED_STOPS``), the lost part is charged to nobody:
+``Attempt.lost_since`` marks where it starts, and the charging rule keeps it
+apart from the GPU time charged (``UsageRecord.lost_gpu_seconds``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
     from datetime import datetime
 
 PREFIX = "GPULAB_CHECKPOINT"
+# The stops whose lost work is charged to nobody (``Attempt.lost_since``): the
+# scheduler's (a preemption, an eviction for a GPU partner) and an admin's
+# requeue, none of them the owner's choice. A process or node lost is charged
+# for what it ran, as an attempt ended when its node was declared lost is.
+UNCHARGED_STOPS: frozenset[str] = frozenset({"preempted", "evicted", "requeued"})
 # The word at a line's start (spaces or tabs before it), not a longer word.
 _LINE = re.compile(r"(?:^|[\r\n])[ \t]*GPULAB_CHECKPOINT(?![A-Za-z0-9_])")
 
@@ -63,7 +69,7 @@ def record_lost_work(attempt: Attempt, job: Job, ended: datetime) -> int:
         checkpointed = True
     lost = 0 if since is None else max(0, round((ended - since).total_seconds()))
     attempt.lost_work_gpu_s = lost * job.gpus
-    attempt.lost_since = since
+    attempt.lost_since = since if attempt.kill_reason in UNCHARGED_STOPS else None
     attempt.save(update_fields=["lost_work_gpu_s", "lost_since"])
     if start is not None:
         since_text = (

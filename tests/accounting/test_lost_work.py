@@ -127,6 +127,36 @@ def test_a_job_preempted_before_any_checkpoint_loses_its_whole_attempt(
     assert totals(job) == (0, pytest.approx(420))
 
 
+@pytest.mark.parametrize("kill_reason", ["evicted", "requeued"])
+def test_an_eviction_or_an_admins_requeue_is_not_charged_either(
+    alice: User, cluster: list[Node], kill_reason: str
+) -> None:
+    node = cluster[0]
+    job = JobFactory(owner=alice)
+    attempt = run_alone(job, node, T0)
+    Attempt.objects.filter(pk=attempt.pk).update(kill_reason=kill_reason)
+    end(node, attempt, T0 + 100, reason="killed")
+    job.refresh_from_db()
+    assert job.status == Job.Status.PENDING
+    assert totals(job) == (0, pytest.approx(100))
+
+
+def test_a_lost_process_is_charged_for_what_it_ran(
+    alice: User, cluster: list[Node]
+) -> None:
+    # Not the scheduler's choice: requeued, its loss recorded for the job page,
+    # but charged as an attempt ended when its node was declared lost is.
+    node = cluster[0]
+    job = JobFactory(owner=alice, requeue_on_node_loss=True, checkpointable=True)
+    attempt = run_alone(job, node, T0)
+    end(node, attempt, T0 + 100, reason="lost")
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    assert job.status == Job.Status.PENDING
+    assert (attempt.lost_work_gpu_s, attempt.lost_since) == (100, None)
+    assert totals(job) == (pytest.approx(100), 0)
+
+
 def test_lost_work_counts_against_no_quota_and_not_in_fair_share(
     preempted: Job, alice: User
 ) -> None:
