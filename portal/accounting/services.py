@@ -8,8 +8,9 @@ report). Both recompute, on the attempt's GPUs, every ended attempt whose run
 overlaps the one that changed, from the agent-reported times of all the runs
 there (``charging.split_parts``). So the charges depend only on the runs' final
 times (and where a requeued attempt's lost work starts, ``Attempt.lost_since``,
-saved before its end is charged), not on the order their reports arrived in: exits replayed after a reconnect, in
-any order, end with the same charges as if reported live.
+saved before its end is charged), not on the order their reports arrived in:
+exits replayed after a reconnect, in any order, end with the same charges as if
+reported live.
 """
 
 from __future__ import annotations

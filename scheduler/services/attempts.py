@@ -255,7 +255,9 @@ def _exit_facts(
         message=data.message,
         node=names.get(attempt.node_id, "?"),
         reporting_node=names.get(reporting, "?"),
-        unlaunched=unlaunched_attempts(job) if data.reason == "port_busy" else 0,
+        # This attempt included: it is not ended yet (the verdict decides what
+        # its end charges), so its own outcome is not among those counted.
+        unlaunched=unlaunched_attempts(job) + 1 if data.reason == "port_busy" else 0,
         relaunch_max=settings.GPULAB_RELAUNCH_MAX,
     )
 
