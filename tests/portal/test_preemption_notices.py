@@ -182,3 +182,17 @@ def test_an_owner_who_chose_other_events_is_not_told(
             exited_data(attempt, 0, at=(NOW + timedelta(seconds=60)).timestamp()),
         )
     assert not Delivery.objects.exists()
+
+
+def test_the_preferences_page_offers_it_and_saves_it(
+    client: Client, alice: User
+) -> None:
+    client.force_login(alice)
+    page = client.get("/notifications/").content.decode()
+    assert 'value="job_preempted"' in page
+    assert "job preempted (back in the queue)" in page
+    response = client.post(
+        "/notifications/", {"kinds": ["job_preempted"], "email_enabled": "on"}
+    )
+    assert response.status_code in (200, 302)
+    assert Preference.objects.get(user=alice).kinds == ["job_preempted"]
