@@ -42,6 +42,9 @@ class GroupUsage:
     name: str
     recorded_hours: float  # attempts that ended (usage records)
     running_hours: float  # attempts still running, up to now
+    # work lost by preempted or requeued attempts: charged to nobody, not in
+    # ``hours``
+    lost_hours: float = 0.0
 
     @property
     def hours(self) -> float:
@@ -76,12 +79,20 @@ WITH recorded AS (
                    r.gpu_seconds * date_part('epoch', least(r.ended_at, %(now)s)
                                             - greatest(r.started_at, %(since)s))
                    / date_part('epoch', r.ended_at - r.started_at)
-               ELSE r.gpu_seconds END) AS seconds
+               ELSE r.gpu_seconds END) AS seconds,
+           sum(CASE
+               WHEN r.started_at >= %(since)s AND r.ended_at <= %(now)s
+                   THEN r.lost_gpu_seconds
+               WHEN r.ended_at > r.started_at THEN
+                   r.lost_gpu_seconds * date_part('epoch', least(r.ended_at, %(now)s)
+                                            - greatest(r.started_at, %(since)s))
+                   / date_part('epoch', r.ended_at - r.started_at)
+               ELSE r.lost_gpu_seconds END) AS lost
     FROM scheduler_usagerecord r
     WHERE r.ended_at >= %(since)s AND r.started_at <= %(now)s
     GROUP BY r.group_id
 )
-SELECT g.id, g.name, coalesce(rec.seconds, 0)
+SELECT g.id, g.name, coalesce(rec.seconds, 0), coalesce(rec.lost, 0)
 FROM scheduler_group g
 LEFT JOIN recorded rec ON rec.group_id = g.id
 """
@@ -104,8 +115,10 @@ def group_usage(
         group_id = charges.running[attempt_id][2]
         running[group_id] = running.get(group_id, 0.0) + seconds
     usage = [
-        GroupUsage(pk, name, float(rec) / 3600, running.get(pk, 0.0) / 3600)
-        for pk, name, rec in rows
+        GroupUsage(
+            pk, name, float(rec) / 3600, running.get(pk, 0.0) / 3600, float(lost) / 3600
+        )
+        for pk, name, rec, lost in rows
     ]
     usage.sort(key=lambda u: (-u.hours, u.name))
     return usage

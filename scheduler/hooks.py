@@ -70,6 +70,10 @@ class Notifier(Protocol):
     def job_changed(self, job: Job, message: str) -> None:
         """The job's status changed (ends and failures reach the owner)."""
 
+    def job_preempted(self, job: Job, attempt: Attempt, message: str) -> None:
+        """The job was preempted and is back in the queue; ``attempt`` is the one
+        stopped (the work it lost, the job it yielded to)."""
+
 
 class RunningUsage(Protocol):
     """The running attempts' GPU time so far, by the charging rule their usage

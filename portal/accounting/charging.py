@@ -6,6 +6,11 @@ is charged ``w_i / (w_1 + ... + w_k)`` of that instant, so over any interval the
 GPU-seconds charged add up to exactly the time the GPU ran something: never twice,
 never lost, whoever comes and goes. The weight ``w`` is the attempt's declared GPU
 memory (``GPULAB_SHARED_CHARGE=memory``) or 1 (``equal``).
+
+An attempt stopped to be requeued lost the work of its run from ``lost_from`` on
+(its last checkpoint, or its start): that part of its share is lost work,
+charged to nobody (``split_parts``); its neighbours' shares do not change, so
+charged plus lost still add up to the GPU's time.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ DAY = 86400.0
 @dataclass(frozen=True)
 class Run:
     """One attempt's run on one GPU: epoch seconds from its agent-reported start to
-    its end (None: still running) and its weight on a shared GPU."""
+    its end (None: still running), its weight on a shared GPU, and where its lost
+    work starts (``Attempt.lost_since``; None: nothing lost)."""
 
     attempt_id: int
     start: float
     end: float | None
     weight: float
+    lost_from: float | None = None
 
 
 def weight(mode: str, declared_mib: int | None, gpu_memory_mib: int) -> float:
@@ -96,23 +103,39 @@ def pieces(
         yield t0, t1, {a: w / total for a, w in active.items()}
 
 
-def split(runs: Iterable[Run], until: float) -> dict[int, dict[date, float]]:
-    """GPU-seconds charged to each attempt on one GPU, by UTC day, up to ``until``
-    (a running attempt is charged up to then at its current share).
+ByDay = dict[int, dict[date, float]]
 
-    A sweep over the runs' starts and ends and the UTC midnights between
-    (``pieces``): in each piece the attempts running share it by weight.
-    Attempts that ran no time get no entry."""
+
+def split_parts(runs: Iterable[Run], until: float) -> tuple[ByDay, ByDay]:
+    """GPU-seconds of each attempt on one GPU, by UTC day, up to ``until`` (a
+    running attempt up to then at its current share): (charged, lost). A run's
+    time from its ``lost_from`` on is lost, the rest charged.
+
+    A sweep over the runs' starts and ends, their ``lost_from`` and the UTC
+    midnights between (``pieces``): in each piece the attempts running share it
+    by weight. Attempts that ran no time get no entry; one that lost nothing has
+    none in the lost part."""
     runs = list(runs)
     starts = [r.start for r in runs]
-    midnights = _midnights(min(starts), until) if starts else []
-    out: dict[int, dict[date, float]] = {}
-    for t0, t1, shares in pieces(runs, until, midnights):
+    cuts = _midnights(min(starts), until) if starts else []
+    lost_from = {r.attempt_id: r.lost_from for r in runs if r.lost_from is not None}
+    cuts += lost_from.values()
+    charged: ByDay = {}
+    lost: ByDay = {}
+    for t0, t1, shares in pieces(runs, until, cuts):
         day = day_of(t0)
         for attempt_id, share in shares.items():
+            since = lost_from.get(attempt_id)
+            out = lost if since is not None and t0 >= since else charged
             by_day = out.setdefault(attempt_id, {})
             by_day[day] = by_day.get(day, 0.0) + (t1 - t0) * share
-    return out
+    return charged, lost
+
+
+def split(runs: Iterable[Run], until: float) -> ByDay:
+    """GPU-seconds charged to each attempt on one GPU, by UTC day, up to ``until``:
+    ``split_parts``' charged part (lost work is charged to nobody)."""
+    return split_parts(runs, until)[0]
 
 
 def charged(

@@ -56,7 +56,7 @@ WITH held AS (
 )
 SELECT DISTINCT n.gpu_id, t.id, date_part('epoch', t.started_at),
        date_part('epoch', t.ended_at), j.gpu_memory_mib, g.memory_total_mib,
-       j.owner_id, j.group_id, j.id
+       j.owner_id, j.group_id, j.id, date_part('epoch', t.lost_since)
 FROM near n
 JOIN scheduler_attempt t ON t.id = n.attempt_id
 JOIN scheduler_job j ON j.id = t.job_id

@@ -12,9 +12,10 @@ from scheduler.models import Gpu, Group, UsageRecord
 
 class DailyUsage(models.Model):
     """The part of one usage record (an attempt on a GPU) that fell in one UTC day:
-    its GPU-seconds charged that day (exact, from the charging sweep), and the
-    day's part of its energy and of its busy GPU-seconds (GPU-seconds x mean
-    utilisation), both in proportion to its GPU-seconds that day.
+    its GPU-seconds charged that day (exact, from the charging sweep), its lost
+    work that day (``UsageRecord.lost_gpu_seconds``: charged to nobody), the
+    day's part of its energy in proportion to its GPU time that day (charged and
+    lost), and its busy GPU-seconds (charged GPU-seconds x mean utilisation).
 
     Written only with its record, in the same transaction, by
     ``portal.accounting.services.charge`` (deleted and rewritten when the record
@@ -29,6 +30,7 @@ class DailyUsage(models.Model):
     group = models.ForeignKey(Group, on_delete=models.PROTECT, related_name="+")
     job_id = models.BigIntegerField()
     gpu_seconds = models.FloatField()
+    lost_gpu_seconds = models.FloatField(default=0.0, db_default=0.0)
     energy_j = models.FloatField(null=True, blank=True)
     busy_gpu_seconds = models.FloatField(null=True, blank=True)
 

@@ -75,6 +75,11 @@ class UsageReport:
     energy_kwh: float | None
     efficiency: float | None  # mean GPU utilisation (%) over the GPU time held
     top_jobs: list[dict[str, Any]] = field(default_factory=list)
+    # Work lost by attempts stopped to be requeued (preempted, evicted, requeued):
+    # their run after their last checkpoint, charged to nobody, so not in
+    # ``gpu_hours`` nor ``series``; and the jobs that lost most.
+    lost_gpu_hours: float = 0.0
+    lost_jobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def report(scope: Scope, first: date, last: date, now: datetime) -> UsageReport:
@@ -89,6 +94,7 @@ def report(scope: Scope, first: date, last: date, now: datetime) -> UsageReport:
     ):
         per_user_day[user_id][day] = float(seconds)
     totals = rows.aggregate(
+        lost=Sum("lost_gpu_seconds"),
         energy=Sum("energy_j"),
         busy=Sum("busy_gpu_seconds"),
         measured=Sum("gpu_seconds", filter=Q(busy_gpu_seconds__isnull=False)),
@@ -121,8 +127,15 @@ def report(scope: Scope, first: date, last: date, now: datetime) -> UsageReport:
             per_user_day.items(), key=lambda kv: names.get(kv[0], "")
         )
     }
+    lost_per_job = list(
+        rows.filter(lost_gpu_seconds__gt=0)
+        .values("job_id")
+        .annotate(s=Sum("lost_gpu_seconds"))
+        .order_by("-s", "job_id")
+        .values_list("job_id", "s")[:10]
+    )
     top = sorted(per_job.items(), key=lambda kv: -kv[1])[:10]
-    jobs = Job.objects.in_bulk([j for j, _ in top])
+    jobs = Job.objects.in_bulk([j for j, _ in top] + [j for j, _ in lost_per_job])
     measured = float(totals["measured"] or 0.0)
     return UsageReport(
         first=first,
@@ -136,6 +149,12 @@ def report(scope: Scope, first: date, last: date, now: datetime) -> UsageReport:
         else float(totals["energy"]) / 3.6e6,
         efficiency=float(totals["busy"]) / measured * 100 if measured else None,
         top_jobs=[{"job": jobs[j], "gpu_hours": s / 3600} for j, s in top if j in jobs],
+        lost_gpu_hours=float(totals["lost"] or 0.0) / 3600,
+        lost_jobs=[
+            {"job": jobs[j], "gpu_hours": float(s) / 3600}
+            for j, s in lost_per_job
+            if j in jobs
+        ],
     )
 
 
@@ -151,6 +170,7 @@ CSV_HEADER = (
     "gpu_hours",
     "share",
     "energy_kwh",
+    "lost_gpu_hours",
 )
 
 
@@ -158,8 +178,10 @@ def csv_rows(
     scope: Scope, first: date, last: date, now: datetime
 ) -> Iterator[list[str]]:
     """One row per usage record (an attempt on one GPU) whose run overlaps the UTC
-    days ``first`` to ``last``, with its whole charge; then the running attempts
-    (end empty, charged up to ``now`` at their current share). Streamed."""
+    days ``first`` to ``last``, with its whole charge and, apart, the work it
+    lost when stopped to be requeued (``lost_gpu_hours``, charged to nobody);
+    then the running attempts (end empty, charged up to ``now`` at their current
+    share, nothing lost). Streamed."""
     since, until = day_start(first), day_end(last)
     gpu_names = {
         g.pk: f"{g.node.name}:{g.index}" for g in Gpu.objects.select_related("node")
@@ -180,6 +202,7 @@ def csv_rows(
             "gpu_seconds",
             "share",
             "energy_j",
+            "lost_gpu_seconds",
         )
     )
     for (
@@ -194,6 +217,7 @@ def csv_rows(
         seconds,
         share,
         energy,
+        lost,
     ) in records.iterator(chunk_size=2000):
         yield [
             str(job),
@@ -207,6 +231,7 @@ def csv_rows(
             f"{seconds / 3600:.6f}",
             f"{share:.6f}",
             "" if energy is None else f"{energy / 3.6e6:.6f}",
+            f"{lost / 3600:.6f}",
         ]
     live = [
         run
@@ -236,6 +261,7 @@ def csv_rows(
             f"{run.gpu_seconds / 3600:.6f}",
             f"{run.gpu_seconds / duration if duration > 0 else 1.0:.6f}",
             "",
+            f"{0.0:.6f}",
         ]
 
 
@@ -251,13 +277,17 @@ def groups_visible_to(user: Any) -> list[Group]:
 
 
 def job_charges(job_id: int) -> dict[str, float | None]:
-    """What a job's ended attempts were charged: GPU-hours and energy (kWh, None
-    when no GPU of it reported an energy counter). One query."""
+    """What a job's ended attempts were charged: GPU-hours, the GPU-hours its
+    requeued attempts lost (charged to nobody) and energy (kWh, None when no GPU
+    of it reported an energy counter). One query."""
     totals = UsageRecord.objects.filter(attempt__job_id=job_id).aggregate(
-        seconds=Sum("gpu_seconds"), energy=Sum("energy_j")
+        seconds=Sum("gpu_seconds"),
+        lost=Sum("lost_gpu_seconds"),
+        energy=Sum("energy_j"),
     )
     seconds, energy = totals["seconds"], totals["energy"]
     return {
         "gpu_hours": None if seconds is None else float(seconds) / 3600,
+        "lost_gpu_hours": float(totals["lost"] or 0.0) / 3600,
         "energy_kwh": None if energy is None else float(energy) / 3.6e6,
     }

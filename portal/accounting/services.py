@@ -6,9 +6,11 @@ node or a given-up launch); ``recharge_after_start(attempt)`` in the one that
 records a start reported after a neighbour on its GPU already ended (a late
 report). Both recompute, on the attempt's GPUs, every ended attempt whose run
 overlaps the one that changed, from the agent-reported times of all the runs
-there (``charging.split``). So the charges depend only on the runs' final times,
-not on the order their reports arrived in: exits replayed after a reconnect, in
-any order, end with the same charges as if reported live.
+there (``charging.split_parts``). So the charges depend only on the runs' final
+times (and where a requeued attempt's lost work starts, ``Attempt.lost_since``,
+saved before its end is charged), not on the order their reports arrived in:
+exits replayed after a reconnect, in any order, end with the same charges as if
+reported live.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ class RunRow(NamedTuple):
     user_id: int
     group_id: int
     job_id: int
+    lost_from: float | None = None  # ``Attempt.lost_since``
 
     @classmethod
     def from_row(cls, r: Sequence[Any]) -> RunRow:
         """From a row of the run queries' columns (``_RUNS_SQL``, ``live._SQL``):
         gpu, attempt, start and end epochs, declared and total memory, owner,
-        group, job."""
+        group, job, where its lost work starts."""
         return cls(
             gpu_id=r[0],
             attempt_id=r[1],
@@ -57,13 +60,14 @@ class RunRow(NamedTuple):
             user_id=r[6],
             group_id=r[7],
             job_id=r[8],
+            lost_from=None if r[9] is None else float(r[9]),
         )
 
 
 _RUNS_SQL = """
 SELECT DISTINCT a.gpu_id, t.id, date_part('epoch', t.started_at),
        date_part('epoch', t.ended_at), j.gpu_memory_mib, g.memory_total_mib,
-       j.owner_id, j.group_id, j.id
+       j.owner_id, j.group_id, j.id, date_part('epoch', t.lost_since)
 FROM scheduler_allocation a
 JOIN scheduler_attempt t ON t.id = a.attempt_id
 JOIN scheduler_job j ON j.id = t.job_id
@@ -89,6 +93,7 @@ def as_runs(rows: Iterable[RunRow], mode: str) -> list[charging.Run]:
             r.start,
             r.end,
             charging.weight(mode, r.declared_mib, r.gpu_memory_mib),
+            r.lost_from,
         )
         for r in rows
     ]
@@ -159,8 +164,10 @@ def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
        one after the other, the second seeing the first's end.
     2. Load the runs overlapping the window; widen it to the ended ones' whole runs
        and load again, so each one's neighbours are all known.
-    3. Split each GPU's time by weight and UTC day (``charging.split``); write the
-       records (upsert on (attempt, gpu)) and their days (replaced).
+    3. Split each GPU's time by weight and UTC day into the charged part and
+       the lost work of attempts stopped to be requeued (``Attempt.lost_since``,
+       ``charging.split_parts``); write the records (upsert on (attempt, gpu))
+       and their days (replaced).
     """
     if not gpu_ids:
         return
@@ -184,17 +191,20 @@ def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
     by_gpu: dict[int, list[RunRow]] = defaultdict(list)
     for r in rows:
         by_gpu[r.gpu_id].append(r)
-    splits = {g: charging.split(as_runs(rs, mode), now) for g, rs in by_gpu.items()}
+    splits = {
+        g: charging.split_parts(as_runs(rs, mode), now) for g, rs in by_gpu.items()
+    }
     chosen = [r for r in rows if (r.attempt_id, r.gpu_id) in targets]
     measured = _measurements(chosen)
     records = []
     for r in chosen:
         assert r.end is not None
-        by_day = splits[r.gpu_id].get(r.attempt_id, {})
-        seconds = sum(by_day.values())
+        charged, lost = splits[r.gpu_id]
+        seconds = sum(charged.get(r.attempt_id, {}).values())
+        lost_seconds = sum(lost.get(r.attempt_id, {}).values())
         duration = r.end - r.start
         if duration > 0:
-            share = min(1.0, seconds / duration)
+            share = min(1.0, (seconds + lost_seconds) / duration)
         else:  # no time to average over: its share at its start
             share = charging.share_at(
                 as_runs(by_gpu[r.gpu_id], mode), r.attempt_id, r.start
@@ -210,6 +220,7 @@ def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
                 ended_at=_dt(r.end),
                 share=share,
                 gpu_seconds=seconds,
+                lost_gpu_seconds=lost_seconds,
                 energy_j=None if gpu_energy is None else gpu_energy * share,
                 util_gpu_mean=util,
             )
@@ -225,6 +236,7 @@ def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
             "ended_at",
             "share",
             "gpu_seconds",
+            "lost_gpu_seconds",
             "energy_j",
             "util_gpu_mean",
         ],
@@ -238,9 +250,14 @@ def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
     DailyUsage.objects.filter(record_id__in=ids.values()).delete()
     daily = []
     for r, record in zip(chosen, records, strict=True):
-        by_day = splits[r.gpu_id].get(r.attempt_id, {})
-        for day, seconds in sorted(by_day.items()):
-            part = seconds / record.gpu_seconds if record.gpu_seconds else 0.0
+        charged, lost = splits[r.gpu_id]
+        by_day = charged.get(r.attempt_id, {})
+        lost_by_day = lost.get(r.attempt_id, {})
+        held = record.gpu_seconds + record.lost_gpu_seconds
+        for day in sorted({*by_day, *lost_by_day}):
+            seconds = by_day.get(day, 0.0)
+            lost_seconds = lost_by_day.get(day, 0.0)
+            part = (seconds + lost_seconds) / held if held else 0.0
             daily.append(
                 DailyUsage(
                     record_id=ids[r.attempt_id, r.gpu_id],
@@ -249,6 +266,7 @@ def recharge(gpu_ids: list[int], since: datetime, until: datetime) -> None:
                     group_id=r.group_id,
                     job_id=r.job_id,
                     gpu_seconds=seconds,
+                    lost_gpu_seconds=lost_seconds,
                     energy_j=None
                     if record.energy_j is None
                     else record.energy_j * part,

@@ -20,5 +20,6 @@ class UsageRecordAdmin(ReadOnlyAdmin[UsageRecord]):
         "started_at",
         "ended_at",
         "gpu_seconds",
+        "lost_gpu_seconds",
     )
     list_filter = ("group",)

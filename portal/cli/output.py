@@ -80,14 +80,16 @@ def array_label(job: Mapping[str, Any]) -> str:
 
 
 def where(job: Mapping[str, Any]) -> str:
-    """``squeue``'s NODELIST(REASON): the nodes it runs on, or why it waits."""
+    """``squeue``'s NODELIST(REASON): the nodes it runs on (and the job it is being
+    preempted for), or why it waits."""
     state = job.get("state", "")
     if state in WAITING:
         reason = job.get("reason") or state
         return f"({reason})"
     nodes = job.get("nodes") or []
     if nodes:
-        return ",".join(nodes)
+        victim = job.get("preempted_for")
+        return ",".join(nodes) + (f" (preempted for {victim})" if victim else "")
     if state in TERMINAL and job.get("end_reason"):
         return f"({job['end_reason']})"
     return "-"
@@ -271,6 +273,11 @@ def usage_report(usage: Mapping[str, Any]) -> str:
             else ""
         ),
     ]
+    if usage.get("lost_gpu_hours"):
+        lines.append(
+            f"  Lost:       {usage['lost_gpu_hours']:.2f} GPU-hours to preemption"
+            " (charged to nobody)"
+        )
     if usage.get("energy_kwh") is not None:
         lines.append(f"  Energy:     {usage['energy_kwh']:.2f} kWh")
     if usage.get("efficiency") is not None:

@@ -19,6 +19,7 @@ class Kind(models.TextChoices):
     JOB_STARTED = "job_started", "job started"
     JOB_ENDED = "job_ended", "job ended (completed, cancelled, timed out)"
     JOB_FAILED = "job_failed", "job failed"
+    JOB_PREEMPTED = "job_preempted", "job preempted (back in the queue)"
     IDLE_WARNING = "idle_warning", "job idle (its GPUs do nothing)"
     QUOTA_WARNING = "quota_warning", "quota warning (80 % and 100 %)"
     TEST = "test", "test"
@@ -28,6 +29,7 @@ class Kind(models.TextChoices):
 DEFAULT_KINDS: tuple[str, ...] = (
     Kind.JOB_ENDED,
     Kind.JOB_FAILED,
+    Kind.JOB_PREEMPTED,
     Kind.IDLE_WARNING,
     Kind.QUOTA_WARNING,
 )

@@ -31,7 +31,7 @@ from portal.notifications.models import Delivery, Kind, Preference
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
-    from scheduler.models import Job
+    from scheduler.models import Attempt, Job
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +343,29 @@ def _job_notice(job: Job, kind: str, what: str, message: str) -> None:
     )
 
 
+def job_preempted(job: Job, attempt: Attempt, message: str) -> None:
+    """Called by ``scheduler.services.finish_attempt`` when a preempted job is
+    back in the queue: its owner reads whom it yielded to, the work ``attempt``
+    lost (charged to nobody) and that it waits to resume."""
+    parts = [message]
+    if attempt.preempted_for_id is not None:
+        parts.append(f"its GPUs went to job #{attempt.preempted_for_id}")
+    if attempt.lost_work_gpu_s is not None:
+        minutes = round(attempt.lost_work_gpu_s / max(1, job.gpus) / 60)
+        since = (
+            "since its last checkpoint"
+            if job.checkpointable and attempt.lost_since != attempt.started_at
+            else "since its start"
+        )
+        parts.append(f"{minutes} min of work lost {since} (charged to nobody's quota)")
+    parts.append(
+        "it waits in the queue to resume from its last checkpoint"
+        if job.checkpointable
+        else "it waits in the queue to start again"
+    )
+    _job_notice(job, Kind.JOB_PREEMPTED, "preempted", "; ".join(parts))
+
+
 def job_changed(job: Job, message: str) -> None:
     """Called (inside its transaction) wherever ``scheduler.services`` records a
     job's new status: an end or a failure is told to its owner."""
@@ -364,3 +387,6 @@ class Handlers:
 
     def job_changed(self, job: Job, message: str) -> None:
         job_changed(job, message)
+
+    def job_preempted(self, job: Job, attempt: Attempt, message: str) -> None:
+        job_preempted(job, attempt, message)

@@ -111,6 +111,7 @@ def admin_overview(request: HttpRequest) -> HttpResponse:
         "since": since,
         "usage": [(u, quotas.get(u.group_id, "")) for u in usage],
         "total_hours": sum(u.hours for u in usage),
+        "lost_hours": sum(u.lost_hours for u in usage),
         "days": days,
         "idle_total": sum(d.idle_hours or 0.0 for d in days),
         "idle_unknown": sum(1 for d in days if d.idle_hours is None),

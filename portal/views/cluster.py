@@ -21,6 +21,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from portal import preemption
 from portal.templatetags.gpulab import duration
 from scheduler import livestate, metrics, services
 from scheduler.models import (
@@ -58,6 +59,15 @@ QUEUE_FIELDS = (
     "cancel_requested_at",
     "held_by_id",
     "owner_id",
+)
+# What a running row reads to say it is being preempted (``portal.preemption``):
+# its attempt's and its job's stop terms.
+PREEMPTION_FIELDS = ("ended_at", "kill_reason", "kill_sent_at", "preempted_for")
+STOP_FIELDS = (
+    "checkpointable",
+    "checkpoint_signal",
+    "checkpoint_grace_s",
+    "kill_grace_s",
 )
 
 
@@ -115,19 +125,25 @@ def queue_context(user: Any, page: str | None = None) -> dict[str, Any]:
     attempts = list(
         Attempt.objects.filter(ended_at__isnull=True)
         .select_related("job__owner")
-        .only("job_id", *(f"job__{f}" for f in QUEUE_FIELDS))
+        .only(
+            "job_id",
+            *PREEMPTION_FIELDS,
+            *(f"job__{f}" for f in (*QUEUE_FIELDS, *STOP_FIELDS)),
+        )
         .prefetch_related(Prefetch("allocations", queryset=live, to_attr="live"))
         .order_by("job__started_at", "job_id")[:QUEUE_PAGE]
     )
     running = []
+    now = timezone.now()
     for attempt in attempts:
         job = attempt.job
+        # Chosen as a preemption's victim: the job it yields to, and when.
+        job.yielding = preemption.of(job, attempt, now)  # type: ignore[attr-defined]
         gpus = sorted(
             {(a.gpu.node.name, a.gpu.index, a.gpu.node_id) for a in attempt.live}
         )
         job.where = [{"node": n, "index": i, "node_id": nid} for n, i, nid in gpus]  # type: ignore[attr-defined]
         running.append(job)
-    now = timezone.now()
     rows: list[Any] = [*pending.object_list, *held, *running]
     # Which rows link to their job's page: one query for the page, by the same
     # rule as the page itself (a group's leader sees the group's jobs too).

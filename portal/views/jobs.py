@@ -18,7 +18,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from portal import expected_end
+from portal import expected_end, preemption
 from portal.accounting.reports import job_charges
 from portal.forms import JobForm, format_duration
 from portal.idle.models import IdleFlag
@@ -185,6 +185,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         "ahead": ahead,
         "plans_with_prediction": policy.plans_with_prediction,
         "expected_end": expected_end.of(job, attempt, timezone.now(), policy),
+        "yielding": preemption.of(job, attempt, timezone.now()),
         # the run-time factor's reach, when the policy has one
         "runtime_ref_s": policy.runtime_ref_s if policy.ranks_by_runtime else None,
         "partners": partners,

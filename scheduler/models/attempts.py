@@ -101,9 +101,19 @@ class Attempt(models.Model):
     # reached the portal), and, for an attempt stopped to be requeued (preempted,
     # requeued, evicted), the work it lost in GPU-seconds: from its last
     # checkpoint (a checkpointable job that printed one) or its start to its end,
-    # times its GPUs. Null: nothing lost (it was not requeued).
+    # times its GPUs. Null: nothing lost (it was not requeued). Where the
+    # scheduler or an admin stopped it (``checkpoints.UNCHARGED_STOPS``), where
+    # that lost run starts (``lost_since``): the charging rule charges its run up
+    # to there and keeps the rest as lost work, charged to nobody
+    # (``UsageRecord.lost_gpu_seconds``); null: all of its run is charged.
     checkpoint_at = models.DateTimeField(null=True, blank=True)
     lost_work_gpu_s = models.PositiveIntegerField(null=True, blank=True)
+    lost_since = models.DateTimeField(null=True, blank=True)
+    # The waiting job a preemption stops it for (set with ``kill_reason``
+    # "preempted"): the queue and the job page say whom it yields to.
+    preempted_for = models.ForeignKey(
+        Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     # An interactive attempt's server on its node (as the agent reported it in
     # job.started): where the portal's proxy forwards, and the command that ran.
     interactive_host = models.CharField(max_length=255, blank=True)

@@ -18,9 +18,13 @@ class UsageRecord(models.Model):
     end (written and, when a neighbour's times change it, rewritten by
     ``portal.accounting.services``).
 
-    ``share`` is the time-average fraction of the GPU charged to the attempt (on a
+    ``share`` is the time-average fraction of the GPU held by the attempt (on a
     shared GPU by declared memory or equally, ``GPULAB_SHARED_CHARGE``), so a
-    GPU-second is never charged twice. ``energy_j``: the GPU's energy counter over
+    GPU-second is never charged twice. ``lost_gpu_seconds``: the part of its GPU
+    time after ``Attempt.lost_since`` (an attempt stopped to be requeued: the
+    work since its last checkpoint, or its whole run), charged to nobody: it is
+    not in ``gpu_seconds``, which quotas and fair share read; the usage reports
+    show it as its own line. ``energy_j``: the GPU's energy counter over
     the attempt times ``share`` (null where the GPU reports none);
     ``util_gpu_mean``: the GPU's mean utilisation (%) over the attempt, from the
     persisted samples. Input of fair share, quotas and the usage reports.
@@ -36,6 +40,7 @@ class UsageRecord(models.Model):
     ended_at = models.DateTimeField()
     share = models.FloatField()
     gpu_seconds = models.FloatField()
+    lost_gpu_seconds = models.FloatField(default=0.0, db_default=0.0)
     energy_j = models.FloatField(null=True, blank=True)
     util_gpu_mean = models.FloatField(null=True, blank=True)
 
@@ -47,6 +52,10 @@ class UsageRecord(models.Model):
             models.CheckConstraint(
                 condition=Q(gpu_seconds__gte=0),
                 name="%(app_label)s_%(class)s_non_negative",
+            ),
+            models.CheckConstraint(
+                condition=Q(lost_gpu_seconds__gte=0),
+                name="%(app_label)s_%(class)s_lost_non_negative",
             ),
         ]
         indexes: ClassVar = [

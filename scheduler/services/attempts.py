@@ -154,9 +154,11 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
     1. Lock the attempt (it must belong to this node and job) and the job. A
        rank of a job spanning nodes is recorded; the attempt ends with its last
        rank (``_rank_exited``).
-    2. End the attempt: release its GPU slots, charge its GPU time from the
-       agent's times (``lifecycle.end_attempt``).
-    3. Move the job as ``lifecycle.classify_exit`` says (a preempted job passes
+    2. Classify the exit (``lifecycle.classify_exit``); an attempt stopped to be
+       requeued records the work it lost (``checkpoints.record_lost_work``).
+       End the attempt: release its GPU slots, charge its GPU time from the
+       agent's times, its lost work apart (``lifecycle.end_attempt``).
+    3. Move the job as the verdict says (a preempted job passes
        through PREEMPTED back to PENDING, its age kept); the transition asks for a
        pass for the freed GPUs and tells browsers and the owner after commit.
     """
@@ -181,8 +183,8 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
         ended = _ts(data.ended_at)
         if attempt.started_at is not None and ended < attempt.started_at:
             ended = attempt.started_at
-        end_attempt(attempt, ended, data.reason, data.exit_code)
         if job.status not in Job.ON_NODE:
+            end_attempt(attempt, ended, data.reason, data.exit_code)
             # The job already moved on (e.g. requeued when its node was lost).
             _event(
                 job,
@@ -192,7 +194,9 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
             return True
         verdict = classify_exit(_exit_facts(attempt, job, node_id, data))
         if verdict.to in (Job.Status.PREEMPTED, Job.Status.PENDING):
+            # Before the end is charged: the charge keeps the lost part apart.
             checkpoints.record_lost_work(attempt, job, ended)
+        end_attempt(attempt, ended, data.reason, data.exit_code)
         if verdict.to == Job.Status.PREEMPTED:
             transition(
                 job,
@@ -212,6 +216,7 @@ def finish_attempt(node_id: int, data: protocol.JobExitedData) -> bool:
                 preemptions=job.preemptions + 1,
                 last_preempted_at=ended,
             )
+            hooks.notifier().job_preempted(job, attempt, verdict.message)
         else:
             transition(
                 job,
@@ -250,7 +255,9 @@ def _exit_facts(
         message=data.message,
         node=names.get(attempt.node_id, "?"),
         reporting_node=names.get(reporting, "?"),
-        unlaunched=unlaunched_attempts(job) if data.reason == "port_busy" else 0,
+        # This attempt included: it is not ended yet (the verdict decides what
+        # its end charges), so its own outcome is not among those counted.
+        unlaunched=unlaunched_attempts(job) + 1 if data.reason == "port_busy" else 0,
         relaunch_max=settings.GPULAB_RELAUNCH_MAX,
     )
 

@@ -5,7 +5,10 @@ A job marks a checkpoint by printing a line ``GPULAB_CHECKPOINT`` (anything may
 follow on the line, e.g. the step or the file). The portal notes when such a
 line reached it (``Attempt.checkpoint_at``): a checkpointable job stopped to be
 requeued then loses only the work since then; any other requeued attempt loses
-all of its run (``Attempt.lost_work_gpu_s``, GPU-seconds).
+all of its run (``Attempt.lost_work_gpu_s``, GPU-seconds). Where the scheduler or
+an admin stopped it (``UNCHARGED_STOPS``), the lost part is charged to nobody:
+``Attempt.lost_since`` marks where it starts, and the charging rule keeps it
+apart from the GPU time charged (``UsageRecord.lost_gpu_seconds``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ if TYPE_CHECKING:
     from datetime import datetime
 
 PREFIX = "GPULAB_CHECKPOINT"
+# The stops whose lost work is charged to nobody (``Attempt.lost_since``): the
+# scheduler's (a preemption, an eviction for a GPU partner) and an admin's
+# requeue, none of them the owner's choice. A process or node lost is charged
+# for what it ran, as an attempt ended when its node was declared lost is.
+UNCHARGED_STOPS: frozenset[str] = frozenset({"preempted", "evicted", "requeued"})
 # The word at a line's start (spaces or tabs before it), not a longer word.
 _LINE = re.compile(r"(?:^|[\r\n])[ \t]*GPULAB_CHECKPOINT(?![A-Za-z0-9_])")
 
@@ -46,8 +54,10 @@ def note_checkpoint(attempt_id: int, text: str, now: datetime | None = None) -> 
 def record_lost_work(attempt: Attempt, job: Job, ended: datetime) -> int:
     """Store and return the work (GPU-seconds) an attempt stopped to be requeued
     lost: for a checkpointable job, from its last checkpoint in this attempt (if
-    any) to its end, else its whole run; a job event says how much. An attempt
-    that never started lost nothing."""
+    any) to its end ``ended``, else its whole run; a job event says how much. An
+    attempt that never started lost nothing. Called before the attempt's end is
+    charged (``lifecycle.end_attempt``), in the same transaction: the charge
+    reads ``lost_since``, so lost work is never charged, even for a moment."""
     start = attempt.started_at
     at = attempt.checkpoint_at
     since = start
@@ -59,7 +69,8 @@ def record_lost_work(attempt: Attempt, job: Job, ended: datetime) -> int:
         checkpointed = True
     lost = 0 if since is None else max(0, round((ended - since).total_seconds()))
     attempt.lost_work_gpu_s = lost * job.gpus
-    attempt.save(update_fields=["lost_work_gpu_s"])
+    attempt.lost_since = since if attempt.kill_reason in UNCHARGED_STOPS else None
+    attempt.save(update_fields=["lost_work_gpu_s", "lost_since"])
     if start is not None:
         since_text = (
             "since its last checkpoint"

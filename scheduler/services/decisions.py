@@ -123,16 +123,21 @@ def _stop_for_scheduler(
 
 def _preempt(decision: policy.Preempt) -> bool:
     """Stop a preemption's victim; the job goes PREEMPTED -> PENDING when the
-    agent reports the exit, with its submit time, hence its age, kept."""
+    agent reports the exit, with its submit time, hence its age, kept. Its
+    attempt records the job it yields to (``Attempt.preempted_for``)."""
     with transaction.atomic():
-        return (
-            _stop_for_scheduler(
-                Q(pk=decision.victim_id),
-                "preempted",
-                f"preempted for job #{decision.for_job_id}: {decision.reason}",
-            )
-            is not None
+        stopped = _stop_for_scheduler(
+            Q(pk=decision.victim_id),
+            "preempted",
+            f"preempted for job #{decision.for_job_id}: {decision.reason}",
         )
+        if stopped is None:
+            return False
+        _, attempt = stopped
+        if Job.objects.filter(pk=decision.for_job_id).exists():
+            attempt.preempted_for_id = decision.for_job_id
+            attempt.save(update_fields=["preempted_for"])
+    return True
 
 
 def _quota_stop(decision: policy.QuotaStop) -> bool:

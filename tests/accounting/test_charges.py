@@ -184,9 +184,11 @@ def test_an_attempt_spanning_midnight_is_charged_to_each_utc_day(
     assert charged(attempt) == pytest.approx(2 * 3 * 3600)
 
 
-def test_a_preempted_and_requeued_job_is_charged_for_each_attempt(
+def test_a_preempted_and_requeued_job_is_charged_for_each_attempts_kept_work(
     alice: User, cluster: list[Node]
 ) -> None:
+    # Not checkpointable: the preempted attempt's whole run is lost work, charged
+    # to nobody (kept apart on its record); the next attempt is charged as usual.
     node = cluster[0]
     job = JobFactory(owner=alice)
     first = run_alone(job, node, T0)
@@ -198,8 +200,10 @@ def test_a_preempted_and_requeued_job_is_charged_for_each_attempt(
     second = run_alone(job, node, T0 + 500)
     end(node, second, T0 + 800)
 
-    assert charged(first) == pytest.approx(100)
+    assert charged(first) == 0
+    assert UsageRecord.objects.get(attempt=first).lost_gpu_seconds == pytest.approx(100)
     assert charged(second) == pytest.approx(300)
+    assert UsageRecord.objects.get(attempt=second).lost_gpu_seconds == 0
     assert UsageRecord.objects.filter(attempt__job=job).count() == 2
 
 

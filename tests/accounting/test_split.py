@@ -7,7 +7,14 @@ from datetime import UTC, date, datetime
 
 import pytest
 
-from portal.accounting.charging import Run, charged, pieces, split, weight
+from portal.accounting.charging import (
+    Run,
+    charged,
+    pieces,
+    split,
+    split_parts,
+    weight,
+)
 
 
 def union(runs: list[Run], until: float) -> float:
@@ -100,3 +107,56 @@ def test_pieces_are_cut_at_the_given_times_and_carry_the_shares() -> None:
         (75.0, 100.0, {1: 0.25, 2: 0.75}),
         (100.0, 150.0, {2: 1.0}),
     ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_charged_and_lost_add_up_to_every_gpu_second_once(seed: int) -> None:
+    # Some ended runs lost their work from a point inside them (a requeue).
+    rng = random.Random(seed)
+    runs = []
+    for i in range(rng.randint(1, 8)):
+        start = rng.uniform(0, 3 * 86400)
+        end = None if rng.random() < 0.2 else start + rng.uniform(0, 86400)
+        lost = None
+        if end is not None and rng.random() < 0.5:
+            lost = rng.uniform(start, end)
+        runs.append(Run(i, start, end, rng.choice([1.0, 81920.0]), lost))
+    until = 4 * 86400.0
+
+    kept, lost_part = split_parts(runs, until)
+
+    def total(part: dict[int, dict[date, float]]) -> float:
+        return sum(s for days in part.values() for s in days.values())
+
+    assert total(kept) + total(lost_part) == pytest.approx(union(runs, until))
+    assert split(runs, until) == kept
+    assert all(runs[i].lost_from is not None for i in lost_part)
+    # Without lost work, the split is the one a run without it gets.
+    plain = [Run(r.attempt_id, r.start, r.end, r.weight) for r in runs]
+    merged = {
+        i: total({i: kept.get(i, {})}) + total({i: lost_part.get(i, {})})
+        for i in range(len(runs))
+    }
+    plain_split = split(plain, until)
+    assert merged == pytest.approx(
+        {i: total({i: plain_split.get(i, {})}) for i in range(len(runs))}
+    )
+
+
+def test_the_lost_part_starts_at_the_checkpoint_and_is_split_by_day() -> None:
+    midnight = datetime(2027, 3, 2, tzinfo=UTC).timestamp()
+    # A: midnight-100 to midnight+200, lost from midnight-40; B shares from
+    # midnight-60 to midnight+100 with the same weight.
+    a = Run(1, midnight - 100, midnight + 200, 1.0, lost_from=midnight - 40)
+    b = Run(2, midnight - 60, midnight + 100, 1.0)
+
+    kept, lost = split_parts([a, b], midnight + 500)
+
+    day1, day2 = date(2027, 3, 1), date(2027, 3, 2)
+    # A kept: 40 s alone + 20 s at half; lost: 40 s at half, then 100 s at half
+    # and 100 s alone after midnight.
+    assert kept[1] == {day1: pytest.approx(50)}
+    assert lost[1] == {day1: pytest.approx(20), day2: pytest.approx(150)}
+    # B is charged its half whatever A kept.
+    assert kept[2] == {day1: pytest.approx(30), day2: pytest.approx(50)}
+    assert 2 not in lost

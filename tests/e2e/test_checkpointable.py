@@ -33,8 +33,9 @@ def script(marker: Path) -> str:
 def test_a_checkpointable_job_is_signalled_requeued_and_resumed(
     stack: Stack, alice: User, tmp_path: Path
 ) -> None:
+    from portal.notifications.models import Delivery
     from scheduler import services
-    from scheduler.models import Attempt, Job, JobEvent, JobLogChunk
+    from scheduler.models import Attempt, Job, JobEvent, JobLogChunk, UsageRecord
     from scheduler.services.jobs import JobRequest
 
     stack.start_node("ckpt-node", "1xA100-80GB", 1)
@@ -78,6 +79,17 @@ def test_a_checkpointable_job_is_signalled_requeued_and_resumed(
     assert JobEvent.objects.filter(
         job=victim, message__endswith="of work lost since its last checkpoint"
     ).exists()
+    # It yielded to the job that needed its GPU; its run up to the checkpoint is
+    # charged, the rest is lost work charged to nobody; its owner was told.
+    assert first.preempted_for_id == needs.pk
+    assert first.lost_since is not None and first.started_at is not None
+    [record] = UsageRecord.objects.filter(attempt=first)
+    run = (first.ended_at - first.started_at).total_seconds()
+    lost = (first.ended_at - first.lost_since).total_seconds()
+    assert record.lost_gpu_seconds == pytest.approx(lost, abs=1e-3)
+    assert record.gpu_seconds == pytest.approx(run - lost, abs=1e-3)
+    [notice] = Delivery.objects.filter(user=alice, kind="job_preempted")
+    assert f"its GPUs went to job #{needs.pk}" in notice.text
 
     # Requeued, not failed, and resumed once the GPU was free again.
     assert wait_for_job(victim.pk, set(Job.TERMINAL)) == "completed"

@@ -81,8 +81,10 @@ def test_it_preempts_a_victim_and_requeues_it_with_its_age_kept(
         .values_list("from_status", "to_status")
     )
     assert transitions[-2:] == [("running", "preempted"), ("preempted", "pending")]
-    # Its GPU time until the stop is charged; its GPUs are free again.
-    assert UsageRecord.objects.get(attempt=attempt).gpu_seconds == pytest.approx(100)
+    # Its GPU time until the stop is recorded as lost work (not checkpointable:
+    # all of it), charged to nobody; its GPUs are free again.
+    record = UsageRecord.objects.get(attempt=attempt)
+    assert (record.gpu_seconds, record.lost_gpu_seconds) == (0, pytest.approx(100))
 
 
 def test_it_does_not_preempt_a_job_already_being_stopped(

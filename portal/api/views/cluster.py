@@ -16,6 +16,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from portal import preemption
 from portal.accounting import reports
 from portal.accounting.views import RangeForm, _scope_for
 from portal.api.serializers import STATES, Text, latest_nodes
@@ -206,9 +207,32 @@ class QueueEntry(serializers.Serializer[Job]):
     nodes = serializers.SerializerMethodField(
         help_text="The nodes of a running job, rank 0 first."
     )
+    preempted_for = serializers.SerializerMethodField(
+        help_text="A running job the scheduler chose to preempt: the waiting job it"
+        " yields to (null otherwise, or if that job is gone)."
+    )
+    preempted_in_s = serializers.SerializerMethodField(
+        help_text="Seconds until such a job is killed if it has not exited (what is"
+        " left of its stop grace: a checkpointable job saves its work until then);"
+        " null when it is not being preempted or its stop is still being sent."
+    )
 
     def get_nodes(self, job: Job) -> list[str]:
         return latest_nodes(job, self.context.get("node_names", {}))
+
+    def _yielding(self, job: Job) -> preemption.Yielding | None:
+        if job.status not in Job.ON_NODE:
+            return None
+        live = [a for a in job.attempt_set.all() if a.ended_at is None]
+        return preemption.of(job, live[0] if live else None, timezone.now())
+
+    def get_preempted_for(self, job: Job) -> int | None:
+        yielding = self._yielding(job)
+        return None if yielding is None else yielding.for_job_id
+
+    def get_preempted_in_s(self, job: Job) -> float | None:
+        yielding = self._yielding(job)
+        return None if yielding is None else yielding.in_s
 
 
 class QueueQuery(serializers.Serializer[Any]):
@@ -323,6 +347,14 @@ class UsageOut(serializers.Serializer[Any]):
         child=serializers.ListField(child=serializers.FloatField())
     )
     top_jobs = TopJobOut(many=True, help_text="The 10 jobs that used most.")
+    lost_gpu_hours = serializers.FloatField(
+        help_text="Work lost to preemption: the run of preempted or requeued"
+        " attempts after their last checkpoint, charged to nobody's quota and"
+        " not in gpu_hours."
+    )
+    lost_jobs = TopJobOut(
+        many=True, help_text="The 10 jobs that lost most (GPU-hours lost)."
+    )
     quotas = QuotaOut(many=True)
 
 
@@ -388,6 +420,8 @@ class Usage(APIView):
                     "days": report.days,
                     "series": report.series,
                     "top_jobs": report.top_jobs,
+                    "lost_gpu_hours": report.lost_gpu_hours,
+                    "lost_jobs": report.lost_jobs,
                     "quotas": [
                         {
                             "scope": q.view().label,

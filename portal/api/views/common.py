@@ -86,6 +86,10 @@ def attempts_for_nodes() -> Any:
             "progress_at",
             "progress_first_step",
             "progress_first_at",
+            # ``portal.preemption``: a running job chosen as a preemption's victim
+            "kill_reason",
+            "kill_sent_at",
+            "preempted_for",
         ),
     )
 
