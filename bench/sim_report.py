@@ -487,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             results[scenario][policy] = r
     slim = {
         s: {
-            pol: {k: v for k, v in r.items() if k not in ("jct_cdf_s", "timeseries")}
+            pol: {
+                k: v
+                for k, v in r.items()
+                if k not in ("jct_cdf_s", "timeseries", "queue_s_by_job")
+            }
             for pol, r in by.items()
         }
         for s, by in results.items()

@@ -8,19 +8,24 @@ jobs) moves by 10-30 % between seeds for the same policy. For each scenario of
 each policy's average and p99 JCT, its Jain index over users and its ratio to the
 baseline policy on the same seed; then, per policy, the mean of those ratios, their standard error, the worst
 seed and on how many seeds the policy did better, for the average JCT, the p99 JCT
-and each size class.
+and each size class. Per policy, too, the ratio of each job's wait (queue time: JCT
+less time run) to its wait under the baseline on the same seed, over the jobs that
+waited more than an hour under the baseline and finished under both: p50, p99 and
+max per seed and over all seeds pooled (``wait_ratios``).
 
 ``python bench/sim_seeds.py [--only a,b] [--seeds 0-4] [--policies slurm,gpulab]
 [--baseline slurm] [--parallel 2] [--reuse] [--max-jobs N] [--out-dir DIR]``
 
-Writes ``OUT/seeds_<scenario>_<policy>_<seed>.json`` (the simulator's output) and
-``OUT/sim_seeds.md``; prints the Markdown too. Bad options exit 2 naming the
+Writes ``OUT/seeds_<scenario>_<policy>_<seed>.json`` (the simulator's output),
+``OUT/sim_seeds.md`` and ``OUT/sim_seeds.json`` (per scenario, the ratio summaries
+under ``ratios`` and the wait ratios under ``wait_ratios``); prints the Markdown too. Bad options exit 2 naming the
 problem; a failed replay is reported and left out, and the exit is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -39,7 +44,13 @@ from sim_report import (
     replay,
 )
 
+sys.path.insert(0, str(ROOT))
+from scheduler.sim.metrics import percentile
+
 SIZE_KEYS = ("1", "2-4", "5-8", "9+")
+WAITED_OVER_S = (
+    3600.0  # the jobs whose wait ratio is reported: over 1 h in the baseline
+)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -120,12 +131,94 @@ def compare(
     return out
 
 
+def wait_summary(ratios: list[float], unfinished: int) -> dict[str, Any]:
+    """p50, p99 and max of per-job wait ratios (``percentile`` of the simulator);
+    ``unfinished``: jobs of the set that did not finish under the policy."""
+    return {
+        "jobs": len(ratios),
+        "p50": percentile(ratios, 50),
+        "p99": percentile(ratios, 99),
+        "max": max(ratios, default=None),
+        "unfinished": unfinished,
+    }
+
+
+def wait_ratios(
+    runs: dict[tuple[str, int], dict[str, Any]],
+    policy: str,
+    baseline: str,
+    seeds: list[int],
+    over_s: float = WAITED_OVER_S,
+) -> dict[str, Any] | None:
+    """The ratio of each job's wait under ``policy`` to its wait under
+    ``baseline`` on the same seed (``queue_s_by_job``: time not running between
+    submission and end), over the jobs that waited more than ``over_s`` under
+    the baseline: ``wait_summary`` per seed (``by_seed``) and over every seed's
+    jobs together (``all``). A job of that set that did not finish under
+    ``policy`` has no wait to divide: it is counted in ``unfinished``, not in
+    the ratios. None when no seed has both replays with per-job waits."""
+    pooled: list[float] = []
+    pooled_unfinished = 0
+    by_seed: dict[str, dict[str, Any]] = {}
+    for seed in seeds:
+        mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
+        if mine is None or base is None:
+            continue
+        mq, bq = mine.get("queue_s_by_job"), base.get("queue_s_by_job")
+        if mq is None or bq is None:
+            continue
+        ratios = []
+        unfinished = 0
+        for job, waited in bq.items():
+            if waited <= over_s:
+                continue
+            got = mq.get(job)
+            if got is None:
+                unfinished += 1
+            else:
+                ratios.append(got / waited)
+        by_seed[str(seed)] = wait_summary(ratios, unfinished)
+        pooled += ratios
+        pooled_unfinished += unfinished
+    if not by_seed:
+        return None
+    return {
+        "waited_over_s": over_s,
+        "by_seed": by_seed,
+        "all": wait_summary(pooled, pooled_unfinished),
+    }
+
+
 def pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f} %"
 
 
 def hours(value: float | None) -> str:
     return "-" if value is None else f"{value / 3600:.2f}"
+
+
+def ratio_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def wait_markdown(policy: str, baseline: str, waits: dict[str, Any]) -> list[str]:
+    """The wait-ratio table of one policy (``wait_ratios``)."""
+    lines = [
+        f"Per-job waits, `{policy}` / `{baseline}`, over the jobs that waited more"
+        f" than {waits['waited_over_s'] / 3600:g} h under `{baseline}` (wait: time"
+        " not running between submission and end):",
+        "",
+        "| seed | jobs | p50 | p99 | max | not finished |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = [*waits["by_seed"].items(), ("all", waits["all"])]
+    for seed, w in rows:
+        lines.append(
+            f"| {seed} | {w['jobs']} | {ratio_text(w['p50'])} | {ratio_text(w['p99'])}"
+            f" | {ratio_text(w['max'])} | {w['unfinished']} |"
+        )
+    lines.append("")
+    return lines
 
 
 def markdown(
@@ -204,6 +297,9 @@ def markdown(
                 f" | {s['better']} of {s['n']} |"
             )
         lines.append("")
+        waits = wait_ratios(runs, policy, baseline, seeds)
+        if waits is not None:
+            lines += wait_markdown(policy, baseline, waits)
     return "\n".join(lines)
 
 
@@ -297,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         + ".",
         "",
     ]
+    summary: dict[str, Any] = {}
     for sc in scenarios:
         runs = {
             (pol, seed): r
@@ -305,8 +402,19 @@ def main(argv: list[str] | None = None) -> int:
         }
         failed = failed or len(runs) < len(policies) * len(seeds)
         parts.append(markdown(sc, runs, policies, args.baseline, seeds))
+        summary[sc] = {
+            "baseline": args.baseline,
+            "seeds": seeds,
+            "ratios": compare(runs, policies, args.baseline, seeds),
+            "wait_ratios": {
+                pol: wait_ratios(runs, pol, args.baseline, seeds)
+                for pol in policies
+                if pol != args.baseline
+            },
+        }
     text = "\n".join(parts)
     (out_dir / "sim_seeds.md").write_text(text + "\n")
+    (out_dir / "sim_seeds.json").write_text(json.dumps(summary, indent=1) + "\n")
     sys.stdout.write(text + "\n")
     return 1 if failed else 0
 

@@ -10,6 +10,7 @@ capacity each constraint can ever get, and the running jobs by planned end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.policy.remaining import expected_end
@@ -173,7 +174,7 @@ def build(state: ClusterState, *, predictions: bool = True) -> PassIndex:
     schedulable = frozenset(n.id for n in state.nodes if n.schedulable)
     node_key = {n.id: (n.name, n.id) for n in state.nodes}
     by_node: dict[int, list[GpuView]] = {}
-    for g in sorted(state.gpus, key=lambda g: (g.node_id, g.index, g.id)):
+    for g in sorted(state.gpus, key=attrgetter("node_id", "index", "id")):
         by_node.setdefault(g.node_id, []).append(g)
         node_key.setdefault(g.node_id, ("", g.node_id))
     kind_example: dict[tuple[int, str], GpuView] = {}

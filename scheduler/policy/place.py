@@ -151,10 +151,19 @@ def find_node(
     everywhere = len(view.uniform) == len(idx.gpus_by_node)
     for count in counts:
         bucket = ledger.by_count[count]
-        if everywhere and not special and ledger.rank is idx.node_rank:
-            first = ledger.first(count)  # the common case: no scan of the bucket
+        first = None
+        if ledger.rank is idx.node_rank:
+            # the common case: no scan of the bucket. The bucket's first node in
+            # rank order is the answer when the constraint takes all of its GPUs
+            # and it is not special (excluded or mixed: looked at below)
+            first = ledger.first(count)
             if first is None:
                 continue
+        if (
+            first is not None
+            and first not in special
+            and (everywhere or first in view.uniform)
+        ):
             cands = {first}
         else:
             cands = bucket if everywhere else bucket & view.uniform

@@ -88,10 +88,12 @@ class Messages:
         view = idx.view(c)
         counts: dict[str, int] = {}
         eligible = set()
-        for node_id, gpus in idx.gpus_by_node.items():
+        kinds = idx.kinds_by_node
+        # the model test per GPU kind (memory, model) of each node, not per GPU
+        for node_id in idx.gpus_by_node:
             if node_id not in idx.schedulable_nodes:
                 why = DOWN
-            elif c.model and not any(c.model in g.model.lower() for g in gpus):
+            elif c.model and not any(c.model in m.lower() for _, m in kinds[node_id]):
                 why = MODEL
             elif view.node_capacity.get(node_id, 0) == 0:
                 why = MEMORY

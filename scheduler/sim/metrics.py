@@ -151,6 +151,10 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "p99_jct_s": percentile(jcts, 99),
         "avg_queue_s": mean(queues),
         "p99_queue_s": percentile(queues, 99),
+        # each finished job's queue time (``queue_time``) by job id, so that two
+        # replays of one trace and seed compare job by job (``bench/sim_seeds.py``'s
+        # wait ratios); ids are the trace's order and the same for every policy
+        "queue_s_by_job": {str(j.id): q for j, q in zip(done, queues, strict=True)},
         "makespan_s": makespan,
         "gpu_utilization": result.busy_gpu_s / capacity if capacity > 0 else 0.0,
         "avg_slowdown": mean(slow),

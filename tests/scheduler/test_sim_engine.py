@@ -86,6 +86,7 @@ def test_fifo_tiny_trace_metrics_by_hand():
     assert out["avg_jct_s"] == pytest.approx(sum(jcts) / 3)
     assert out["p50_jct_s"] == pytest.approx(100)
     assert out["avg_queue_s"] == pytest.approx((0 + 90 + 80) / 3)
+    assert out["queue_s_by_job"] == {"1": 0, "2": 90, "3": 80}
     assert out["makespan_s"] == pytest.approx(150)
     # busy: 2x100 + 50 + 5 = 255 GPU-s over 2 GPUs x 150 s
     assert out["gpu_utilization"] == pytest.approx(255 / 300)

@@ -85,6 +85,43 @@ def test_ratios_are_summarised_per_seed_against_the_baseline():
     }  # fmt: skip
 
 
+def waits(**by_job):
+    return {"queue_s_by_job": {k.lstrip("j"): v for k, v in by_job.items()}}
+
+
+def test_wait_ratios_are_per_job_over_the_jobs_that_waited_over_an_hour():
+    h = 3600.0
+    runs = {
+        # seed 0: j1 and j2 waited over 1 h under slurm; j3 exactly 1 h (left out)
+        ("slurm", 0): waits(j1=2 * h, j2=4 * h, j3=h, j4=0.0),
+        ("gpulab", 0): waits(j1=h, j2=12 * h, j3=50 * h, j4=9 * h),
+        # seed 1: j1 over 1 h under slurm never finished under gpulab
+        ("slurm", 1): waits(j1=10 * h, j2=5 * h),
+        ("gpulab", 1): waits(j2=0.0),
+        # seed 2: an old replay without per-job waits: left out
+        ("slurm", 2): {},
+        ("gpulab", 2): waits(j1=h),
+    }
+    got = seeds_bench.wait_ratios(runs, "gpulab", "slurm", [0, 1, 2])
+    assert got["waited_over_s"] == h
+    assert set(got["by_seed"]) == {"0", "1"}
+    s0 = got["by_seed"]["0"]
+    assert (s0["jobs"], s0["unfinished"]) == (2, 0)
+    assert s0["p50"] == pytest.approx((0.5 + 3.0) / 2)
+    assert s0["max"] == pytest.approx(3.0)
+    assert s0["p99"] == pytest.approx(0.5 + 2.5 * 0.99)
+    s1 = got["by_seed"]["1"]
+    assert (s1["jobs"], s1["unfinished"], s1["max"]) == (1, 1, 0.0)
+    pooled = got["all"]
+    assert (pooled["jobs"], pooled["unfinished"]) == (3, 1)
+    assert pooled["p50"] == pytest.approx(0.5)
+    assert pooled["max"] == pytest.approx(3.0)
+    assert seeds_bench.wait_ratios(runs, "gpulab", "slurm", [2]) is None
+    table = "\n".join(seeds_bench.wait_markdown("gpulab", "slurm", got))
+    assert "| 0 | 2 | 1.75 | 2.98 | 3.00 | 0 |" in table
+    assert "| all | 3 | 0.50 | 2.95 | 3.00 | 1 |" in table
+
+
 def test_it_replays_each_policy_on_each_seed_and_writes_the_table(tmp_path, capsys):
     code = seeds_bench.main(
         ["--only", "b", "--seeds", "0-1", "--max-jobs", "400",
@@ -114,6 +151,20 @@ def test_it_replays_each_policy_on_each_seed_and_writes_the_table(tmp_path, caps
     )
     assert math.isfinite(mean)
     assert f"| avg JCT | 2 | {100 * mean:+.1f} % |" in table
+    # the wait ratios, from the replays' per-job waits, in the table and the JSON
+    summary = json.loads((tmp_path / "sim_seeds.json").read_text())["b"]
+    assert summary["ratios"]["gpulab"]["avg_jct_s"]["mean"] == pytest.approx(mean)
+    w = summary["wait_ratios"]["gpulab"]
+    expect = seeds_bench.wait_ratios(runs, "gpulab", "slurm", [0, 1])
+    assert w == json.loads(json.dumps(expect))
+    over = [
+        runs["gpulab", 0]["queue_s_by_job"][k] / v
+        for k, v in runs["slurm", 0]["queue_s_by_job"].items()
+        if v > 3600
+    ]
+    assert w["by_seed"]["0"]["jobs"] == len(over) > 0
+    assert w["by_seed"]["0"]["max"] == pytest.approx(max(over))
+    assert "Per-job waits, `gpulab` / `slurm`" in table
 
 
 def test_a_colocation_scenario_or_a_missing_baseline_is_refused(capsys):
