@@ -234,3 +234,27 @@ def test_the_fast_writer_leaves_to_drf_what_a_plain_reading_cannot_settle() -> N
         "whole": "Broken",
     }
     assert Odd().to_representation(item) == want
+
+
+def test_the_queue_answers_what_drf_would(
+    alice: User, admin_user: User, as_alice: Api, cluster: list[Node]
+) -> None:
+    from portal.api.views.cluster import QueueEntry
+    from portal.api.views.common import attempts_for_nodes
+
+    every_kind(alice, admin_user, cluster[0], 1)
+    got = as_alice.get("/api/v1/queue/")
+    assert got.status_code == 200, got.content
+    running = Job.objects.filter(status__in=Job.ON_NODE).order_by("started_at", "id")
+    pending = Job.objects.in_queue_order()
+    jobs = [
+        *running.prefetch_related(attempts_for_nodes()),
+        *pending.prefetch_related(attempts_for_nodes()),
+    ]
+    attach_queue_positions(jobs[len(running) :], first=1)
+    writer = QueueEntry(context={"node_names": node_names()})
+    expected = [drf.Serializer.to_representation(writer, job) for job in jobs]
+    assert got.json() == expected
+    assert [(e["name"], e["nodes"]) for e in expected[:1]] == [
+        ("running-1", ["node-a"])
+    ]

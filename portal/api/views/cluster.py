@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from portal.accounting import reports
 from portal.accounting.views import RangeForm, _scope_for
-from portal.api.serializers import STATES, Text, latest_nodes
+from portal.api.serializers import STATES, ListedFast, Text, latest_nodes
 from portal.api.views.common import (
     attempts_for_nodes,
     errors,
@@ -187,7 +187,7 @@ NodeResume = _mode("resume", "Resume a drained node or one in maintenance (admin
 # ------------------------------------------------------------------ queue
 
 
-class QueueEntry(serializers.Serializer[Job]):
+class QueueEntry(ListedFast, serializers.Serializer[Job]):
     id = serializers.IntegerField()
     name = serializers.CharField()
     owner = serializers.CharField(source="owner.username")
@@ -265,7 +265,7 @@ class Queue(APIView):
         attach_queue_positions(pending, first=skip + 1)  # running jobs have none
         response = Response(
             QueueEntry(
-                [*running, *pending],  # type: ignore[arg-type]
+                [*running, *pending],
                 many=True,
                 context={"node_names": node_names()},
             ).data
