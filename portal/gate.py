@@ -41,7 +41,7 @@ node) are told apart by their tokens.
   together. Each is long work under the GIL (decoding rows, serializers,
   encoding; ``portal/api/renderers.py`` encodes a long list item by item), and
   the interpreter hands the GIL on only every switch interval
-  (``GPULAB_WEB_SWITCH_INTERVAL_MS``, 5 ms) or when C code lets go of it: a
+  (``GPULAB_WEB_SWITCH_INTERVAL_MS``, 1 ms) or when C code lets go of it: a
   short call's every step (the event loop's, its thread's after each query)
   waits about that long per heavy thread running. Bounding them bounds what one
   member's four exports cost everyone else; the heavy calls beyond it wait, the

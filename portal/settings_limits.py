@@ -39,7 +39,9 @@ GPULAB_WEB_HEAVY_CONCURRENCY = envint(
 )
 # How often, in ms, the web process's interpreter hands the GIL from a running
 # thread to a waiting one (Python's default: 5). A heavy render runs long
-# stretches of Python code; a light request waits about this long at each step.
+# stretches of Python code; a light request waits about this long at each step:
+# 1 ms halved another user's p95 beside four heavy pages, the pages' own
+# throughput unchanged (docs/benchmarks.md, "Bounded cost").
 GPULAB_WEB_SWITCH_INTERVAL_MS = envfloat(
-    "GPULAB_WEB_SWITCH_INTERVAL_MS", 5.0, minimum=0.1, maximum=100.0
+    "GPULAB_WEB_SWITCH_INTERVAL_MS", 1.0, minimum=0.1, maximum=100.0
 )

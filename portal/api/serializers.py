@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import cached_property
 from typing import Any
 
 from django.conf import settings
@@ -19,7 +20,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema_field
 from rest_framework import serializers
 
 from portal import expected_end
-from scheduler.models import Job, JobDependency, JobEvent
+from scheduler.models import Attempt, Job, JobDependency, JobEvent
 from scheduler.services import MAX_ARRAY_INDEX, MAX_KILL_GRACE_S
 
 MAX_INT = 2**31 - 1
@@ -477,14 +478,75 @@ class ArrayRequestSerializer(JobRequestSerializer):
 
 # ------------------------------------------------------------------ jobs out
 
+_FALLBACK = object()
 
-class DependencyOut(serializers.Serializer[JobDependency]):
+
+class ListedFast(serializers.Serializer[Any]):
+    """A serializer whose items are written without DRF's generic steps per
+    field: a page of 1,000 jobs has 45,000 fields, and DRF's per-field lookup
+    (``Field.get_attribute``, its callable checks and exception handling) cost
+    more than the values themselves (bench/bounded_cost.py). Each field's value
+    is read with ``getattr`` along its source and written by the field's own
+    ``to_representation``; a method field calls its method. Whatever that
+    plain reading cannot settle (a callable, a missing attribute, a field with
+    its own ``get_attribute``) goes to DRF's own steps for that field, so the
+    output is DRF's (``tests/api/test_job_list_cost.py`` compares them)."""
+
+    @cached_property
+    def _writers(self) -> list[tuple[str, Any, Any]]:
+        """(name, how to read, how to write) per readable field."""
+        plan: list[tuple[str, Any, Any]] = []
+        for field in self._readable_fields:
+            name = str(field.field_name)
+            if isinstance(field, serializers.SerializerMethodField):
+                plan.append((name, getattr(self, field.method_name), None))
+            elif type(field).get_attribute is serializers.Field.get_attribute and (
+                field.source != "*"
+            ):
+                plan.append((name, tuple(field.source_attrs), field))
+            else:
+                plan.append((name, field, field))
+        return plan
+
+    def to_representation(self, instance: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, read, field in self._writers:
+            if field is None:  # a method field
+                out[name] = read(instance)
+                continue
+            value: Any = _FALLBACK
+            if type(read) is tuple:
+                value = instance
+                try:
+                    for attr in read:
+                        # DRF's rules decide a missing step (None, a default,
+                        # skipped) and call a method found on the way
+                        if value is None:
+                            value = _FALLBACK
+                            break
+                        value = getattr(value, attr)
+                        if callable(value):
+                            value = _FALLBACK
+                            break
+                except Exception:  # as DRF would: None, a default, skipped, raised
+                    value = _FALLBACK
+            if value is _FALLBACK:
+                try:
+                    value = field.get_attribute(instance)
+                except serializers.SkipField:
+                    continue
+            out[name] = None if value is None else field.to_representation(value)
+        return out
+
+
+class DependencyOut(ListedFast, serializers.Serializer[JobDependency]):
     type = serializers.CharField(source="kind")
     job = serializers.IntegerField(source="depends_on_id")
-    state = serializers.CharField(source="depends_on.status")
+    # annotated by ``views.common.dependencies_out``
+    state = serializers.CharField(source="depends_on_state")
 
 
-class JobSerializer(serializers.Serializer[Job]):
+class JobSerializer(ListedFast, serializers.Serializer[Job]):
     id = serializers.IntegerField()
     name = serializers.CharField()
     owner = serializers.CharField(source="owner.username")
@@ -556,7 +618,7 @@ class JobSerializer(serializers.Serializer[Job]):
     nodes = serializers.SerializerMethodField()
     array = serializers.IntegerField(source="array_id", allow_null=True)
     array_index = serializers.IntegerField(allow_null=True)
-    dependencies = DependencyOut(many=True, source="dependencies.all")
+    dependencies = DependencyOut(many=True, source="dependency_list")
     expected_end = serializers.SerializerMethodField(
         help_text="A running job's expected end (from its reported progress,"
         " else its planned run time or limit, as the scheduler plans); null"
@@ -566,7 +628,7 @@ class JobSerializer(serializers.Serializer[Job]):
     def get_expected_end(self, job: Job) -> str | None:
         if job.status != Job.Status.RUNNING:
             return None
-        live = [a for a in job.attempt_set.all() if a.ended_at is None]
+        live = [a for a in attempts_of(job) if a.ended_at is None]
         got = expected_end.of(job, live[0] if live else None, timezone.now())
         if got is None:
             return None
@@ -592,12 +654,18 @@ class JobSerializer(serializers.Serializer[Job]):
         return latest_nodes(job, self.context.get("node_names", {}))
 
 
+def attempts_of(job: Job) -> list[Attempt]:
+    """Its attempts as read with it (``views.common.attempts_for_nodes``); a
+    query of its own for a job read without them."""
+    read: list[Attempt] | None = getattr(job, "attempt_list", None)
+    return read if read is not None else list(job.attempt_set.all())
+
+
 def latest_nodes(job: Job, names: dict[int, str]) -> list[str]:
-    """The nodes of its latest attempt, rank 0 first (none before a start);
-    reads the prefetched ``attempt_set`` (``views.common.jobs_for``)."""
+    """The nodes of its latest attempt, rank 0 first (none before a start)."""
     if not job.attempts:  # never started: no attempt to read
         return []
-    attempts = list(job.attempt_set.all())
+    attempts = attempts_of(job)
     if not attempts:
         return []
     last = max(attempts, key=lambda a: a.number)

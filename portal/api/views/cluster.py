@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 from portal import preemption
 from portal.accounting import reports
 from portal.accounting.views import RangeForm, _scope_for
-from portal.api.serializers import STATES, Text, latest_nodes
+from portal.api.serializers import STATES, ListedFast, Text, attempts_of, latest_nodes
 from portal.api.views.common import (
     attempts_for_nodes,
     errors,
@@ -188,7 +188,7 @@ NodeResume = _mode("resume", "Resume a drained node or one in maintenance (admin
 # ------------------------------------------------------------------ queue
 
 
-class QueueEntry(serializers.Serializer[Job]):
+class QueueEntry(ListedFast, serializers.Serializer[Job]):
     id = serializers.IntegerField()
     name = serializers.CharField()
     owner = serializers.CharField(source="owner.username")
@@ -223,7 +223,7 @@ class QueueEntry(serializers.Serializer[Job]):
     def _yielding(self, job: Job) -> preemption.Yielding | None:
         if job.status not in Job.ON_NODE:
             return None
-        live = [a for a in job.attempt_set.all() if a.ended_at is None]
+        live = [a for a in attempts_of(job) if a.ended_at is None]
         return preemption.of(job, live[0] if live else None, timezone.now())
 
     def get_preempted_for(self, job: Job) -> int | None:
@@ -289,7 +289,7 @@ class Queue(APIView):
         attach_queue_positions(pending, first=skip + 1)  # running jobs have none
         response = Response(
             QueueEntry(
-                [*running, *pending],  # type: ignore[arg-type]
+                [*running, *pending],
                 many=True,
                 context={"node_names": node_names()},
             ).data

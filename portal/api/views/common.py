@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django.db.models import F, Prefetch
 from django.http import Http404
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
 
 from portal.api.serializers import ErrorSerializer
-from scheduler.models import Attempt, Job, Node
+from scheduler.models import Attempt, Job, JobDependency, Node
 
 if TYPE_CHECKING:
     from rest_framework.request import Request
@@ -53,22 +54,40 @@ def no_empty(request: Request) -> None:
         raise serializers.ValidationError(empty)
 
 
+# Job fields no answer of the API reads: left in the database.
+UNREAD_JOB_FIELDS = ("priority_breakdown", "interactive_token", "last_preempted_at")
+
+
 def jobs_for(request: Request) -> Any:
-    """The jobs the requester may see, with what the serializer reads."""
+    """The jobs the requester may see, with what the serializer reads and no
+    more: the owner's, group's and holder's names joined in, the attempts and
+    dependencies in one query each for a whole page (as lists, ``to_attr``: a
+    related manager's queryset per job would cost more than the rows)."""
     return (
         Job.objects.visible_to(request.user)
         .select_related("owner", "group", "held_by")
-        .prefetch_related(
-            "dependencies__depends_on",
-            attempts_for_nodes(),
-        )
+        .defer(*UNREAD_JOB_FIELDS)
+        .prefetch_related(dependencies_out(), attempts_for_nodes())
     )
 
 
-def attempts_for_nodes() -> Any:
-    """The attempts' fields ``serializers.latest_nodes`` reads, prefetched."""
-    from django.db.models import Prefetch
+def dependencies_out() -> Prefetch[Any, Any]:
+    """A job's dependencies as ``serializers.DependencyOut`` reads them, with the
+    state of the job each waits for, in ``dependency_list``."""
+    return Prefetch(
+        "dependencies",
+        queryset=JobDependency.objects.annotate(
+            depends_on_state=F("depends_on__status")
+        )
+        .only("id", "job_id", "depends_on_id", "kind")
+        .order_by("depends_on_id"),
+        to_attr="dependency_list",
+    )
 
+
+def attempts_for_nodes() -> Prefetch[Any, Any]:
+    """The attempts' fields ``serializers.latest_nodes``, ``JobSerializer``'s
+    expected end and ``Job.restarts`` read, in ``attempt_list``."""
     return Prefetch(
         "attempt_set",
         queryset=Attempt.objects.only(
@@ -90,7 +109,10 @@ def attempts_for_nodes() -> Any:
             "kill_reason",
             "kill_sent_at",
             "preempted_for",
-        ),
+            # ``Job.restarts``
+            "lost_work_gpu_s",
+        ).order_by("number"),
+        to_attr="attempt_list",
     )
 
 

@@ -27,7 +27,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from portal.api import serializers as s
-from portal.api.views.common import errors, jobs_for, node_names, query, visible_job
+from portal.api.views.common import (
+    dependencies_out,
+    errors,
+    jobs_for,
+    node_names,
+    query,
+    visible_job,
+)
 from scheduler import services
 from scheduler.models import Attempt, Job, JobArray, JobLogChunk, attach_queue_positions
 
@@ -184,7 +191,7 @@ class JobList(APIView):
             "next": link(offset + limit) if offset + limit < count else None,
             "previous": link(max(0, offset - limit)) if offset > 0 else None,
             "results": s.JobSerializer(
-                page,  # type: ignore[arg-type]
+                page,
                 many=True,
                 context={"node_names": node_names()},
             ).data,
@@ -203,7 +210,7 @@ class JobList(APIView):
         # Answered from the row just stored (its owner, group and dependencies
         # are at hand; no attempt yet): reading it again through the visibility
         # filter would cost as much as the submission (bench/submit_burst.py).
-        prefetch_related_objects([job], "dependencies__depends_on")
+        prefetch_related_objects([job], dependencies_out())
         return Response(s.JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
 
