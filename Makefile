@@ -25,7 +25,8 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: one per core; TEST_WORKERS=0 runs in-process.
 # Tests go to workers one by one (--dist load): schemathesis gives its operations
-# one node id, which the by-file modes would run only once.
+# one node id, which the by-file modes would run only once. The slowest 25 tests
+# are listed at the end of the run (CI's log shows where the time goes).
 TEST_WORKERS ?= auto
 export PORT
 
@@ -56,7 +57,7 @@ up: $(STAMP)
 	$(VPY) -m portal.stack.up
 
 test: $(STAMP) chromium
-	$(VPY) -m portal.stack.run -- $(VPY) -m pytest -n $(TEST_WORKERS) --dist load $(PYTEST_ARGS)
+	$(VPY) -m portal.stack.run -- $(VPY) -m pytest -n $(TEST_WORKERS) --dist load --durations=25 $(PYTEST_ARGS)
 
 # The browser tests drive Debian's Chromium through Playwright (which never
 # downloads a browser here). Installed with apt when we are root (as .ci/run

@@ -23,6 +23,8 @@ from scheduler.throttle import TokenBucket
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable
 
+    from asgiref.typing import ASGIReceiveCallable, ASGISendCallable
+
 log = logging.getLogger(__name__)
 
 # PostgreSQL unreachable (Django's wrappers of the driver's errors).
@@ -69,6 +71,25 @@ class AgentConsumer(AsyncWebsocketConsumer):
     frame_rate: TokenBucket | None = None
     byte_rate: TokenBucket | None = None
     throttled: bool = False
+
+    async def __call__(
+        self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        """Serve one connection. A send to an agent that has gone (its process
+        killed, its host down: the socket closed while a frame was handled) is
+        dropped: the server raises an ``OSError`` for it (ASGI), which would
+        otherwise end this consumer before the server's ``websocket.disconnect``,
+        queued meanwhile, is handled, and ``disconnect`` would never run (the node
+        left ``connected``, its feed open, its latest metrics unflushed)."""
+
+        async def send_or_drop(message: Any) -> None:
+            try:
+                await send(message)
+            except OSError:
+                # Frames still queued cannot be acked: not handled.
+                self.closing = True
+
+        await super().__call__(scope, receive, send_or_drop)
 
     @staticmethod
     def _now() -> float:
