@@ -31,6 +31,7 @@ from portal.directory.identity import user_group
 from scheduler import events, live
 from scheduler.models import Job, Node
 from scheduler.throttle import TokenBucket
+from scheduler.ws import PeerGoneSafe
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ USAGE = (
 )
 
 
-class DashboardConsumer(AsyncJsonWebsocketConsumer):
+class DashboardConsumer(PeerGoneSafe, AsyncJsonWebsocketConsumer):
     """Live updates for one browser tab.
 
     ``connect`` needs a signed-in session (else close 4401); the ASGI router has

@@ -19,11 +19,10 @@ from agents.protocol import CloseCode
 from scheduler import events, ingest, live, metrics, services
 from scheduler.models import Node
 from scheduler.throttle import TokenBucket
+from scheduler.ws import PeerGoneSafe
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterable
-
-    from asgiref.typing import ASGIReceiveCallable, ASGISendCallable
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 _DB_DOWN = (OperationalError, InterfaceError)
 
 
-class AgentConsumer(AsyncWebsocketConsumer):
+class AgentConsumer(PeerGoneSafe, AsyncWebsocketConsumer):
     """One node agent's connection.
 
     ``connect`` authenticates the node by the token in ``Authorization: Bearer``
@@ -72,24 +71,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
     byte_rate: TokenBucket | None = None
     throttled: bool = False
 
-    async def __call__(
-        self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable
-    ) -> None:
-        """Serve one connection. A send to an agent that has gone (its process
-        killed, its host down: the socket closed while a frame was handled) is
-        dropped: the server raises an ``OSError`` for it (ASGI), which would
-        otherwise end this consumer before the server's ``websocket.disconnect``,
-        queued meanwhile, is handled, and ``disconnect`` would never run (the node
-        left ``connected``, its feed open, its latest metrics unflushed)."""
-
-        async def send_or_drop(message: Any) -> None:
-            try:
-                await send(message)
-            except OSError:
-                # Frames still queued cannot be acked: not handled.
-                self.closing = True
-
-        await super().__call__(scope, receive, send_or_drop)
+    def on_peer_gone(self) -> None:
+        # Frames still queued cannot be acked: not handled.
+        self.closing = True
 
     @staticmethod
     def _now() -> float:

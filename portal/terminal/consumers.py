@@ -65,6 +65,7 @@ from portal.idle import activity
 from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
 from scheduler.throttle import TokenBucket
+from scheduler.ws import PeerGoneSafe
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -185,7 +186,7 @@ def _target(
     return Target(job_id, attempt["pk"], attempt["node_id"], user.pk), None, True
 
 
-class TerminalConsumer(AsyncWebsocketConsumer):
+class TerminalConsumer(PeerGoneSafe, AsyncWebsocketConsumer):
     """One viewer of one terminal of a running interactive job."""
 
     target: Target | None = None
