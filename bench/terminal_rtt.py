@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -33,12 +34,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_stack import fresh_database, loadavg, machine, pct, real_stack
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 ECHO_PROGRAM = "exec cat"
 LOAD_PROGRAM = 'while read -r l; do echo "line $l done"; done'
@@ -186,6 +190,9 @@ class TerminalLoad:
             self._ready.set()
         finally:
             for ws in sockets:
+                # End the loop (EOF), so the terminal does not linger after.
+                with contextlib.suppress(Exception):
+                    await ws.send(json.dumps({"type": "input", "data": "\x04"}))
                 await ws.close()
 
     async def _drive(self, ws: ClientConnection, index: int) -> None:
@@ -233,16 +240,36 @@ def start_job(user: Any) -> int:
     raise RuntimeError(f"job {job.pk} not running after 90 s")
 
 
+@contextlib.contextmanager
+def run_as() -> Iterator[str]:
+    """As root, an ordinary Unix account for the terminal job (an agent refuses
+    to run a job as root); else none: the job runs as this user."""
+    if os.geteuid() != 0:
+        yield ""
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.interactive.accounts import jupyter_account
+
+    with jupyter_account() as account:
+        yield account.pw_name
+
+
 def stack_run(args: argparse.Namespace) -> int:
     with (
+        run_as() as account,
         tempfile.TemporaryDirectory(prefix="bench-terminal-") as tmp,
         fresh_database("terminal") as db_url,
     ):
         from django.contrib.auth import get_user_model
 
         from portal.api.tokens import create_token
+        from scheduler.models import Profile
 
         user = get_user_model().objects.create_user("bench-terminal", password="x")
+        if account:
+            Profile.objects.update_or_create(
+                user=user, defaults={"unix_account": account}
+            )
         token = create_token(user, "bench", None)[1]
         with real_stack(db_url, Path(tmp), args.cluster) as stack:
             job_id = start_job(user)

@@ -216,7 +216,9 @@ def check(now: datetime | None = None) -> CheckResult:
                     result.flagged.append(reading.job_id)
                 continue
             active = reading.last_active_at()
-            if active is not None and active >= flag.since:
+            # Strictly after: the idle run may begin at the last use through
+            # the portal itself, which is no activity since.
+            if active is not None and active > flag.since:
                 _clear(flag, active, now)
                 result.cleared.append(reading.job_id)
                 continue

@@ -31,6 +31,7 @@ import contextlib
 import html
 import logging
 import re
+import socket
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,11 @@ if TYPE_CHECKING:
 PREFIX = "/interactive/"
 _PATH = re.compile(r"^/interactive/(\d{1,12})(/.*)?$")
 CACHE_S = 5.0
+# A request (or a websocket's opening handshake) may wait this long for the
+# node's answer once connected: JupyterLab accepts a kernel's socket only once
+# the kernel answers (its kernel_info_timeout, 60 s), and a busy node's kernel
+# may take longer than the connection's bound (GPULAB_INTERACTIVE_CONNECT_TIMEOUT).
+ANSWER_TIMEOUT_S = 300.0
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Not forwarded either way (RFC 9110 7.6.1), or set by the proxy itself.
 HOP_BY_HOP = frozenset(
@@ -196,7 +202,8 @@ class InteractiveProxy:
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(
-                    300.0, connect=settings.GPULAB_INTERACTIVE_CONNECT_TIMEOUT
+                    ANSWER_TIMEOUT_S,
+                    connect=settings.GPULAB_INTERACTIVE_CONNECT_TIMEOUT,
                 ),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                 follow_redirects=False,
@@ -275,11 +282,15 @@ class InteractiveProxy:
             if k.decode("latin-1").lower() not in WS_OWN
         ]
         try:
+            # The connection is bounded as for HTTP; the handshake then waits
+            # for JupyterLab as long as a request does (ANSWER_TIMEOUT_S).
+            sock = await _connect(target.host, target.port)
             upstream = await websockets.connect(
                 _upstream_url("ws", target, scope),
+                sock=sock,
                 additional_headers=headers,
                 subprotocols=scope.get("subprotocols") or None,
-                open_timeout=settings.GPULAB_INTERACTIVE_CONNECT_TIMEOUT,
+                open_timeout=ANSWER_TIMEOUT_S,
                 max_size=None,
                 compression=None,
                 ping_interval=None,
@@ -448,6 +459,23 @@ def _forward_headers(scope: Scope, target: Target) -> list[tuple[bytes, bytes]]:
     headers.append((b"accept-encoding", b"identity"))
     headers.append((b"authorization", f"token {target.token}".encode("ascii")))
     return headers
+
+
+async def _connect(host: str, port: int) -> socket.socket:
+    """A TCP connection to the node's server within
+    ``GPULAB_INTERACTIVE_CONNECT_TIMEOUT`` (raises OSError or TimeoutError)."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(settings.GPULAB_INTERACTIVE_CONNECT_TIMEOUT):
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(0.0)  # non-blocking
+            await loop.sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+    return sock
 
 
 def _upstream_url(scheme: str, target: Target, scope: Scope) -> str:

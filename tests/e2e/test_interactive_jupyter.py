@@ -5,24 +5,30 @@ the agent as a non-root account, and Chromium through the portal's proxy.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
 import re
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
 
 from tests.browser import chromium, log_in, outside_the_loop
-from tests.e2e.conftest import login, wait_for_job
+from tests.e2e.conftest import login, wait_for_job, wait_until
 from tests.interactive.accounts import jupyter_account, root_only
 
 if TYPE_CHECKING:
     import pwd
     from collections.abc import Iterator
 
+    import httpx
     from django.contrib.auth.models import User
 
     from tests.e2e.conftest import Stack
@@ -181,3 +187,97 @@ def test_jupyterlab_that_cannot_start_fails_the_job_with_the_reason(
     page = client.get(f"/jobs/{job.pk}/")
     assert "JupyterLab is never run as root" in page.text
     assert Job.objects.get(pk=job.pk).interactive_token not in page.text
+
+
+def kernel_socket(
+    client: httpx.Client, job_id: int, kernel_id: str
+) -> ClientConnection:
+    """The kernel's websocket through the proxy, with the client's session."""
+    url = str(client.base_url).replace("http://", "ws://").rstrip("/")
+    cookie = "; ".join(f"{k}={v}" for k, v in client.cookies.items())
+    return connect(
+        f"{url}/interactive/{job_id}/api/kernels/{kernel_id}/channels"
+        f"?session_id={uuid.uuid4().hex}",
+        additional_headers={"Cookie": cookie},
+    )
+
+
+def run_cell(ws: ClientConnection, code: str) -> str:
+    """Run ``code`` in the kernel (Jupyter's JSON frames, messaging 5.3); what it
+    printed, once its reply and the kernel's idle status are back."""
+    msg_id = uuid.uuid4().hex
+    ws.send(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id, "username": "alice", "session": uuid.uuid4().hex,
+                    "msg_type": "execute_request", "version": "5.3",
+                    "date": dt.datetime.now(dt.UTC).isoformat(),
+                },
+                "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+                "content": {
+                    "code": code, "silent": False, "store_history": True,
+                    "user_expressions": {}, "allow_stdin": False,
+                },
+            }
+        )
+    )  # fmt: skip
+    printed, replied, idle = "", False, False
+    while not (replied and idle):
+        frame = json.loads(ws.recv(timeout=120))
+        if frame["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind = frame["header"]["msg_type"]
+        if kind == "stream":
+            printed += frame["content"]["text"]
+        elif kind == "error":
+            raise AssertionError(f"the cell failed: {frame['content']}")
+        elif kind == "execute_reply":
+            replied = True
+        elif kind == "status" and frame["content"]["execution_state"] == "idle":
+            idle = True
+    return printed.strip()
+
+
+def test_a_notebooks_kernel_lives_on_across_a_web_process_restart(
+    stack: Stack, alice: User, account: pwd.struct_passwd
+) -> None:
+    from scheduler import services
+
+    give_account(alice, account.pw_name)
+    jupyter_stack(stack)
+    workdir = stack_workdir(account)
+    job = services.submit_job(
+        alice, services.interactive_request("jupyter", workdir=str(workdir))
+    )
+    assert wait_for_job(job.pk, {"running"}, timeout=120) == "running"
+    owner = login(stack.base_url, "alice", "pw-alice")
+    base = f"/interactive/{job.pk}/"
+    wait_until(
+        lambda: owner.get(base + "api/status").status_code == 200,
+        timeout=180,
+        what="JupyterLab answering through the proxy",
+    )
+    server_started = owner.get(base + "api/status").json()["started"]
+    created = owner.post(base + "api/kernels", json={"name": "python3"})
+    assert created.status_code == 201, created.text
+    kernel_id = created.json()["id"]
+    with kernel_socket(owner, job.pk, kernel_id) as ws:
+        kernel_pid = run_cell(ws, "import os; x = 6 * 7; print(os.getpid())")
+        # The web process goes: the notebook's socket is closed (not left
+        # hanging), and the next one, through the new web process, reaches
+        # the same server and the same kernel, which still has its variable.
+        stack.restart_web("web-2")
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=60)
+    after = owner.get(base + "api/status")
+    assert after.status_code == 200
+    assert after.json()["started"] == server_started
+    assert [k["id"] for k in owner.get(base + "api/kernels").json()] == [kernel_id]
+    with kernel_socket(owner, job.pk, kernel_id) as again:
+        assert run_cell(again, "print(os.getpid(), x)") == f"{kernel_pid} 42"
+    assert wait_for_job(job.pk, {"running"}) == "running"
+
+    services.cancel_job(job.pk, by=alice)
+    assert wait_for_job(job.pk, {"cancelled"}, timeout=120) == "cancelled"
+    shutil.rmtree(workdir, ignore_errors=True)

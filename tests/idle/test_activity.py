@@ -77,6 +77,30 @@ def test_use_during_the_grace_clears_the_flag_and_the_job_is_not_cancelled(
     assert Job.objects.get(pk=attempt.job_id).cancel_requested_at is None
 
 
+def test_a_job_idle_since_its_last_use_is_cancelled_after_the_grace(
+    alice: User, node: Node, settings: Any
+) -> None:
+    """The idle run begins at the last use through the portal (the GPU idle
+    all along): that use is not activity after the flag, which stays."""
+    cancel_class(settings, grace=600)
+    attempt = run(alice, node, started=NOW - timedelta(hours=1), klass="best-effort")
+    series(gpu_of(attempt), NOW - timedelta(minutes=50), NOW + timedelta(minutes=11),
+           lambda at: [proc(attempt, 0)])  # fmt: skip
+    assert activity.touch(attempt.job_id, at=NOW - timedelta(minutes=31))
+    with time_machine.travel(NOW, tick=False):
+        assert detect.check().flagged == [attempt.job_id]
+    flag = open_flag(attempt)
+    assert flag is not None and flag.since == NOW - timedelta(minutes=31)
+
+    with time_machine.travel(NOW + timedelta(minutes=1), tick=False):
+        assert detect.check().cleared == []
+    with time_machine.travel(NOW + timedelta(minutes=10, seconds=30), tick=False):
+        result = detect.check()
+
+    assert result.cleared == [] and result.cancelled == [attempt.job_id]
+    assert Job.objects.get(pk=attempt.job_id).cancel_requested_at is not None
+
+
 def test_a_process_writes_a_jobs_use_once_per_resolution_and_never_backwards(
     alice: User, node: Node, settings: Any
 ) -> None:

@@ -42,6 +42,10 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     if scope["type"] == "websocket":
         await receive()
+        if scope["path"].endswith("/slow/channels"):
+            # A kernel still starting: JupyterLab accepts its socket once the
+            # kernel answers.
+            await asyncio.sleep(1.0)
         protocols = scope.get("subprotocols") or [None]
         await send({"type": "websocket.accept", "subprotocol": protocols[0]})
         while True:
@@ -363,3 +367,46 @@ def test_a_notebook_socket_closes_when_its_user_is_deactivated(
     sent = asyncio.run(run())
     assert sent[-1] == {"type": "websocket.close", "code": 4401}
     assert p.active == {}
+
+
+def test_a_kernel_socket_that_jupyterlab_accepts_late_is_still_relayed(
+    alice: User, cluster: list[Node], upstream: int, settings: Any
+) -> None:
+    """The connect timeout bounds reaching the node, not JupyterLab's answer:
+    a kernel that starts slowly on a busy node still gets its socket."""
+    settings.GPULAB_INTERACTIVE_CONNECT_TIMEOUT = 0.3
+    job = running_jupyter(alice, cluster[0], upstream)
+    session = session_of(alice)
+    p = proxy()
+
+    async def run() -> list[dict[str, Any]]:
+        inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        sent: list[dict[str, Any]] = []
+
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+
+        path = f"/interactive/{job.pk}/api/kernels/slow/channels"
+        scope = {
+            "type": "websocket", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "subprotocols": [],
+            "headers": [
+                (b"host", HOST.encode()), (b"cookie", f"sessionid={session}".encode()),
+            ],
+        }  # fmt: skip
+        await inbox.put({"type": "websocket.connect"})
+        task = asyncio.ensure_future(p(scope, inbox.get, send))
+        while not sent:
+            await asyncio.sleep(0.01)
+        if sent[0]["type"] == "websocket.accept":
+            await inbox.put({"type": "websocket.receive", "text": "hello"})
+            while not any(m.get("text") == "echo:hello" for m in sent):
+                await asyncio.sleep(0.01)
+            await inbox.put({"type": "websocket.disconnect", "code": 1000})
+        await asyncio.wait_for(task, 10)
+        await p.aclose()
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent[0]["type"] == "websocket.accept", sent
+    assert {"type": "websocket.send", "text": "echo:hello"} in sent
