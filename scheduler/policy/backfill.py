@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from scheduler.policy.place import _fitting, is_gang, place
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from scheduler.policy.index import Constraint, PassIndex
     from scheduler.policy.ledger import Ledger
@@ -35,15 +35,18 @@ class Reservation:
 
 
 def releases(
-    idx: PassIndex, running: Iterable[RunningJob]
+    idx: PassIndex,
+    running: Iterable[RunningJob],
+    end_of: Callable[[RunningJob], float] | None = None,
 ) -> list[tuple[float, int, list[GpuView]]]:
     """(time, job id, GPUs) in time order: when busy schedulable GPUs free, by
-    planned ends (a GPU frees with the last job on it; a job being stopped frees
-    its GPUs now)."""
+    planned ends (``end_of``, default ``idx.planned_end``; a GPU frees with the
+    last job on it; a job being stopped frees its GPUs now)."""
     last: dict[int, tuple[float, int]] = {}
     now = idx.state.now
+    end_of = end_of or idx.planned_end
     for r in running:
-        end = idx.planned_end(r)
+        end = end_of(r)
         if r.stopping:
             end = min(end, now)
         key = (end, r.id)
@@ -73,7 +76,11 @@ def reserve(
     *,
     spread: bool,
     topology: bool,
+    end_of: Callable[[RunningJob], float] | None = None,
 ) -> Reservation:
+    """The shadow time and GPUs of ``job_id`` (``k`` GPUs of ``c``): the running
+    jobs' GPUs released at their ends (``end_of``, default ``idx.planned_end``)
+    until it fits."""
     scratch = ledger.copy()
     view = idx.view(c)
     gang = is_gang(idx, c, k)
@@ -82,7 +89,7 @@ def reserve(
         total = sum(
             len(_fitting(scratch, idx, c, n, frozenset())) for n in scratch.free
         )
-    events = releases(idx, running)
+    events = releases(idx, running, end_of)
     i = 0
     while i < len(events):
         t = events[i][0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
-from scheduler.policy.remaining import expected_end
+from scheduler.policy.remaining import expected_end, shown_end
 
 if TYPE_CHECKING:
     from scheduler.policy.state import ClusterState, GpuView, PendingJob, RunningJob
@@ -90,6 +90,19 @@ class PassIndex:
         limit (Tsafrir et al. 2007: a violated prediction is raised to the user's
         estimate)."""
         return _planned_end(r, self.state.now, self.predictions, self.progress)
+
+    def shown_end(self, r: RunningJob) -> float:
+        """The end the start times shown to waiting jobs are planned with
+        (``remaining.shown_end``): ``planned_end`` with a margin on an end from
+        progress."""
+        return shown_end(
+            r.started_at,
+            r.planned_s,
+            r.time_limit_s,
+            self.state.now,
+            r.progress if self.progress else None,
+            predictions=self.predictions,
+        )
 
     def constraint(self, job: PendingJob) -> Constraint:
         key = (job.gpu_memory_mib, job.gpu_model)

@@ -10,11 +10,24 @@ reached, or an end that has already passed while the job still runs) the job's
 plan holds: started_at + min(limit, prediction) while that is ahead, else its
 limit (Tsafrir et al. 2007), or the limit only where the policy plans with limits
 (``slurm``, ``gpulab`` under ``backfill_plan = "limit"``).
+
+A start time shown to a waiting job is a promise, so it is planned with
+``shown_end``: an end from progress plus a margin (``SHOWN_MARGIN_S`` and
+``SHOWN_MARGIN_SHARE`` of the time left to it), capped by the limit. The rate
+over the attempt is an unbiased estimate: planned with it, a start shown a few
+minutes ahead is late about as often as early. The pass still plans its
+decisions (the shadow time, the backfill guard) with ``expected_end``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Added to an end from progress for the start times shown to waiting jobs: a
+# pause of a couple of minutes (an evaluation, a checkpoint) and a tenth of the
+# time left (the rate's own error over the rest of the run).
+SHOWN_MARGIN_S = 120.0
+SHOWN_MARGIN_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,30 @@ def expected_end(
         end = progress.end(now)
         if end is not None:
             return min(end, limit_end)
+    return planned_end(
+        started_at, planned_s, time_limit_s, now, predictions=predictions
+    )
+
+
+def shown_end(
+    started_at: float,
+    planned_s: float,
+    time_limit_s: float,
+    now: float,
+    progress: Progress | None,
+    *,
+    predictions: bool,
+) -> float:
+    """The end planned for the start times shown to waiting jobs: an end from
+    ``progress`` is moved later by ``SHOWN_MARGIN_S`` and ``SHOWN_MARGIN_SHARE``
+    of the time left to it, never past the limit; an end from the plan is
+    ``planned_end``'s (the limit is already an upper bound)."""
+    limit_end = started_at + time_limit_s
+    if progress is not None:
+        end = progress.end(now)
+        if end is not None:
+            upper = end + SHOWN_MARGIN_S + SHOWN_MARGIN_SHARE * (end - now)
+            return min(upper, limit_end)
     return planned_end(
         started_at, planned_s, time_limit_s, now, predictions=predictions
     )

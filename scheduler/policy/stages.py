@@ -495,28 +495,51 @@ def _gpu_h(gpu_s: float) -> str:
 
 def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:
     """The EASY reservation (``backfill.reserve``): ``job`` waits ``RESOURCES``
-    with its planned start, if the running jobs' planned ends give one."""
+    with its planned start, if the running jobs' planned ends give one.
+
+    The start shown to ``job`` (its ``Wait``'s ``est_start`` and message) is
+    planned again with ``PassIndex.shown_end`` when some running job's end comes
+    from progress: a promise keeps a margin over an estimate that is as often
+    late as early. The reservation the pass decides with keeps the
+    ``planned_end`` shadow time."""
+    idx = p.idx
+    running = [*idx.running_by_end, *p.started]
     r = p.reservation = easy.reserve(
         job.id,
         c,
         job.gpus,
         p.ledger,
-        p.idx,
-        [*p.idx.running_by_end, *p.started],
+        idx,
+        running,
         spread=p.spread,
         topology=p.topology,
     )
-    if r.shadow is None:
+    shown, behind = r.shadow, r.behind
+    if shown is None:
         msg = (
             "; no start can be planned from the running jobs"
             " (it needs GPUs that are down, draining or not tracked)"
         )
     else:
         p.reserved += 1
-        msg = f"; reserved to start at {when(r.shadow, p.now)}"
-        if r.behind is not None:
-            msg += f", when job {r.behind} is planned to end"
-    p.wait(job, Reason.RESOURCES, msg, r.shadow, resources=(c, job.gpus))
+        if idx.progress and any(x.progress is not None for x in idx.running_by_end):
+            s = easy.reserve(
+                job.id,
+                c,
+                job.gpus,
+                p.ledger,
+                idx,
+                running,
+                spread=p.spread,
+                topology=p.topology,
+                end_of=idx.shown_end,
+            )
+            if s.shadow is not None and s.shadow > shown:
+                shown, behind = s.shadow, s.behind
+        msg = f"; reserved to start at {when(shown, p.now)}"
+        if behind is not None:
+            msg += f", when job {behind} is planned to end"
+    p.wait(job, Reason.RESOURCES, msg, shown, resources=(c, job.gpus))
 
 
 # ------------------------------------------------------------------ backfill

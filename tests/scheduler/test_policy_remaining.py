@@ -9,7 +9,14 @@ from dataclasses import replace
 import pytest
 
 from scheduler.policy import Reason, decide
-from scheduler.policy.remaining import Progress, expected_end, from_reports
+from scheduler.policy.remaining import (
+    SHOWN_MARGIN_S,
+    SHOWN_MARGIN_SHARE,
+    Progress,
+    expected_end,
+    from_reports,
+    shown_end,
+)
 from tests.scheduler.test_policy_support import (
     GPULAB,
     GPULAB_PREDICT,
@@ -104,7 +111,9 @@ def test_a_reservation_waits_for_the_end_progress_gives():
     ds = decide(cluster(gpus, [pending(1, 4, cls="high")], run=[run]))
     [w] = ds
     assert w.reason is Reason.RESOURCES
-    assert w.est_start == pytest.approx(NOW + 1800)  # 500 steps at 1000/h
+    # 500 steps at 1000/h: 30 min; shown with the margin (2 min + 10 % of 30 min)
+    assert w.est_start == pytest.approx(NOW + 1800 + 120 + 180)
+    assert "when job 90 is planned to end" in w.message
 
 
 def test_slurm_and_the_off_switch_keep_planning_with_limits():
@@ -138,4 +147,36 @@ def test_progress_also_overrides_a_violated_prediction():
     assert w.est_start == NOW + 10 * HOUR
     run = replace(run, progress=Progress(900, 1000, NOW - 60, 0.1))
     [w] = decide(cluster(gpus, [pending(1, 4)], run=[run], config=GPULAB_PREDICT))
-    assert w.est_start == pytest.approx(NOW - 60 + 1000)
+    end = NOW - 60 + 1000
+    assert w.est_start == pytest.approx(end + 120 + 0.1 * (end - NOW))
+
+
+def test_shown_end_adds_the_margin_to_an_end_from_progress_only():
+    p = Progress(step=500, total=1000, at=NOW, rate=1.0)  # ends at +500 s
+    got = shown_end(NOW - 600, 7200.0, 86400.0, NOW, p, predictions=True)
+    assert got == NOW + 500 + SHOWN_MARGIN_S + SHOWN_MARGIN_SHARE * 500
+    # never past the limit
+    assert shown_end(NOW - 600, 7200.0, 1200.0, NOW, p, predictions=True) == (
+        NOW - 600 + 1200.0
+    )
+    # an end from the plan is the plan's: the limit is already an upper bound
+    for predictions in (True, False):
+        assert shown_end(
+            NOW - 600, 7200.0, 86400.0, NOW, None, predictions=predictions
+        ) == expected_end(
+            NOW - 600, 7200.0, 86400.0, NOW, None, predictions=predictions
+        )
+
+
+def test_the_margin_is_only_shown_decisions_plan_with_the_estimate():
+    """Job 90 ends in 30 min by its progress; job 1 is shown a start 35 min
+    ahead (with the margin) but its reservation decides with 30 min: job 2,
+    planned 32 min, would end past the shadow time and waits; job 3, planned
+    28 min, backfills."""
+    gpus, run = blocked_by(Progress(step=500, total=1000, at=NOW, rate=1000 / 3600))
+    top = pending(1, 4, cls="high")
+    w1, w2 = decide(cluster(gpus, [top, pending(2, 2, planned=32 * 60.0)], run=[run]))
+    assert w1.est_start == pytest.approx(NOW + 2100)
+    assert w2.reason is Reason.RESERVED_FOR_HIGHER
+    ds = decide(cluster(gpus, [top, pending(3, 2, planned=28 * 60.0)], run=[run]))
+    assert set(starts(ds)) == {3}

@@ -1,6 +1,7 @@
 """The pass reads a running job's reported progress: the snapshot fills
 ``RunningJob.progress`` from the attempt's reports, and the planned start a
-waiting job is shown comes from that job's progress end."""
+waiting job is shown comes from that job's progress end (with the margin of
+``remaining.shown_end``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from agents import protocol
 from scheduler import services
 from scheduler.models import Job
 from scheduler.pass_runner import run_one_pass
-from scheduler.policy.remaining import Progress
+from scheduler.policy.remaining import SHOWN_MARGIN_S, SHOWN_MARGIN_SHARE, Progress
 from tests.conftest import make_node
 from tests.factories import JobFactory, start_job, started_data
 
@@ -50,11 +51,16 @@ def test_the_pass_plans_a_waiting_job_behind_the_progress_end(alice: User) -> No
     assert view.progress == Progress(1900.0, 5000.0, T0 + 3000, 0.75)
 
     waiting = JobFactory(owner=alice, gpus=2)
+    before = time.time()
     run_one_pass()
+    after = time.time()
     waiting.refresh_from_db()
     assert waiting.status == Job.Status.PENDING
     assert waiting.est_start is not None
-    assert waiting.est_start.timestamp() == pytest.approx(end, abs=1)  # whole s
+    # shown with the margin over the progress end, counted from the pass's now
+    shown = waiting.est_start.timestamp()
+    assert end + SHOWN_MARGIN_S + SHOWN_MARGIN_SHARE * (end - after) - 1 <= shown
+    assert shown <= end + SHOWN_MARGIN_S + SHOWN_MARGIN_SHARE * (end - before) + 1
 
 
 def test_a_job_without_reports_has_no_progress(alice: User) -> None:

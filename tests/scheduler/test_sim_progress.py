@@ -12,6 +12,7 @@ import pytest
 
 from agents.spec import parse_cluster_spec
 from scheduler.policy import ClusterState, PolicyConfig, Wait, decide
+from scheduler.policy.remaining import SHOWN_MARGIN_S, SHOWN_MARGIN_SHARE
 from scheduler.sim.cli import build_parser
 from scheduler.sim.engine import SimOptions, Simulator
 from scheduler.sim.jobs import SimJob
@@ -127,7 +128,8 @@ def shown_starts(config):
 
 def test_the_policy_plans_a_reservation_behind_the_progress_end():
     """Before two reports job 1 is planned to its limit; then to its progress end,
-    late at first (the warm-up is slow), within 0.1 h of its true end (2 h) from
+    late at first (the warm-up is slow), then shown with the margin
+    (``remaining.shown_end``) over an end within 0.1 h of its true end (2 h) from
     half an hour in; once that end is past while it still runs, to its limit."""
     shown, jobs = shown_starts(GPULAB)
     assert jobs[1].first_start == pytest.approx(2 * HOUR)
@@ -135,9 +137,11 @@ def test_the_policy_plans_a_reservation_behind_the_progress_end():
     after = [(now, est) for now, est in shown if now > 1]
     assert after[0][1] < 10 * HOUR  # the second report moved it
     assert all(b <= a for (_, a), (_, b) in pairwise(after[:-1]))  # converges
-    mid = [est for now, est in after if HOUR / 2 <= now < 2 * HOUR - 300]
+    mid = [(now, est) for now, est in after if HOUR / 2 <= now < 2 * HOUR - 300]
     assert mid
-    assert all(abs(est - 2 * HOUR) < 0.1 * HOUR for est in mid)
+    for now, est in mid:
+        margin = SHOWN_MARGIN_S + SHOWN_MARGIN_SHARE * (2 * HOUR - now)
+        assert abs(est - margin - 2 * HOUR) < 0.1 * HOUR
     # every pass after the first was run because the reports moved the end
     assert len(shown) < 20
 
