@@ -144,8 +144,9 @@ def fuzz(
         "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)]),
     }
     started = time.monotonic()
+    # in tmp: st keeps a crash cache (.schemathesis/) in its working directory
     run = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        cmd, cwd=tmp, env=env, capture_output=True, text=True, check=False
     )
     wall = time.monotonic() - started
     output = run.stdout + run.stderr
