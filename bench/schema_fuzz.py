@@ -1,7 +1,7 @@
 """The API fuzzed against its own OpenAPI schema, larger than the suite's run.
 
 Runs ``tests/api/test_schema_fuzz.py`` (schemathesis: every check, the
-examples, coverage and fuzzing phases, positive and negative data, as a member
+examples, coverage, fuzzing and stateful phases (``--scenarios``), positive and negative data, as a member
 and as staff, every phase for both, in process on real PostgreSQL and Redis)
 with ``--examples`` fuzzed cases per operation and persona and a fixed
 ``--seed``, and reports what it sent and what failed: cases per phase, mode
@@ -35,6 +35,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument(
+        "--scenarios", type=int, default=50, help="stateful scenarios per persona"
+    )
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("-k", default=None, help="pytest -k: some operations only")
     args = parser.parse_args()
@@ -48,6 +51,7 @@ def main() -> int:
             "GPULAB_FUZZ_SEED": str(args.seed),
             "GPULAB_FUZZ_LOG": str(log),
             "GPULAB_FUZZ_FULL": "1",
+            "GPULAB_FUZZ_SCENARIOS": str(args.scenarios),
         }
         cmd = [
             sys.executable,

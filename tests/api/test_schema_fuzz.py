@@ -3,12 +3,14 @@ process through Django's WSGI app on the real test database and Redis, as a
 member and as staff: every check (no server error, status codes, bodies,
 content types and headers as the schema says, authentication enforced,
 schema-valid data accepted, schema-violating data refused) in every phase
-pytest runs (examples, coverage, fuzzing; coverage as a member only, see
-``staff_schema``), with positive and negative data, a fixed seed and a bounded
-number of cases. ``bench/schema_fuzz.py`` runs every phase for both, with more
-cases, and reports its figures.
+(examples, coverage, fuzzing; coverage as a member only, see ``staff_schema``;
+stateful: scenarios chaining operations through the links schemathesis infers),
+with positive and negative data, a fixed seed and a bounded number of cases.
+``bench/schema_fuzz.py`` runs every phase for both, with more cases, and reports
+its figures; ``bench/schema_fuzz_stack.py`` runs schemathesis' own runner
+against the real processes (uvicorn, worker, agents).
 
-One exception, stated in ``BEYOND_SCHEMA``: schema-valid data that breaks a
+One exception, stated in ``fuzz_rules.BEYOND_SCHEMA``: schema-valid data that breaks a
 rule no schema can state (the cluster's size, group membership, jobs that
 exist, one field against another) is refused with a 400 naming that field and
 saying why; any other 400 for schema-valid data fails the run."""
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from portal.api import tokens
+from tests.api.fuzz_rules import beyond_schema
 from tests.factories import JobFactory
 
 if TYPE_CHECKING:
@@ -46,42 +48,6 @@ pytestmark = pytest.mark.timeout(900)
 SEED = int(os.environ.get("GPULAB_FUZZ_SEED", "27"))
 MAX_EXAMPLES = int(os.environ.get("GPULAB_FUZZ_EXAMPLES", "12"))
 CASE_LOG = os.environ.get("GPULAB_FUZZ_LOG")
-
-# Field -> what the server may say of schema-valid data there: rules that
-# depend on the database, the cluster or another field.
-BEYOND_SCHEMA: dict[str, re.Pattern[str]] = {
-    name: re.compile(pattern)
-    for name, pattern in {
-        "gpus": r"The cluster has \d+ GPU|No GPU node has registered",
-        "gpu_memory_mib": r"No GPU has that much memory",
-        "gpu_model": r"No GPU matches",
-        "group": r"not a member of group",
-        "env": r"is not a valid environment variable name|is set by gpulab",
-        "time_limit_s": r"class allows at most",
-        "slowdown_cap": r"only applies to a job that may share|class already caps",
-        # the dependency grammar and the jobs it names
-        "after": r".",
-        # the order, repeats and count of an array's indexes, its limit's range
-        "array": r"ends before it starts|given twice|at most \d+ tasks|indexes go"
-        r" up to|the step is at least|the limit after %|too many",
-        # a range that ends before it starts (usage; the job list)
-        "range": r"starts .* after it ends",
-        "until": r"It is before since",
-        # logs: follow (offset) or tail, not both
-        "tail": r"Give offset \(follow\) or tail, not both",
-        # usage: the longest range a request may span (GPULAB_USAGE_MAX_DAYS)
-        "to": r"spans \d+ days; at most \d+ days",
-        # the directories a job may run in (GPULAB_WORKDIR_ALLOWED)
-        "workdir": r"is outside the directories jobs may run in",
-        # checkpoint settings of a job that is not checkpointable
-        "checkpoint_signal": r"only applies to a checkpointable job",
-        "checkpoint_grace_s": r"only applies to a checkpointable job",
-        # gpulab login: a machine name must be printable (str.isprintable)
-        "client_name": r"Name the machine|printable characters",
-        # each user's unfinished interactive jobs (GPULAB_INTERACTIVE_MAX_PER_USER)
-        "interactive": r"interactive job\(s\) at a time per user",
-    }.items()
-}
 
 
 def config(*, coverage: bool = True) -> SchemathesisConfig:
@@ -134,29 +100,6 @@ HYPOTHESIS = settings(
         HealthCheck.filter_too_much,
     ],
 )
-
-
-# device/token/ answers the state of a device authorization as a 400 with one of
-# these codes (RFC 8628 3.5): an unknown or unapproved code is not a bad request.
-DEVICE_GRANT_ERRORS = frozenset(
-    {"authorization_pending", "slow_down", "access_denied", "expired_token"}
-    | {"invalid_grant"}
-)
-
-
-def beyond_schema(response: Any) -> bool:
-    """A 400 whose every field and message is a rule the schema cannot state, or
-    a device authorization's state."""
-    if response.status_code != 400:
-        return False
-    if response.json().get("error") in DEVICE_GRANT_ERRORS:
-        return True
-    fields = response.json().get("fields") or {}
-    return bool(fields) and all(
-        (rule := BEYOND_SCHEMA.get(name.split(".")[0])) is not None
-        and all(rule.search(m) for m in messages)
-        for name, messages in fields.items()
-    )
 
 
 @pytest.fixture
@@ -231,3 +174,40 @@ def _log(case: Any, who: str, status: int, *, beyond: bool) -> None:
     }
     with Path(CASE_LOG or "").open("a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+# bench/schema_fuzz.py sets more
+STATEFUL_SCENARIOS = int(os.environ.get("GPULAB_FUZZ_SCENARIOS", "8"))
+
+
+@pytest.mark.parametrize("who", ["member", "staff"])
+def test_no_sequence_of_calls_breaks_the_api(
+    who: str, keep_connection: None, request: Any
+) -> None:
+    """The stateful phase: scenarios chaining operations through the links
+    schemathesis infers from the schema (a job submitted, then read, held,
+    released, cancelled, its logs and events read; an array and its cancel; a
+    node and its drain), every check on every step."""
+    auth = {"Authorization": f"Bearer {request.getfixturevalue(who)}"}
+
+    class Scenarios(member_schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: Any) -> dict[str, Any]:
+            return {"headers": auth}
+
+        def validate_response(
+            self, response: Any, case: Any, additional_checks: Any = None, **kw: Any
+        ) -> None:
+            beyond = beyond_schema(response)
+            if CASE_LOG:
+                _log(case, who, response.status_code, beyond=beyond)
+            excluded = [positive_data_acceptance] if beyond else []
+            case.validate_response(response, headers=auth, excluded_checks=excluded)
+
+    Scenarios.run(
+        settings=settings(
+            HYPOTHESIS,
+            max_examples=STATEFUL_SCENARIOS,
+            stateful_step_count=10,
+            derandomize=True,  # fixed cases, as the seed fixes the others'
+        )
+    )
