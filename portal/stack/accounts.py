@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
+import hashlib
 import os
 import pwd
 import stat
@@ -92,15 +92,18 @@ def interpreter_paths() -> tuple[Path, Path]:
     return Path(os.path.realpath(sys.executable)), Path(sys.prefix) / "bin"
 
 
-def _registry() -> tuple[Path, Path, Path]:
-    """The files every ``traversable`` of this account shares (per uid: only that
-    uid may chmod its directories): a mutex for entering and leaving, a lock its
-    users hold shared, and the record of the directories' original modes."""
-    base = Path(tempfile.gettempdir()) / f"gpulab-traversable-{os.geteuid()}"
-    return (
-        base.with_suffix(".mutex"),
-        base.with_suffix(".users"),
-        base.with_suffix(".json"),
+def _base() -> Path:
+    """Where every ``traversable`` of this account keeps its shared files (per
+    uid: only that uid may chmod its directories)."""
+    return Path(tempfile.gettempdir()) / f"gpulab-traversable-{os.geteuid()}"
+
+
+def _files_of(d: Path) -> tuple[Path, Path]:
+    """The lock its users hold shared, and the record of its original mode."""
+    key = hashlib.sha256(str(d).encode()).hexdigest()[:16]
+    base = _base()
+    return base.with_name(f"{base.name}-{key}.users"), base.with_name(
+        f"{base.name}-{key}.mode"
     )
 
 
@@ -114,25 +117,21 @@ def _open_private(path: Path) -> int:
     return fd
 
 
-def _read_modes(path: Path) -> dict[str, int]:
+def _recorded_mode(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    with os.fdopen(_open_private(path), encoding="ascii") as fh:
+        text = fh.read().strip()
     try:
-        fd = _open_private(path)
-    except FileNotFoundError:
-        return {}
-    with os.fdopen(fd, encoding="utf-8") as fh:
-        text = fh.read()
-    try:
-        data = json.loads(text) if text.strip() else {}
+        return int(text, 8) if text else None
     except ValueError:
-        return {}
-    return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        return None
 
 
-def _write_modes(path: Path, modes: dict[str, int]) -> None:
-    fd = _open_private(path)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+def _record_mode(path: Path, mode: int) -> None:
+    with os.fdopen(_open_private(path), "w", encoding="ascii") as fh:
         fh.truncate()
-        json.dump(modes, fh)
+        fh.write(f"{mode:o}\n")
 
 
 @contextlib.contextmanager
@@ -142,44 +141,56 @@ def traversable(
     """Open the closed directories above ``paths`` for traversal by others
     (``o+x``) for the block; yields those this block opened. ``say`` is told each.
 
-    Several blocks may overlap, in one process or several (``make up`` beside the
-    test suite's JupyterLab tests): each holds a shared lock for its duration, the
-    directories' original modes are recorded once, and whoever leaves last (an
-    exclusive lock taken without waiting) puts them back. A block that dies leaves
-    them open until the next one leaves."""
-    mutex_path, users_path, modes_path = _registry()
-    mutex = _open_private(mutex_path)
-    users = _open_private(users_path)
+    Blocks may overlap, in one process or several (``make up`` beside the test
+    suite's JupyterLab tests, two test workers): each directory opened this way
+    has its original mode recorded, and every block that needs it (opening it or
+    finding it opened) holds a shared lock on it; whoever leaves it last (an
+    exclusive lock taken without waiting) restores the mode. Entering and leaving
+    are serialised by one mutex. A block that dies leaves its directories open
+    until the next block that uses them leaves."""
+    mutex = _open_private(_base().with_suffix(".mutex"))
+    held: list[tuple[Path, int]] = []
     opened: list[Path] = []
     try:
         with _held(mutex):
-            modes = _read_modes(modes_path)
             for path in paths:
-                for d in closed_dirs(path):
+                for d in reversed(path.parents):
+                    if any(d == h for h, _ in held):
+                        continue
+                    users_path, mode_path = _files_of(d)
                     mode = stat.S_IMODE(d.stat().st_mode)
-                    modes.setdefault(str(d), mode)
-                    d.chmod(mode | stat.S_IXOTH)
-                    opened.append(d)
-                    say(
-                        f"opened {d} for traversal (o+x) while the demo runs, so"
-                        " demo jobs can start this Python"
-                    )
-            _write_modes(modes_path, modes)
-            fcntl.flock(users, fcntl.LOCK_SH)
+                    if mode & stat.S_IXOTH and _recorded_mode(mode_path) is None:
+                        continue  # open of its own: nothing to restore
+                    users = _open_private(users_path)
+                    fcntl.flock(users, fcntl.LOCK_SH)
+                    held.append((d, users))
+                    if not mode & stat.S_IXOTH:
+                        if _recorded_mode(mode_path) is None:
+                            _record_mode(mode_path, mode)
+                        d.chmod(mode | stat.S_IXOTH)
+                        opened.append(d)
+                        say(
+                            f"opened {d} for traversal (o+x) while the demo runs, so"
+                            " demo jobs can start this Python"
+                        )
         yield opened
     finally:
         with _held(mutex):
-            fcntl.flock(users, fcntl.LOCK_UN)
-            try:
-                fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pass  # another block is inside: the last one out restores
-            else:
-                for d, mode in _read_modes(modes_path).items():
-                    with contextlib.suppress(FileNotFoundError):
-                        Path(d).chmod(mode)
-                _write_modes(modes_path, {})
-        os.close(users)
+            for d, users in reversed(held):
+                users_path, mode_path = _files_of(d)
+                fcntl.flock(users, fcntl.LOCK_UN)
+                try:
+                    fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # another block still needs it: the last one restores
+                else:
+                    original = _recorded_mode(mode_path)
+                    if original is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            d.chmod(original)
+                        mode_path.unlink()
+                finally:
+                    os.close(users)
         os.close(mutex)
 
 

@@ -185,3 +185,23 @@ def test_overlapping_traversals_restore_the_modes_when_the_last_one_leaves() -> 
         assert stat.S_IMODE(closed.stat().st_mode) == 0o700
     finally:
         shutil.rmtree(base)
+
+
+def test_a_traversal_of_other_directories_does_not_hold_back_a_restore() -> None:
+    """A JupyterLab test keeping /root open must not keep `make up`'s own
+    directories (or another test's) open after they are done with."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    base.chmod(0o755)
+    one, two = base / "one", base / "two"
+    for d in (one, two):
+        (d / "bin").mkdir(parents=True)
+        d.chmod(0o700)
+    try:
+        with accounts.traversable(one / "bin" / "python"):
+            with accounts.traversable(two / "bin" / "python") as opened:
+                assert opened == [two]
+            assert stat.S_IMODE(two.stat().st_mode) == 0o700
+            assert stat.S_IMODE(one.stat().st_mode) == 0o701
+        assert stat.S_IMODE(one.stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(base)
