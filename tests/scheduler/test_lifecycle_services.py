@@ -651,6 +651,37 @@ def test_it_marks_a_silent_node_lost_and_requeues_its_job(
     assert not Allocation.objects.filter(released_at__isnull=True).exists()
 
 
+@pytest.mark.parametrize("kind", ["jupyter", "shell"])
+@pytest.mark.parametrize(
+    ("on_loss", "then"), [("requeue", Job.Status.PENDING), ("fail", Job.Status.FAILED)]
+)
+def test_a_lost_node_ends_an_interactive_job_like_any_job(
+    alice: User,
+    cluster: list[Node],
+    sent: AgentFrames,
+    kind: str,
+    on_loss: str,
+    then: str,
+) -> None:
+    """Interactive jobs are never preempted or evicted, but a lost node ends their
+    attempt as any job's: requeued or failed as the job says, its GPU freed."""
+    job = JobFactory(
+        owner=alice, interactive=kind, requeue_on_node_loss=on_loss == "requeue"
+    )
+    attempt = running(job, cluster[0])
+
+    with _after_lost_timeout():
+        services.record_heartbeat(cluster[1].pk)
+        assert services.mark_lost_nodes() == [cluster[0].pk]
+
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    assert job.status == then
+    assert attempt.outcome == Attempt.Outcome.NODE_LOST
+    assert attempt.ended_at is not None
+    assert not Allocation.objects.filter(released_at__isnull=True).exists()
+
+
 def test_it_fails_a_job_that_must_not_requeue_when_its_node_is_lost(
     alice: User, cluster: list[Node], sent: AgentFrames
 ) -> None:
