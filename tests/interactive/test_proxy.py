@@ -23,7 +23,7 @@ from scheduler.models import Attempt, Job, JobEvent
 from tests.e2e.conftest import free_port
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from django.contrib.auth.models import User
 
@@ -253,6 +253,27 @@ def test_waiting_and_ended_jobs_get_a_page_that_says_so(
     assert got.status_code == 404  # a terminal job has no web server
 
 
+class Outbox:
+    """What the proxy sends to the browser, awaited message by message (no
+    polling)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.changed = asyncio.Condition()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self.changed:
+            self.sent.append(message)
+            self.changed.notify_all()
+
+    async def until(
+        self, wanted: Callable[[dict[str, Any]], bool], timeout: float = 10
+    ) -> None:
+        """Return once a message sent so far is ``wanted``."""
+        async with asyncio.timeout(timeout), self.changed:
+            await self.changed.wait_for(lambda: any(map(wanted, self.sent)))
+
+
 def test_websockets_are_relayed_and_the_cap_answers_503(
     alice: User, cluster: list[Node], upstream: int, settings: Any
 ) -> None:
@@ -263,14 +284,8 @@ def test_websockets_are_relayed_and_the_cap_answers_503(
 
     async def run() -> tuple[list[dict[str, Any]], int]:
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        sent: list[dict[str, Any]] = []
-        accepted = asyncio.Event()
-
-        async def send(msg: dict[str, Any]) -> None:
-            sent.append(msg)
-            if msg["type"] == "websocket.accept":
-                accepted.set()
-
+        out = Outbox()
+        sent = out.sent
         scope = {
             "type": "websocket",
             "path": f"/interactive/{job.pk}/api/kernels/k1/channels",
@@ -284,11 +299,10 @@ def test_websockets_are_relayed_and_the_cap_answers_503(
             "subprotocols": ["v1.kernel.websocket.jupyter.org"],
         }
         await inbox.put({"type": "websocket.connect"})
-        task = asyncio.ensure_future(p(scope, inbox.get, send))
-        await asyncio.wait_for(accepted.wait(), 10)
+        task = asyncio.ensure_future(p(scope, inbox.get, out.send))
+        await out.until(lambda m: m["type"] == "websocket.accept")
         await inbox.put({"type": "websocket.receive", "text": "hello"})
-        while not any(m.get("text") == "echo:hello" for m in sent):
-            await asyncio.sleep(0.01)
+        await out.until(lambda m: m.get("text") == "echo:hello")
         # The socket holds the job's one place: a page request is refused.
         transport = httpx.ASGITransport(app=p)
         async with httpx.AsyncClient(
@@ -331,15 +345,8 @@ def test_a_notebook_socket_closes_when_its_user_is_deactivated(
 
     async def run() -> list[dict[str, Any]]:
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        sent: list[dict[str, Any]] = []
-        accepted, closed = asyncio.Event(), asyncio.Event()
-
-        async def send(msg: dict[str, Any]) -> None:
-            sent.append(msg)
-            if msg["type"] == "websocket.accept":
-                accepted.set()
-            if msg["type"] == "websocket.close":
-                closed.set()
+        out = Outbox()
+        sent = out.sent
 
         path = f"/interactive/{job.pk}/api/kernels/k1/channels"
         scope = {
@@ -351,13 +358,12 @@ def test_a_notebook_socket_closes_when_its_user_is_deactivated(
             ],
         }  # fmt: skip
         await inbox.put({"type": "websocket.connect"})
-        task = asyncio.ensure_future(p(scope, inbox.get, send))
-        await asyncio.wait_for(accepted.wait(), 10)
+        task = asyncio.ensure_future(p(scope, inbox.get, out.send))
+        await out.until(lambda m: m["type"] == "websocket.accept")
         await inbox.put({"type": "websocket.receive", "text": "hello"})
-        while not any(m.get("text") == "echo:hello" for m in sent):
-            await asyncio.sleep(0.01)
+        await out.until(lambda m: m.get("text") == "echo:hello")
         await sync_to_async(deactivate_user)(alice, "removed from the directory")
-        await asyncio.wait_for(closed.wait(), 10)
+        await out.until(lambda m: m["type"] == "websocket.close")
         await inbox.put({"type": "websocket.disconnect", "code": 4401})
         await asyncio.wait_for(task, 10)
         await p.aclose()
@@ -381,10 +387,8 @@ def test_a_kernel_socket_that_jupyterlab_accepts_late_is_still_relayed(
 
     async def run() -> list[dict[str, Any]]:
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        sent: list[dict[str, Any]] = []
-
-        async def send(msg: dict[str, Any]) -> None:
-            sent.append(msg)
+        out = Outbox()
+        sent = out.sent
 
         path = f"/interactive/{job.pk}/api/kernels/slow/channels"
         scope = {
@@ -395,13 +399,11 @@ def test_a_kernel_socket_that_jupyterlab_accepts_late_is_still_relayed(
             ],
         }  # fmt: skip
         await inbox.put({"type": "websocket.connect"})
-        task = asyncio.ensure_future(p(scope, inbox.get, send))
-        while not sent:
-            await asyncio.sleep(0.01)
+        task = asyncio.ensure_future(p(scope, inbox.get, out.send))
+        await out.until(lambda m: True)
         if sent[0]["type"] == "websocket.accept":
             await inbox.put({"type": "websocket.receive", "text": "hello"})
-            while not any(m.get("text") == "echo:hello" for m in sent):
-                await asyncio.sleep(0.01)
+            await out.until(lambda m: m.get("text") == "echo:hello")
             await inbox.put({"type": "websocket.disconnect", "code": 1000})
         await asyncio.wait_for(task, 10)
         await p.aclose()
