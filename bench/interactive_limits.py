@@ -46,7 +46,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interactive_load import Kernel, make_users, session_cookie
-from real_stack import ROOT, fresh_database, loadavg, machine, real_stack
+from real_stack import ROOT, bench_record, interactive_stack, is_root, loadavg
 from terminal_rtt import open_terminal, ws_url
 
 sys.path.insert(0, str(ROOT))
@@ -247,16 +246,9 @@ def main() -> int:
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if os.geteuid() != 0:
-        print("run as root: it creates the Unix account JupyterLab runs as")
+    if not is_root():
         return 1
-    from tests.interactive.accounts import jupyter_account, workdir_for
-
-    print(f"machine: {machine()}; load average at start: {loadavg()}", flush=True)
-    bin_dir = str(Path(sys.executable).parent)
     extra_env = {
-        "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "GPULAB_JUPYTER_HOST": "127.0.0.1",
         "GPULAB_INTERACTIVE_MAX_PER_USER": str(3 * args.jobs),
         "GPULAB_KILL_GRACE": str(args.grace),
         "GPULAB_INTERACTIVE_IDLE_TIMEOUT": str(args.idle_timeout),
@@ -265,40 +257,26 @@ def main() -> int:
         "GPULAB_METRICS_PERSIST_INTERVAL": "1",
         "GPULAB_IDLE_THRESHOLD": "100",
     }
-    result: dict[str, Any] = {"machine": machine(), "load_start": loadavg()}
-    result["settings"] = {**extra_env, "PATH": None, "limit": args.limit}
-    with (
-        jupyter_account() as account,
-        workdir_for(account) as workdir,
-        tempfile.TemporaryDirectory(prefix="gpl-limits-") as tmp,
-        fresh_database("interactive_limits") as db_url,
-    ):
-        token = make_users(account.pw_name)
-        from django.db import connections
-
-        connections.close_all()
-        with real_stack(db_url, Path(tmp), args.cluster, extra_env) as stack:
-            cookie = session_cookie(stack.base_url, "bench-owner")
-            api = httpx.Client(
-                base_url=stack.base_url,
-                headers={"Authorization": f"Bearer {token}"},
-                timeout=60,
-            )
-            kinds: dict[int, str] = {}
-            for _ in range(args.jobs):
-                kinds[submit(api, "jupyter", args.limit, str(workdir))] = "limit"
-                kinds[submit(api, "shell", args.limit, str(workdir))] = "terminal"
-                kinds[submit(api, "jupyter", 600, str(workdir))] = "culled"
-            helpers = asyncio.run(open_all(stack.base_url, token, cookie, kinds))
-            jobs: dict[int, dict[str, Any]] = {
-                j: {"kind": k, "helper_pid": helpers[j]} for j, k in kinds.items()
-            }
-            watch(jobs, timeout=args.idle_timeout + 600)
-            for job_id, job in jobs.items():
-                job.update(job_row(job_id))
-                job.update(released(job_id, job.get("ended")))
-                job["culled_by_idle"] = culled_by_idle(job_id)
-            api.close()
+    result = bench_record(settings={**extra_env, "limit": args.limit})
+    with interactive_stack(
+        "interactive_limits", args.cluster, make_users, extra_env
+    ) as lab:
+        api, workdir, token = lab.api, lab.workdir, lab.token
+        cookie = session_cookie(lab.stack.base_url, "bench-owner")
+        kinds: dict[int, str] = {}
+        for _ in range(args.jobs):
+            kinds[submit(api, "jupyter", args.limit, str(workdir))] = "limit"
+            kinds[submit(api, "shell", args.limit, str(workdir))] = "terminal"
+            kinds[submit(api, "jupyter", 600, str(workdir))] = "culled"
+        helpers = asyncio.run(open_all(lab.stack.base_url, token, cookie, kinds))
+        jobs: dict[int, dict[str, Any]] = {
+            j: {"kind": k, "helper_pid": helpers[j]} for j, k in kinds.items()
+        }
+        watch(jobs, timeout=args.idle_timeout + 600)
+        for job_id, job in jobs.items():
+            job.update(job_row(job_id))
+            job.update(released(job_id, job.get("ended")))
+            job["culled_by_idle"] = culled_by_idle(job_id)
     result["load_end"] = loadavg()
     result["jobs"] = jobs
     report(jobs, result)

@@ -50,7 +50,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -61,7 +60,15 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_stack import ROOT, fresh_database, loadavg, machine, pct, real_stack
+from real_stack import (
+    ROOT,
+    bench_record,
+    interactive_stack,
+    is_root,
+    loadavg,
+    pct,
+    signed_in,
+)
 from submit_burst import PAGES, browser_process
 from terminal_rtt import LoadProcess
 
@@ -358,18 +365,7 @@ def make_users(account: str) -> str:
 
 def session_cookie(base_url: str, user: str) -> str:
     """A ``Cookie`` header of ``user`` signed in through the login form."""
-    with httpx.Client(base_url=base_url, timeout=60) as client:
-        client.get("/accounts/login/")
-        resp = client.post(
-            "/accounts/login/",
-            data={
-                "username": user,
-                "password": PASSWORD,
-                "csrfmiddlewaretoken": client.cookies["csrftoken"],
-            },
-        )
-        if resp.status_code != 302:
-            raise RuntimeError(f"login {user}: {resp.status_code}")
+    with signed_in(base_url, user, PASSWORD) as client:
         return "; ".join(f"{k}={v}" for k, v in client.cookies.items())
 
 
@@ -525,70 +521,46 @@ def main() -> int:
     if args.notebook_load:
         return notebook_load_run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if os.geteuid() != 0:
-        print("run as root: it creates the Unix account JupyterLab runs as")
+    if not is_root():
         return 1
-    from tests.interactive.accounts import jupyter_account, workdir_for
-
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "load_start": loadavg(),
-        "notebooks": args.notebooks,
-        "terminals": args.terminals,
-        "rounds": args.rounds,
-        "seconds": args.seconds,
-        "cluster": args.cluster,
-    }
-    print(f"machine: {result['machine']}; load average at start: {loadavg()}")
-    bin_dir = str(Path(sys.executable).parent)
-    extra_env = {
-        "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "GPULAB_JUPYTER_HOST": "127.0.0.1",
-        "GPULAB_INTERACTIVE_MAX_PER_USER": str(args.notebooks + 1),
-    }
-    with (
-        jupyter_account() as account,
-        workdir_for(account) as workdir,
-        tempfile.TemporaryDirectory(prefix="gpl-load-") as tmp,
-        fresh_database("interactive_load") as db_url,
-    ):
-        token = make_users(account.pw_name)
-        from django.db import connections
-
-        connections.close_all()
-        with real_stack(db_url, Path(tmp), args.cluster, extra_env) as stack:
-            if args.profile:
-                stack = profiled_web(stack, args.profile_out)
-            owner_cookie = session_cookie(stack.base_url, "bench-owner")
-            api = httpx.Client(
-                base_url=stack.base_url,
-                headers={"Authorization": f"Bearer {token}"},
-                timeout=60,
-            )
-            t0 = time.monotonic()
-            labs, shell = start_jobs(api, owner_cookie, args.notebooks, str(workdir))
-            print(
-                f"{len(labs)} JupyterLab jobs answering and terminal job {shell}"
-                f" running after {time.monotonic() - t0:.0f} s",
-                flush=True,
-            )
-            ctx = multiprocessing.get_context("spawn")
-            stop, pages_out = ctx.Event(), ctx.Queue()
-            browser = ctx.Process(
-                target=browser_process,
-                args=(stack.base_url, "bench-pages", stop, pages_out),
-            )
-            browser.start()
-            time.sleep(5)  # signed in and warm
-            result.update(phases(args, stack, token, owner_cookie, labs, shell))
-            stop.set()
-            pages = pages_out.get(timeout=300)
-            browser.join(30)
-            for job_id in (*labs, shell):
-                api.post(f"/api/v1/jobs/{job_id}/cancel/")
-            api.close()
-            if args.profile:
-                stop_profile(stack)
+    result = bench_record(
+        notebooks=args.notebooks,
+        terminals=args.terminals,
+        rounds=args.rounds,
+        seconds=args.seconds,
+        cluster=args.cluster,
+    )
+    extra_env = {"GPULAB_INTERACTIVE_MAX_PER_USER": str(args.notebooks + 1)}
+    with interactive_stack(
+        "interactive_load", args.cluster, make_users, extra_env
+    ) as lab:
+        stack, api, workdir, token = lab.stack, lab.api, lab.workdir, lab.token
+        if args.profile:
+            stack = profiled_web(stack, args.profile_out)
+        owner_cookie = session_cookie(stack.base_url, "bench-owner")
+        t0 = time.monotonic()
+        labs, shell = start_jobs(api, owner_cookie, args.notebooks, str(workdir))
+        print(
+            f"{len(labs)} JupyterLab jobs answering and terminal job {shell}"
+            f" running after {time.monotonic() - t0:.0f} s",
+            flush=True,
+        )
+        ctx = multiprocessing.get_context("spawn")
+        stop, pages_out = ctx.Event(), ctx.Queue()
+        browser = ctx.Process(
+            target=browser_process,
+            args=(stack.base_url, "bench-pages", stop, pages_out),
+        )
+        browser.start()
+        time.sleep(5)  # signed in and warm
+        result.update(phases(args, stack, token, owner_cookie, labs, shell))
+        stop.set()
+        pages = pages_out.get(timeout=300)
+        browser.join(30)
+        for job_id in (*labs, shell):
+            api.post(f"/api/v1/jobs/{job_id}/cancel/")
+        if args.profile:
+            stop_profile(stack)
     result["load_end"] = loadavg()
     result["pages"] = page_summary(pages, result["windows"])
     print("\npages of another user (p50 / p95 / max ms, n, errors); goal p95 < 200 ms")

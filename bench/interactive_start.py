@@ -25,22 +25,27 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_stack import ROOT, fresh_database, loadavg, machine, pct, real_stack
+from real_stack import (
+    ROOT,
+    bench_record,
+    interactive_stack,
+    is_root,
+    loadavg,
+    pct,
+    signed_in,
+)
 
-sys.path.insert(0, str(ROOT))
-from tests.interactive.accounts import jupyter_account
+if TYPE_CHECKING:
+    import httpx
 
 POLL_S = 0.02
+PASSWORD = "bench-pw-1"
 
 
 def make_user(account: str) -> str:
@@ -49,25 +54,9 @@ def make_user(account: str) -> str:
     from portal.api import tokens
     from scheduler.models import Profile
 
-    user = User.objects.create_user("bench-lab", password="bench-pw-1")
+    user = User.objects.create_user("bench-lab", password=PASSWORD)
     Profile.objects.update_or_create(user=user, defaults={"unix_account": account})
     return tokens.create_token(user, "bench", None)[1]
-
-
-def signed_in(base_url: str) -> httpx.Client:
-    client = httpx.Client(base_url=base_url, timeout=30)
-    client.get("/accounts/login/")
-    resp = client.post(
-        "/accounts/login/",
-        data={
-            "username": "bench-lab",
-            "password": "bench-pw-1",
-            "csrfmiddlewaretoken": client.cookies["csrftoken"],
-        },
-    )
-    if resp.status_code != 302:
-        raise RuntimeError(f"login: {resp.status_code}")
-    return client
 
 
 def started_at(job_id: int) -> float | None:
@@ -139,37 +128,14 @@ def main() -> int:
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if os.geteuid() != 0:
-        print("run as root: it creates the Unix account JupyterLab runs as")
+    if not is_root():
         return 1
-    result: dict[str, Any] = {
-        "machine": machine(),
-        "load_start": loadavg(),
-        "runs": args.runs,
-        "cluster": args.cluster,
-    }
-    print(f"machine: {result['machine']}; load average at start: {loadavg()}")
-    bin_dir = str(Path(sys.executable).parent)
-    extra_env = {
-        "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "GPULAB_JUPYTER_HOST": "127.0.0.1",
-    }
+    result = bench_record(runs=args.runs, cluster=args.cluster)
     with (
-        jupyter_account() as account,
-        tempfile.TemporaryDirectory(prefix="gpl-lab-") as tmp,
-        fresh_database("interactive") as db_url,
+        interactive_stack("interactive", args.cluster, make_user) as lab,
+        signed_in(lab.stack.base_url, "bench-lab", PASSWORD) as browser,
     ):
-        token = make_user(account.pw_name)
-        with real_stack(db_url, Path(tmp), args.cluster, extra_env) as stack:
-            api = httpx.Client(
-                base_url=stack.base_url,
-                headers={"Authorization": f"Bearer {token}"},
-                timeout=30,
-            )
-            browser = signed_in(stack.base_url)
-            rows = [one_run(api, browser) for _ in range(args.runs)]
-            api.close()
-            browser.close()
+        rows = [one_run(lab.api, browser) for _ in range(args.runs)]
     result["load_end"] = loadavg()
     result["rows"] = rows
     for key in ("total", "queue_launch", "jupyter"):

@@ -5,7 +5,9 @@ worker, notifier, beat and one simulated agent per node with the very argv
 ``portal.stack.up.processes`` gives ``make up``. Each process's output is kept
 line by line with the time it was read, so a bench can wait for a line and read
 the processes' own log timestamps (every process logs ``%(asctime)s``; they run
-with ``TZ=UTC`` on this machine's one clock).
+with ``TZ=UTC`` on this machine's one clock). ``interactive_stack`` adds what
+the interactive benches share: a Unix account for their jobs, the bench's users
+and API client, and agents that find this venv's JupyterLab.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -25,13 +28,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pass_scaling import _admin_conninfo, _with_db, setup_django
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    import pwd
+    from collections.abc import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +74,18 @@ def machine() -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "mem_gib": round(mem_kib / 1024 / 1024, 1),
     }
+
+
+def bench_record(**settings: Any) -> dict[str, Any]:
+    """A bench's result to start from: this machine, the load average now and
+    the run's ``settings``; prints the first two, which its figures are read
+    beside."""
+    record = {"machine": machine(), "load_start": loadavg(), **settings}
+    print(
+        f"machine: {record['machine']}; load average at start: {record['load_start']}",
+        flush=True,
+    )
+    return record
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -249,3 +266,83 @@ def real_stack(
         yield s
     finally:
         s.stop()
+
+
+def is_root() -> bool:
+    """Whether this runs as root, which the interactive benches need: they create
+    the Unix account JupyterLab and terminals run as (an agent runs no job as
+    root). Says so when it does not."""
+    if os.geteuid() == 0:
+        return True
+    print("run as root: it creates the Unix account JupyterLab runs as")
+    return False
+
+
+@contextlib.contextmanager
+def signed_in(base_url: str, user: str, password: str) -> Iterator[httpx.Client]:
+    """A client holding ``user``'s session, signed in through the login form."""
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        client.get("/accounts/login/")
+        resp = client.post(
+            "/accounts/login/",
+            data={
+                "username": user,
+                "password": password,
+                "csrfmiddlewaretoken": client.cookies["csrftoken"],
+            },
+        )
+        if resp.status_code != 302:
+            raise RuntimeError(f"login {user}: {resp.status_code}")
+        yield client
+
+
+@dataclass
+class InteractiveStack:
+    """``real_stack`` for interactive jobs: the stack, the Unix account its jobs
+    run as with a working directory it owns, and a client with the bench's API
+    token."""
+
+    stack: RealStack
+    account: pwd.struct_passwd
+    workdir: Path
+    token: str
+    api: httpx.Client
+
+
+@contextlib.contextmanager
+def interactive_stack(
+    label: str,
+    cluster: str,
+    make_users: Callable[[str], str],
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[InteractiveStack]:
+    """A Unix account of its own (``tests.interactive.accounts``: never root)
+    with a working directory, a fresh database whose users ``make_users(account
+    name)`` creates (it returns the API token the bench submits with), and
+    ``real_stack`` on it, the agents finding this venv's ``jupyter`` on their
+    PATH and binding it to loopback; ``extra_env`` adds settings. Run as root."""
+    sys.path.insert(0, str(ROOT))
+    from tests.interactive.accounts import jupyter_account, workdir_for
+
+    bin_dir = str(Path(sys.executable).parent)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "GPULAB_JUPYTER_HOST": "127.0.0.1",
+        **(extra_env or {}),
+    }
+    with (
+        jupyter_account() as account,
+        workdir_for(account) as workdir,
+        tempfile.TemporaryDirectory(prefix=f"gpl-{label}-") as tmp,
+        fresh_database(label) as db_url,
+    ):
+        token = make_users(account.pw_name)
+        with (
+            real_stack(db_url, Path(tmp), cluster, env) as stack,
+            httpx.Client(
+                base_url=stack.base_url,
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=60,
+            ) as api,
+        ):
+            yield InteractiveStack(stack, account, workdir, token, api)
