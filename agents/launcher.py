@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -70,6 +71,8 @@ class Job:
     env: dict[str, str]
     time_limit_s: int | None = None
     grace_s: int = 30
+    # The Unix account it runs as (reported in job.started).
+    run_as: str = ""
     shim_pid: int | None = None
     shim_start: str | None = None
     outcome: Outcome | None = None
@@ -365,4 +368,17 @@ def _job_from_spec(spec: JobLaunchData, job_dir: Path) -> Job:
         dict(spec.env),
         time_limit_s=spec.time_limit_s,
         grace_s=spec.grace_s,
+        run_as=_runs_as(spec),
     )
+
+
+def _runs_as(spec: JobLaunchData) -> str:
+    """The account ``spec`` runs as: its run_as (the agent's --default-account
+    already put there), its uid, or this agent's own account."""
+    if spec.run_as:
+        return spec.run_as
+    uid = os.geteuid() if spec.run_as_uid is None else spec.run_as_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"

@@ -184,6 +184,9 @@ class JobStartedData(_Model):
     interactive_host: Text = ""
     interactive_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     interactive_command: Annotated[str, Field(max_length=1024)] = ""
+    # The Unix account the job runs as: its run_as, the agent's --default-account,
+    # or the agent's own account. Empty from an agent that does not say.
+    run_as: Annotated[str, Field(max_length=256)] = ""
 
 
 ExitReason = Literal[

@@ -38,6 +38,7 @@ class Reaper(AgentCore):
                 interactive_host=server.host if server else "",
                 interactive_port=server.port if server else None,
                 interactive_command=server.command[:1024] if server else "",
+                run_as=job.run_as[:256],
             ),
         )
         if not resend:

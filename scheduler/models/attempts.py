@@ -119,6 +119,9 @@ class Attempt(models.Model):
     interactive_host = models.CharField(max_length=255, blank=True)
     interactive_port = models.PositiveIntegerField(null=True, blank=True)
     interactive_command = models.CharField(max_length=1024, blank=True)
+    # The Unix account it runs as, as the agent reported it in job.started (the
+    # owner's, the agent's --default-account or the agent's own); "" until then.
+    run_as = models.CharField(max_length=256, blank=True)
 
     class Meta:
         ordering = ("job", "number")

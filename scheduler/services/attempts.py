@@ -97,6 +97,8 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
             attempt.interactive_host = data.interactive_host
             attempt.interactive_port = data.interactive_port
             attempt.interactive_command = data.interactive_command
+        if first and data.run_as:
+            attempt.run_as = data.run_as
         attempt.save(
             update_fields=[
                 "rank_starts",
@@ -105,6 +107,7 @@ def mark_started(node_id: int, data: protocol.JobStartedData) -> bool:
                 "interactive_host",
                 "interactive_port",
                 "interactive_command",
+                "run_as",
             ]
         )
         name = Node.objects.values_list("name", flat=True).get(pk=node_id)

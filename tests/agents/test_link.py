@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -78,6 +79,9 @@ async def test_hello_launch_log_exit_and_never_started(
         )
         started = (await await_until(lambda: portal.of("job.started", attempt_id=5)))[0]
         pid = started["data"]["pid"]
+        # It names no run_as and the agent has no --default-account: it runs as
+        # the agent's own account, which job.started reports.
+        assert started["data"]["run_as"] == pwd.getpwuid(os.geteuid()).pw_name
 
         # While it runs, metrics show the job's process on GPU 0, owned by it.
         def busy() -> Any:

@@ -45,8 +45,12 @@ def test_default_account_runs_jobs_that_name_none(tmp_path: Path) -> None:
         str(nobody.pw_uid),
         str(nobody.pw_gid),
     ]
-    # Recorded in spec.json, so the shim and a restarted agent agree.
+    # Recorded in spec.json, so the shim and a restarted agent agree, and it is
+    # the account job.started reports.
     assert json.loads((job.dir / "spec.json").read_text())["run_as"] == "nobody"
+    assert job.run_as == "nobody"
+    [again] = launcher.scan()
+    assert again.run_as == "nobody"
 
 
 @root_only

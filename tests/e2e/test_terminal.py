@@ -136,6 +136,11 @@ def test_the_owner_gets_a_shell_as_her_account_and_its_exit_status(
     out = text(got)
     assert f"user={account.pw_name} gpus=GPU-" in out
     assert "size=20 90" in out
+    # The account the agent reported in job.started is that one (the job page's
+    # terminal card names it).
+    from scheduler.models import Attempt
+
+    assert Attempt.objects.get(job_id=job_id).run_as == account.pw_name
     assert got[-1] == {"type": "exit", "code": 4, "message": ""}
     assert code == 1000
 

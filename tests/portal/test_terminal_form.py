@@ -5,6 +5,7 @@ running interactive job to its owner only."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -81,3 +82,37 @@ def test_the_job_page_shows_the_terminal_to_the_owner_only(
     batch = JobFactory(owner=alice, status=Job.Status.RUNNING)
     page = client_for(alice).get(reverse("portal-job", args=[batch.pk]))
     assert 'data-testid="job-terminal"' not in page.content.decode()
+
+
+def test_the_terminal_names_the_account_the_agent_runs_the_job_as(
+    alice: User, cluster: list[Node]
+) -> None:
+    """alice has no Unix account of her own: the node's agent runs her terminal
+    job as its --default-account (``make up`` as root: gpulab-demo). The card
+    says so, not her portal name; before the agent's start it names no one."""
+    from agents import protocol
+    from scheduler import services
+    from tests.factories import JobFactory, start_job
+
+    job = JobFactory(owner=alice, interactive="shell")
+    attempt = start_job(job, cluster[0])
+    page = client_for(alice).get(reverse("portal-job", args=[job.pk])).content.decode()
+    assert 'data-testid="job-terminal"' not in page  # starting: no terminal yet
+
+    services.mark_started(
+        cluster[0].pk,
+        protocol.JobStartedData(
+            attempt_id=attempt.pk,
+            job_id=job.pk,
+            pid=4242,
+            started_at=time.time(),
+            run_as="gpulab-demo",
+        ),
+    )
+    attempt.refresh_from_db()
+    assert attempt.run_as == "gpulab-demo"
+    page = client_for(alice).get(reverse("portal-job", args=[job.pk])).content.decode()
+    assert 'data-testid="job-terminal"' in page
+    assert "A shell on the job's node as <span" in page
+    assert '<span data-testid="terminal-account">gpulab-demo</span>' in page
+    assert f"node as {alice.get_username()}" not in page
