@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -31,14 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import logging
-
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
-from live_dashboard import start_server
-from real_stack import free_port, fresh_database, loadavg, machine
+from live_dashboard import start_server  # noqa: E402
+from real_stack import free_port, fresh_database, loadavg, machine  # noqa: E402
 
 
 def member() -> tuple[Any, str]:
@@ -72,10 +71,10 @@ def in_process(owner: Any, size: int) -> dict[str, float]:
     array_id = new_array(owner, size)
     queries = 0
 
-    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+    def count(execute: Any, *args: Any) -> Any:
         nonlocal queries
         queries += 1
-        return execute(sql, params, many, context)
+        return execute(*args)
 
     with connection.execute_wrapper(count):
         started = time.perf_counter()
