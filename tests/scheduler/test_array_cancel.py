@@ -108,6 +108,38 @@ def test_an_arrays_cancel_ends_each_waiting_task_once_and_stops_the_running_one(
     assert services.cancel_array(array.pk, by=alice) == []
 
 
+@pytest.mark.django_db
+def test_a_batch_with_a_job_whose_state_changed_unseen_writes_nothing(
+    alice: User, cluster: list[Node]
+) -> None:
+    from django.db import transaction
+
+    from scheduler.lifecycle import Cause, ForbiddenTransition
+    from scheduler.services.lifecycle import transition_many
+
+    array = services.submit_array(alice, req(), "0-2")
+    tasks = list(array.tasks.order_by("pk"))  # read PENDING
+    services.hold_job(tasks[1].pk, by=alice)  # changed behind the copies' back
+
+    with pytest.raises(ForbiddenTransition) as refused, transaction.atomic():
+        transition_many(
+            tasks,
+            Job.Status.CANCELLED,
+            Cause.CANCEL,
+            "cancelled",
+            source=JobEvent.Source.USER,
+            summary="3 cancelled",
+        )
+
+    assert (refused.value.job_id, refused.value.source) == (tasks[1].pk, "held")
+    assert list(array.tasks.order_by("pk").values_list("status", flat=True)) == [
+        "pending",
+        "held",
+        "pending",
+    ]
+    assert not JobEvent.objects.filter(job__array=array, to_status="cancelled")
+
+
 # ------------------------------------------------------------------ races
 
 
