@@ -411,23 +411,22 @@ def broadcast_job_statuses(statuses: Sequence[tuple[int, str, str]]) -> None:
     follows the pages open, not the jobs changed (a ``group_send`` costs two
     Redis round trips even to an empty group). A page that subscribes after
     that read loses nothing: it fetches its job again on ``subscribed``. With
-    Redis unreadable every job's group is sent to (each send then logs its loss)."""
+    Redis unreadable (the channel layer's too) nothing is sent and one warning
+    logged: the pages show the stored states at their next change or reload."""
     if not statuses:
         return
-    watched: set[str] | None
     try:
-        now = time.time()
         members = _sync_client().zrangebyscore(
-            f"{settings.REDIS_PREFIX}:live:watch", f"({now}", "+inf"
+            f"{settings.REDIS_PREFIX}:live:watch", f"({time.time()}", "+inf"
         )
-        watched = {m.decode() for m in cast("list[bytes]", members)}
     except redis.RedisError:
-        log.warning("live: could not read the watch set", exc_info=True)
-        watched = None
+        log.warning(
+            "live: could not read the watch set; %d job.status not sent",
+            len(statuses),
+            exc_info=True,
+        )
+        return
+    watched = {m.decode() for m in cast("list[bytes]", members)}
     events.broadcast_job_statuses(
-        [
-            item
-            for item in statuses
-            if watched is None or events.job_group(item[0]) in watched
-        ]
+        [item for item in statuses if events.job_group(item[0]) in watched]
     )
