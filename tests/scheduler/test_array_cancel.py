@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from portal.notifications.models import Delivery
 from scheduler import services
 from scheduler.models import Attempt, Job, JobEvent
 from scheduler.pass_runner import run_one_pass
@@ -170,6 +171,11 @@ def test_an_array_cancel_waiting_on_a_tasks_own_cancel_skips_that_task(
     assert len(cancelled) == 9
     assert one.pk not in cancelled
     _ended_once(array)
+    # the owner hears of that task once, and of the array's other nine once
+    assert sorted(Delivery.objects.values_list("subject", flat=True)) == [
+        f"Job #{one.pk} sweep cancelled",
+        f"array {array.pk} (sweep): 9 waiting tasks cancelled by alice",
+    ]
 
 
 @pytest.mark.django_db(transaction=True)
