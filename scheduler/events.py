@@ -17,7 +17,7 @@ from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from agents import protocol
 
@@ -342,6 +342,42 @@ def _group_send(
         )
 
 
+def _group_send_many(
+    sends: Sequence[tuple[str, AgentCommandEvent | JobStatusEvent]],
+) -> None:
+    """``_group_send`` of many messages in one trip to the event loop (one
+    ``async_to_sync``, not one per message), each logged if lost as there."""
+    layer = get_channel_layer()
+    if layer is None:  # pragma: no cover - CHANNEL_LAYERS is always configured
+        log.error("no channel layer configured; dropped %d messages", len(sends))
+        return
+
+    async def send_all() -> None:
+        for group, event in sends:
+            try:
+                await layer.group_send(group, dict(event))
+            except (RedisError, OSError) as exc:
+                log.error(
+                    "channel layer unavailable; %s to %s lost: %r",
+                    event["type"],
+                    group,
+                    exc,
+                )
+
+    if sends:
+        async_to_sync(send_all)()
+
+
+def send_to_agents(commands: Sequence[tuple[int, dict[str, Any]]]) -> None:
+    """``send_to_agent`` of many ``(node id, frame)`` at once (an array's kills)."""
+    _group_send_many(
+        [
+            (agent_group(node_id), {"type": "agent.command", "frame": command})
+            for node_id, command in commands
+        ]
+    )
+
+
 def send_to_agent(node_id: int, command: dict[str, Any]) -> None:
     """Send one command frame to a node's agent (lost if it is not connected: the
     agent's next ``hello`` reconciles, see ``services.record_hello``)."""
@@ -364,3 +400,21 @@ def broadcast_job_status(job_id: int, status: str, message: str) -> None:
         "message": message,
     }
     _group_send(job_group(job_id), event)
+
+
+def broadcast_job_statuses(statuses: Sequence[tuple[int, str, str]]) -> None:
+    """``broadcast_job_status`` of many ``(job id, status, message)`` at once."""
+    _group_send_many(
+        [
+            (
+                job_group(job_id),
+                {
+                    "type": "job.status",
+                    "job_id": job_id,
+                    "status": status,
+                    "message": message,
+                },
+            )
+            for job_id, status, message in statuses
+        ]
+    )

@@ -70,6 +70,11 @@ class Notifier(Protocol):
     def job_changed(self, job: Job, message: str) -> None:
         """The job's status changed (ends and failures reach the owner)."""
 
+    def jobs_changed(self, jobs: Sequence[Job], summary: str) -> None:
+        """Many jobs moved to one status at once (``transition_many``: an
+        array's waiting tasks cancelled): one notice per owner, ``summary``
+        saying what happened to how many, not one per job."""
+
     def job_preempted(self, job: Job, attempt: Attempt, message: str) -> None:
         """The job was preempted and is back in the queue; ``attempt`` is the one
         stopped (the work it lost, the job it yielded to)."""

@@ -29,7 +29,7 @@ from portal.quotas.services import record
 from scheduler.lifecycle import Cause
 from scheduler.models import Group, Job, JobEvent, Membership, Profile
 from scheduler.services.jobs import cancel_job
-from scheduler.services.lifecycle import transition
+from scheduler.services.lifecycle import transition_many
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
@@ -254,24 +254,29 @@ def deactivate_user(user: User, reason: str) -> None:
         tokens = ApiToken.objects.filter(user=user, revoked_at__isnull=True).update(
             revoked_at=now
         )
-        held = []
-        for job in Job.objects.select_for_update().filter(
-            owner=user, status=Job.Status.PENDING, cancel_requested_at__isnull=True
-        ):
-            transition(
-                job,
-                Job.Status.HELD,
-                Cause.HOLD,
-                f"held: its owner was {reason}",
-                source=JobEvent.Source.SYSTEM,
-                notice="held",
-                held_by=None,
-                pending_reason="held",
-                pending_message=f"held: its owner was {reason}; an admin may release it",
-                queue_order=None,
-                est_start=None,
+        waiting = list(
+            Job.objects.select_for_update()
+            .filter(
+                owner=user, status=Job.Status.PENDING, cancel_requested_at__isnull=True
             )
-            held.append(job.pk)
+            .order_by("pk")
+        )
+        # one UPDATE and one insert of events however many jobs wait
+        transition_many(
+            waiting,
+            Job.Status.HELD,
+            Cause.HOLD,
+            f"held: its owner was {reason}",
+            source=JobEvent.Source.SYSTEM,
+            summary=f"{len(waiting)} waiting jobs held: their owner was {reason}",
+            notice="held",
+            held_by=None,
+            pending_reason="held",
+            pending_message=f"held: its owner was {reason}; an admin may release it",
+            queue_order=None,
+            est_start=None,
+        )
+        held = [job.pk for job in waiting]
         running = list(
             Job.objects.filter(
                 owner=user,

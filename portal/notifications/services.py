@@ -29,6 +29,8 @@ from portal.notifications import secrets, signing, targets
 from portal.notifications.models import Delivery, Kind, Preference
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from django.contrib.auth.models import AbstractBaseUser
 
     from scheduler.models import Attempt, Job
@@ -374,6 +376,39 @@ def job_changed(job: Job, message: str) -> None:
         _job_notice(job, kind, str(job.status), message)
 
 
+def jobs_changed(jobs: Sequence[Job], summary: str) -> None:
+    """Called (inside its transaction) when ``scheduler.services`` moved many
+    jobs to one status at once (an array's waiting tasks cancelled): an end is
+    told to each owner once, ``summary`` as the subject, the jobs' numbers in
+    the text (the first 20) and the payload (all), not once per job."""
+    owners: dict[int, list[Job]] = {}
+    for job in jobs:
+        owners.setdefault(job.owner_id, []).append(job)
+    for mine in owners.values():
+        kind = _END_KINDS.get(str(mine[0].status))
+        if kind is None:
+            continue
+        ids = sorted(job.pk for job in mine)
+        shown = ", ".join(f"#{i}" for i in ids[:20])
+        more = f" and {len(ids) - 20} more" if len(ids) > 20 else ""
+        subject = jobtext.mark_bidi(summary)
+        array_ids = {job.array_id for job in mine}
+        array_id = array_ids.pop() if len(array_ids) == 1 else None
+        notify(
+            mine[0].owner,
+            kind,
+            subject,
+            f"{subject}: jobs {shown}{more}.",
+            {
+                "job_ids": ids,
+                "array_id": array_id,
+                "status": str(mine[0].status),
+                "count": len(ids),
+                "message": summary,
+            },
+        )
+
+
 def job_started(job: Job, message: str) -> None:
     """Called by ``scheduler.services.mark_started`` when a job starts running."""
     _job_notice(job, Kind.JOB_STARTED, "started", message)
@@ -387,6 +422,9 @@ class Handlers:
 
     def job_changed(self, job: Job, message: str) -> None:
         job_changed(job, message)
+
+    def jobs_changed(self, jobs: Sequence[Job], summary: str) -> None:
+        jobs_changed(jobs, summary)
 
     def job_preempted(self, job: Job, attempt: Attempt, message: str) -> None:
         job_preempted(job, attempt, message)

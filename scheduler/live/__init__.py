@@ -23,7 +23,8 @@ Three paths, each bounded whatever the cluster's size (docs/architecture.md,
    The same round sends ``node.state`` to watched node groups whose status or
    holders changed, and ``queue.changed`` when services marked the queue changed.
 3. **Job state and output**: services broadcast ``job.status`` on commit (and
-   mark the queue changed); the agent consumer sends stored log chunks to a
+   mark the queue changed; a batch of jobs, only to the watched pages:
+   ``broadcast_job_statuses``); the agent consumer sends stored log chunks to a
    watched ``job.<id>``.
 
 The modules: ``feed`` (``NodeFeed`` and its ``Throttle``: path 1 and the log
@@ -48,7 +49,13 @@ finds no stored state and sends the whole state (``base`` 0).
 
 from scheduler.live.deltas import changed_nodes, diff, is_empty
 from scheduler.live.feed import NodeFeed, Throttle, node_holders, readings_json
-from scheduler.live.hub import Hub, Member, build_round, mark_queue_changed
+from scheduler.live.hub import (
+    Hub,
+    Member,
+    broadcast_job_statuses,
+    build_round,
+    mark_queue_changed,
+)
 from scheduler.live.timing import (
     CLAIM_MS,
     HOLDERS_MAX_AGE_S,
@@ -73,6 +80,7 @@ __all__ = [
     "Member",
     "NodeFeed",
     "Throttle",
+    "broadcast_job_statuses",
     "build_round",
     "changed_nodes",
     "diff",

@@ -33,7 +33,7 @@ from scheduler.live.timing import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Iterable
+    from collections.abc import Awaitable, Iterable, Sequence
 
     from scheduler.events import ClusterDeltaEvent, ClusterState
 
@@ -387,14 +387,46 @@ def clients_key() -> str:
 _sync_redis: redis.Redis | None = None
 
 
-def mark_queue_changed() -> None:
-    """Called by services (after commit) when the queue changed; the next round
-    tells the pages showing it (at most once per interval)."""
+def _sync_client() -> redis.Redis:
     global _sync_redis
     if _sync_redis is None:
         _sync_redis = redis.Redis.from_url(settings.REDIS_URL)
+    return _sync_redis
+
+
+def mark_queue_changed() -> None:
+    """Called by services (after commit) when the queue changed; the next round
+    tells the pages showing it (at most once per interval)."""
     try:
-        _sync_redis.set(f"{settings.REDIS_PREFIX}:live:queue", "1")
+        _sync_client().set(f"{settings.REDIS_PREFIX}:live:queue", "1")
     except redis.RedisError:
         # Pages notice at their next change or reload; the job's state is stored.
         log.warning("live: could not mark the queue changed", exc_info=True)
+
+
+def broadcast_job_statuses(statuses: Sequence[tuple[int, str, str]]) -> None:
+    """Called by services (after commit) when many jobs changed at once (an
+    array's cancel): ``job.status`` (job id, status, message) to the page of
+    each job some browser watches, after one read of the watch set, so the cost
+    follows the pages open, not the jobs changed (a ``group_send`` costs two
+    Redis round trips even to an empty group). A page that subscribes after
+    that read loses nothing: it fetches its job again on ``subscribed``. With
+    Redis unreadable (the channel layer's too) nothing is sent and one warning
+    logged: the pages show the stored states at their next change or reload."""
+    if not statuses:
+        return
+    try:
+        members = _sync_client().zrangebyscore(
+            f"{settings.REDIS_PREFIX}:live:watch", f"({time.time()}", "+inf"
+        )
+    except redis.RedisError:
+        log.warning(
+            "live: could not read the watch set; %d job.status not sent",
+            len(statuses),
+            exc_info=True,
+        )
+        return
+    watched = {m.decode() for m in cast("list[bytes]", members)}
+    events.broadcast_job_statuses(
+        [item for item in statuses if events.job_group(item[0]) in watched]
+    )

@@ -4,7 +4,8 @@ Each task is a ``Job`` of its own (its own state, attempts, logs and charges)
 with its ``array_index``, which the agent puts in its environment as
 ``GPULAB_ARRAY_INDEX`` (``starts.launch_frame``). The run-at-once limit
 (``%N``) is enforced by the pure policy (``policy.arrays``); cancelling an
-array cancels every task still active, one by one under their row locks.
+array cancels every task still active under their row locks, in a fixed number
+of queries (``jobs._cancel_many_locked``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from scheduler.services.dependencies import (
 )
 from scheduler.services.jobs import (
     JobRequest,
-    _cancel_locked,
+    _cancel_many_locked,
     _charge_group,
     predict_runtime,
     validated_submission,
@@ -183,25 +184,25 @@ def submit_array(owner: User, req: JobRequest, spec: str) -> JobArray:
 
 def cancel_array(array_id: int, *, by: User | None, reason: str = "") -> list[int]:
     """Cancel every task of an array that is still active and not already being
-    cancelled; return their ids (in id order).
+    cancelled; return their ids (in id order). A fixed number of queries
+    whatever the array's size, plus nothing per task but its ``job.kill`` if it
+    runs.
 
-    1. Lock those tasks in id order (``SELECT ... FOR UPDATE``): a task that a
-       concurrent cancel (of the array, or of that one task) changed while we
-       waited for its lock no longer matches and is skipped, so two cancels at
-       once cancel each task once.
-    2. Each one as ``cancel_job`` does (``_cancel_locked``): a waiting task ends
-       CANCELLED at once, a running one gets ``job.kill``; one event each; one
-       pass asked for (once) if any was waiting.
+    1. Lock those tasks in id order (``SELECT ... FOR UPDATE``, one query): a
+       task that a concurrent cancel (of the array, or of that one task) changed
+       while we waited for its lock no longer matches and is skipped, so two
+       cancels at once cancel each task once.
+    2. All of them as ``cancel_job`` does one (``_cancel_many_locked``): the
+       waiting ones end CANCELLED at once in one UPDATE, one event each (one
+       insert), one notice to the owner for the array and one pass; the
+       running ones get ``job.kill`` and end when their agents report it.
 
     ``by`` (None: gpulab itself) must be the array's owner or an admin with
     ``cancel_any_job`` (``Job.may_cancel``), else ``PermissionDenied``."""
     with transaction.atomic():
-        if by is not None:
-            owner_id = JobArray.objects.values_list("owner_id", flat=True).get(
-                pk=array_id
-            )
-            if not may_cancel(by, owner_id=owner_id):
-                raise PermissionDenied(f"You may not cancel array {array_id}.")
+        array = JobArray.objects.only("owner_id", "name").get(pk=array_id)
+        if by is not None and not may_cancel(by, owner_id=array.owner_id):
+            raise PermissionDenied(f"You may not cancel array {array_id}.")
         tasks = list(
             Job.objects.select_for_update()
             .filter(
@@ -211,6 +212,6 @@ def cancel_array(array_id: int, *, by: User | None, reason: str = "") -> list[in
             )
             .order_by("pk")
         )
-        for task in tasks:
-            _cancel_locked(task, by=by, reason=reason)
+        name = f" ({array.name})" if array.name else ""
+        _cancel_many_locked(tasks, by=by, what=f"array {array_id}{name}", reason=reason)
     return [t.pk for t in tasks]

@@ -19,7 +19,7 @@ from scheduler import events
 from scheduler.models import Attempt, Job, JobEvent
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from django.contrib.auth.models import User
 
@@ -153,3 +153,29 @@ def _send_kill_on_commit(
         transaction.on_commit(partial(events.send_to_agent, node_id, command))
     attempt.kill_sent_at = timezone.now()
     attempt.save(update_fields=["kill_sent_at"])
+
+
+def _send_kills_on_commit(
+    kills: Sequence[tuple[Attempt, int]], reason: protocol.KillReason
+) -> None:
+    """``_send_kill_on_commit`` of many attempts at once, each ``(attempt,
+    grace_s)`` stopped with SIGTERM for ``reason`` (an array's cancel): every
+    frame in one after-commit send, ``kill_reason`` and ``kill_sent_at`` in one
+    UPDATE."""
+    if not kills:
+        return
+    commands = [
+        (node_id, kill_frame(attempt.pk, attempt.job_id, reason, grace_s))
+        for attempt, grace_s in kills
+        for node_id in attempt.node_ids
+        if str(node_id) not in attempt.rank_exits
+    ]
+    if commands:
+        transaction.on_commit(partial(events.send_to_agents, commands))
+    now = timezone.now()
+    Attempt.objects.filter(pk__in=[a.pk for a, _ in kills]).update(
+        kill_reason=reason, kill_sent_at=now
+    )
+    for attempt, _ in kills:
+        attempt.kill_reason = reason
+        attempt.kill_sent_at = now

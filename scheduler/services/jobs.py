@@ -35,6 +35,7 @@ from scheduler.services.common import (
     _event,
     _pass_after_commit,
     _send_kill_on_commit,
+    _send_kills_on_commit,
 )
 from scheduler.services.dependencies import (
     dependency_rows,
@@ -42,10 +43,15 @@ from scheduler.services.dependencies import (
     parse_dependencies,
     resolve_dependencies,
 )
-from scheduler.services.lifecycle import announce, transition
+from scheduler.services.lifecycle import (
+    announce,
+    announce_many,
+    transition,
+    transition_many,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from django.contrib.auth.models import User
 
@@ -574,7 +580,7 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
 
 def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
     """Steps 2-3 of ``cancel_job`` on a job the caller has locked and checked
-    (active, no cancel asked yet); ``services.cancel_array`` shares it."""
+    (active, no cancel asked yet); ``_cancel_many_locked`` is its batch form."""
     now = timezone.now()
     who = by.get_username() if by is not None else "gpulab"
     who += f" ({reason})" if reason else ""
@@ -608,3 +614,59 @@ def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
         attempt.save(update_fields=["kill_reason"])
         _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
     announce(job, "cancelling")
+
+
+def _cancel_many_locked(
+    jobs: Sequence[Job], *, by: User | None, what: str, reason: str = ""
+) -> None:
+    """``_cancel_locked`` of many jobs the caller has locked (in id order) and
+    checked (active, no cancel asked yet), in a fixed number of queries however
+    many there are (``services.cancel_array``); ``what`` names them for their
+    owner ("array 12 (sweep)").
+
+    The waiting ones end CANCELLED in one ``transition_many`` (one UPDATE, one
+    insert of their events, one notice to the owner, one pass); the running
+    ones get their cancel request in one UPDATE, their events in one insert,
+    each live attempt its ``job.kill`` (all sent in one go after commit), and
+    end CANCELLED as each exit is reported (their owner is told then, as for
+    one job)."""
+    now = timezone.now()
+    who = by.get_username() if by is not None else "gpulab"
+    who += f" ({reason})" if reason else ""
+    source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
+    waiting = [j for j in jobs if j.status in (Job.Status.PENDING, Job.Status.HELD)]
+    on_node = [j for j in jobs if j.status in Job.ON_NODE]
+    summary = f"{what}: {len(waiting)} waiting tasks cancelled by {who}"
+    if on_node:
+        summary += f"; {len(on_node)} running tasks are being stopped"
+    transition_many(
+        waiting,
+        Job.Status.CANCELLED,
+        Cause.CANCEL,
+        f"cancelled by {who}",
+        source=source,
+        summary=summary,
+        actor=by,
+        at=now,
+        notice="cancelled",
+        cancel_requested_at=now,
+        pending_reason="",
+        pending_message="",
+    )
+    if not on_node:
+        return
+    ids = [j.pk for j in on_node]
+    Job.objects.filter(pk__in=ids).update(cancel_requested_at=now)
+    message = f"cancel requested by {who}; stopping the process"[:500]
+    JobEvent.objects.bulk_create(
+        [
+            JobEvent(job=job, message=message, source=source, actor=by, at=now)
+            for job in on_node
+        ]
+    )
+    grace = {job.pk: job.kill_grace_s for job in on_node}
+    for job in on_node:
+        job.cancel_requested_at = now
+    live_attempts = Attempt.objects.filter(job_id__in=ids, ended_at__isnull=True)
+    _send_kills_on_commit([(a, grace[a.job_id]) for a in live_attempts], "cancelled")
+    announce_many(on_node, "cancelling", summary=summary)

@@ -6,7 +6,8 @@
 that go with it, one ``JobEvent``, and registers what follows the commit: the
 browsers' live update, the owner's notification (``hooks.notifier()``) and, when
 the change frees GPUs or changes the queue, a scheduling pass. ``start_many`` is
-the same for a pass's starts in a fixed number of queries. ``end_attempt`` /
+the same for a pass's starts in a fixed number of queries, ``transition_many``
+for many waiting jobs moved at once (an array's cancel). ``end_attempt`` /
 ``correct_attempt_end`` are the only code that sets an attempt's end (``ended_at``,
 ``outcome``, ``exit_code``).
 """
@@ -17,7 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from scheduler import events, hooks, live
@@ -108,6 +109,99 @@ def announce(job: Job, message: str) -> None:
         partial(events.broadcast_job_status, job.pk, job.status, message)
     )
     transaction.on_commit(live.mark_queue_changed)
+
+
+def announce_many(jobs: Sequence[Job], notice: str, *, summary: str) -> None:
+    """``announce`` of many jobs at once: their owners' notifier once
+    (``jobs_changed`` with ``summary``: an end is one notice per owner), and
+    after commit one send of ``job.status`` (``notice``) to the watched pages
+    of these jobs (``live.broadcast_job_statuses``) and one queue mark."""
+    if not jobs:
+        return
+    hooks.notifier().jobs_changed(jobs, summary)
+    statuses = [(job.pk, str(job.status), notice) for job in jobs]
+    transaction.on_commit(partial(live.broadcast_job_statuses, statuses))
+    transaction.on_commit(live.mark_queue_changed)
+
+
+def transition_many(
+    jobs: Sequence[Job],
+    to: Job.Status,
+    cause: Cause,
+    message: str,
+    *,
+    source: str,
+    summary: str,
+    actor: User | None = None,
+    at: datetime | None = None,
+    notice: str | None = None,
+    **changes: Any,
+) -> list[JobEvent]:
+    """``transition`` of many jobs to one state for one cause, in a fixed number
+    of queries whatever their number (an array's waiting tasks cancelled).
+
+    The jobs are locked by the caller (``SELECT ... FOR UPDATE``, in id order)
+    and their ``status`` read under that lock.
+
+    1. One table check per state they come from (``ForbiddenTransition``,
+       nothing written, if one is not allowed).
+    2. One UPDATE of the state and ``changes`` (the same for every job; an end
+       state also sets ``finished_at``, ``end_reason`` and ``exit_code`` as
+       ``transition`` does), guarded by each job's stored state: a row that is
+       no longer in it raises ``ForbiddenTransition`` (the caller's transaction
+       rolls the batch back) instead of being overwritten.
+    3. One insert of the events (``message``, from each job's state).
+    4. The owners' notifier once for the batch (``jobs_changed`` with
+       ``summary``: one notice per owner), the browsers after commit in one
+       send to the watched job pages (``notice``, default ``message``) and one
+       queue mark, and one pass if the rule says so.
+    """
+    if not jobs:
+        return []
+    if "status" in changes:
+        raise TypeError("transition_many() sets the status itself: pass it as `to`")
+    if to in PASSING or to == Job.Status.RUNNING:
+        raise ValueError(f"transition_many() does not move jobs to {to}")
+    at = at or timezone.now()
+    by_state: dict[str, list[int]] = {}
+    for job in jobs:
+        by_state.setdefault(job.status, []).append(job.pk)
+    rules = [check(ids[0], state, to, cause) for state, ids in by_state.items()]
+    if to in Job.TERMINAL:
+        changes.update(
+            finished_at=at, end_reason=message[:END_REASON_MAX], exit_code=None
+        )
+    guard = Q()
+    for state, ids in by_state.items():
+        guard |= Q(pk__in=ids, status=state)
+    updated = Job.objects.filter(guard).update(status=to, **changes)
+    if updated != len(jobs):
+        stored = dict(
+            Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("pk", "status")
+        )
+        moved = next((j for j in jobs if stored.get(j.pk) != to), jobs[0])
+        raise ForbiddenTransition(moved.pk, stored.get(moved.pk, "gone"), to, cause)
+    rows = []
+    for job in jobs:
+        rows.append(
+            JobEvent(
+                job=job,
+                message=message[:500],
+                source=source,
+                actor=actor,
+                from_status=job.status,
+                to_status=to,
+                at=at,
+            )
+        )
+        job.status = to
+        for name, value in changes.items():
+            setattr(job, name, value)
+    made = JobEvent.objects.bulk_create(rows)
+    announce_many(jobs, notice or message, summary=summary)
+    if any(rule.wakes_pass for rule in rules):
+        _pass_after_commit()
+    return made
 
 
 def start_many(

@@ -355,6 +355,30 @@ def test_an_array_is_submitted_shown_and_cancelled(
     assert listed["count"] == 5
 
 
+def test_an_array_cancelled_with_a_task_running_counts_it_running_until_it_exits(
+    as_alice: Api, cluster: list[Node], django_capture_on_commit_callbacks: Any
+) -> None:
+    got = as_alice.post("/api/v1/arrays/", {**JOB, "array": "0-5%1"})
+    path = f"/api/v1/arrays/{got.json()['id']}/"
+    run_one_pass()
+    attempt = Attempt.objects.get(job__array_id=got.json()["id"])
+    services.mark_started(attempt.node_id, started_data(attempt))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        cancelled = as_alice.post(path + "cancel/").json()["cancelled"]
+
+    assert len(cancelled) == 6
+    shown = as_alice.get(path).json()
+    assert shown["counts"] == {"cancelled": 5, "running": 1}
+    assert [t["id"] for t in shown["tasks"] if t["state"] == "running"] == [
+        attempt.job_id
+    ]
+    with django_capture_on_commit_callbacks(execute=True):
+        services.finish_attempt(attempt.node_id, exited_data(attempt, 143))
+    assert as_alice.get(path).json()["counts"] == {"cancelled": 6}
+    assert as_alice.post(path + "cancel/").json()["cancelled"] == []
+
+
 def test_a_bad_array_spec_is_named(as_alice: Api, cluster: list[Node]) -> None:
     got = as_alice.post("/api/v1/arrays/", {**JOB, "array": "9-1"})
     assert got.status_code == 400

@@ -23,7 +23,7 @@ from portal.directory.identity import (
 )
 from portal.directory.mapping import GroupMapping
 from portal.quotas.models import AuditEntry
-from scheduler.models import Group, Job, Membership
+from scheduler.models import Group, Job, JobEvent, Membership
 from tests.factories import JobFactory, start_job
 
 if TYPE_CHECKING:
@@ -218,6 +218,29 @@ def test_removal_ends_sessions_tokens_and_holds_waiting_jobs(
     assert entry.new["jobs_held"] == [waiting.pk]
     assert entry.new["jobs_left_running"] == [running.pk]
     assert entry.new["tokens_revoked"] == 1
+
+
+def test_removal_holds_50_waiting_jobs_in_as_many_queries_as_5(
+    db: None, cluster: list[Node], groups: dict[str, Any]
+) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def cost(name: str, jobs: int) -> int:
+        user = User.objects.create_user(name)
+        apply_identity(user, ident())
+        waiting = [JobFactory(owner=user, group=groups["vision"]) for _ in range(jobs)]
+        with CaptureQueriesContext(connection) as queries:
+            deactivate_user(user, "removed from the directory")
+        assert set(Job.objects.filter(owner=user).values_list("status", "held_by")) == {
+            (Job.Status.HELD, None)
+        }
+        assert JobEvent.objects.filter(job__in=waiting, to_status="held").count() == (
+            jobs
+        )
+        return len(queries)
+
+    assert cost("dora", 50) == cost("eve", 5)
 
 
 def test_removal_may_cancel_running_jobs(

@@ -213,6 +213,35 @@ def test_job_start_end_and_failure_are_notified_from_the_services(
     assert "failed with exit code 3" in failed.text
 
 
+def test_an_arrays_cancel_tells_its_owner_once_not_once_per_task(
+    alice: User, db: None, django_capture_on_commit_callbacks: Any
+) -> None:
+    Preference.objects.create(user=alice, kinds=[Kind.JOB_ENDED])
+    make_node("n-notify", 2)
+    array = scheduler_services.submit_array(
+        alice,
+        scheduler_services.JobRequest(name="sweep", command="true", workdir="/tmp/w"),
+        "0-49",
+    )
+    with django_capture_on_commit_callbacks(execute=True):
+        cancelled = scheduler_services.cancel_array(array.pk, by=alice)
+
+    [row] = Delivery.objects.all()
+    subject = f"array {array.pk} (sweep): 50 waiting tasks cancelled by alice"
+    assert (row.kind, row.channel, row.subject) == ("job_ended", "email", subject)
+    assert row.payload == {
+        "job_ids": cancelled,
+        "array_id": array.pk,
+        "status": "cancelled",
+        "count": 50,
+        "message": subject,
+    }
+    assert row.text.startswith(f"{subject}: jobs #{cancelled[0]}, #{cancelled[1]},")
+    assert row.text.endswith(f"#{cancelled[19]} and 30 more.")
+    assert services.send(row.pk) is not None
+    assert [m.subject for m in mail.outbox] == [f"[gpulab] {subject}"]
+
+
 def test_the_sweep_sends_what_no_queue_holds(alice: User) -> None:
     [row] = services.notify(alice, Kind.JOB_FAILED, "Job #3 failed", "text")
     from portal.notifications.tasks import sweep

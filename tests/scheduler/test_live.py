@@ -379,6 +379,32 @@ def metrics_frame(node: Any, at: float, util: float, attempt: int | None = None)
 
 @pytest.mark.anyio
 @pytest.mark.django_db(transaction=True)
+async def test_an_arrays_cancel_tells_the_watched_task_pages_only(
+    alice: User, _close_db_connections: None
+) -> None:
+    await database_sync_to_async(make_node)("node-a", 2)
+    request = services.JobRequest(name="sweep", command="true", workdir="/tmp/w")
+    array = await database_sync_to_async(services.submit_array)(alice, request, "0-2")
+    ids = await database_sync_to_async(
+        lambda: sorted(array.tasks.values_list("pk", flat=True))
+    )()
+    await watch(live.Hub.current(), events.job_group(ids[0]))
+    watched = await listen(events.job_group(ids[0]))
+    unwatched = await listen(events.job_group(ids[1]))  # in its group, not watched
+
+    await database_sync_to_async(services.cancel_array)(array.pk, by=alice)
+
+    assert await receive(watched) == {
+        "type": "job.status",
+        "job_id": ids[0],
+        "status": "cancelled",
+        "message": "cancelled",
+    }
+    assert await nothing(unwatched)
+
+
+@pytest.mark.anyio
+@pytest.mark.django_db(transaction=True)
 async def test_a_node_feed_sends_nothing_while_nobody_watches(
     settings: Any, _close_db_connections: None
 ) -> None:
