@@ -23,6 +23,8 @@ as they are. ``max_wait_s`` 0: no bound (``slurm`` and ``fifo`` never apply it).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import compress
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -77,11 +79,15 @@ def bound_order(
     has not waited as long. ``order`` itself when none is overdue."""
     if max_wait_s <= 0:
         return order
+    # submitted before ``cutoff`` is necessary (the service time is >= 0) and
+    # cheap: one comparison per job in the common pass where none is overdue
+    cutoff = now - max_wait_s
     over = [
         i
         for i, j in enumerate(order)
-        if j.priority_class not in interactive
-        and now - j.submitted_at - j.attained_gpu_s / max(j.gpus, 1) > max_wait_s
+        if j.submitted_at < cutoff
+        and j.priority_class not in interactive
+        and cutoff - j.submitted_at > j.attained_gpu_s / max(j.gpus, 1)
     ]
     if not over:
         return order
@@ -89,14 +95,16 @@ def bound_order(
     for i in over:
         bands.setdefault(class_part(order[i]), []).append(i)
     levels = sorted(bands, reverse=True)
-    moved = set(over)
     n = len(order)
+    keep = [True] * n
+    for i in over:
+        keep[i] = False
     # per level, the first job that is not overdue and whose class part is not
     # above it (one scan; levels are few)
     first = dict.fromkeys(levels, n)
     todo = levels
     for i, j in enumerate(order):
-        if i in moved or j.priority_class in interactive:
+        if not keep[i] or j.priority_class in interactive:
             continue
         c = class_part(j)
         rest = []
@@ -116,11 +124,15 @@ def bound_order(
         floor = pos
         band.sort(key=lambda i: (order[i].submitted_at, order[i].id))
         at.setdefault(pos, []).extend(band)
+    # the jobs that stay, in order, with each band spliced in before the job
+    # that was at its position (``over`` is ascending)
+    rest = list(compress(order, keep))
     out: list[PendingJob] = []
-    for i in range(n + 1):
-        got = at.get(i)
-        if got is not None:
-            out.extend(order[k] for k in got)
-        if i < n and i not in moved:
-            out.append(order[i])
+    done = 0
+    for pos in sorted(at):
+        r = pos - bisect_left(over, pos)
+        out += rest[done:r]
+        out += [order[k] for k in at[pos]]
+        done = r
+    out += rest[done:]
     return out
