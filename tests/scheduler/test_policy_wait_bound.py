@@ -28,6 +28,7 @@ from tests.scheduler.test_policy_support import (
 )
 
 HOUR = 3600.0
+BOUND = 48 * HOUR  # the tests' bound (the default is 144 h)
 ROOT = Path(__file__).resolve().parents[2]
 # the heavy user has used nearly everything: its fair-share factor is near 0
 USAGE = Usage(
@@ -52,17 +53,24 @@ def test_a_job_over_the_bound_goes_first_whatever_its_fair_share_and_run_time():
     # one free GPU; the heavy user's long job has waited 50 h, the light user's
     # short job just arrived: shortest-first and fair share favour the new one
     jobs = [heavy(1, age=50 * HOUR), light(2)]
-    ds = decide(cluster(node_gpus(1, 1), jobs, usage=USAGE))
+    ds = decide(cluster(node_gpus(1, 1), jobs, usage=USAGE, max_wait_s=BOUND))
     assert set(starts(ds)) == {1}
     # under the bound (47 h), or with the bound off, the new short job goes first
     ds = decide(
-        cluster(node_gpus(1, 1), [heavy(1, age=47 * HOUR), light(2)], usage=USAGE)
+        cluster(
+            node_gpus(1, 1),
+            [heavy(1, age=47 * HOUR), light(2)],
+            usage=USAGE,
+            max_wait_s=BOUND,
+        )
     )
     assert set(starts(ds)) == {2}
     ds = decide(cluster(node_gpus(1, 1), jobs, usage=USAGE, max_wait_s=0.0))
     assert set(starts(ds)) == {2}
     # ``slurm`` never applies it: fair share decides there
-    ds = decide(cluster(node_gpus(1, 1), jobs, usage=USAGE, config=SLURM))
+    ds = decide(
+        cluster(node_gpus(1, 1), jobs, usage=USAGE, config=SLURM, max_wait_s=BOUND)
+    )
     assert set(starts(ds)) == {2}
 
 
@@ -75,7 +83,9 @@ def test_overdue_jobs_go_oldest_first_and_a_younger_one_never_passes():
         heavy(3, age=60 * HOUR),
         light(4, age=HOUR),
     ]
-    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs, usage=USAGE))
+    ds = decide(
+        cluster(node_gpus(1, 1, busy=(0,)), jobs, usage=USAGE, max_wait_s=BOUND)
+    )
     assert order_of(ds)[:2] == [3, 1]
     assert set(order_of(ds)[2:]) == {2, 4}
     # without the bound the heavy user's job is last
@@ -92,7 +102,9 @@ def test_the_bound_keeps_higher_classes_ahead_and_passes_lower_ones():
         light(3),
         light(4, cls="best-effort"),
     ]
-    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs, usage=USAGE))
+    ds = decide(
+        cluster(node_gpus(1, 1, busy=(0,)), jobs, usage=USAGE, max_wait_s=BOUND)
+    )
     assert order_of(ds) == [2, 1, 3, 4]
     # an overdue ``best-effort`` job passes only ``best-effort`` work
     jobs = [
@@ -100,7 +112,9 @@ def test_the_bound_keeps_higher_classes_ahead_and_passes_lower_ones():
         light(3),
         light(4, cls="best-effort"),
     ]
-    ds = decide(cluster(node_gpus(1, 1, busy=(0,)), jobs, usage=USAGE))
+    ds = decide(
+        cluster(node_gpus(1, 1, busy=(0,)), jobs, usage=USAGE, max_wait_s=BOUND)
+    )
     assert order_of(ds) == [3, 1, 4]
 
 
@@ -108,11 +122,15 @@ def test_the_wait_is_time_not_running():
     # submitted 60 h ago, 20 h run on its 2 GPUs (40 GPU-h): waited 40 h, not over
     job = replace(heavy(1, age=60 * HOUR, gpus=2), attained_gpu_s=40 * HOUR)
     assert waited_s(NOW, job.submitted_at, job.attained_gpu_s, job.gpus) == 40 * HOUR
-    ds = decide(cluster(node_gpus(1, 2), [job, light(2)], usage=USAGE))
+    ds = decide(
+        cluster(node_gpus(1, 2), [job, light(2)], usage=USAGE, max_wait_s=BOUND)
+    )
     assert set(starts(ds)) == {2}
     # 10 h run of 60 h: waited 50 h, over
     job = replace(job, attained_gpu_s=20 * HOUR)
-    ds = decide(cluster(node_gpus(1, 2), [job, light(2)], usage=USAGE))
+    ds = decide(
+        cluster(node_gpus(1, 2), [job, light(2)], usage=USAGE, max_wait_s=BOUND)
+    )
     assert set(starts(ds)) == {1}
 
 
@@ -126,7 +144,9 @@ def test_an_overdue_job_is_not_preempted_by_attained_service():
         return replace(r, checkpointable=True, submitted_at=NOW - submitted_ago)
 
     run = [ckpt(10, 100, 110 * HOUR, 160 * HOUR), ckpt(11, 101, 100 * HOUR, 120 * HOUR)]
-    state = cluster(node_gpus(1, 2), [light(1)], run=run, las_threshold_gpu_s=HOUR)
+    state = cluster(
+        node_gpus(1, 2), [light(1)], run=run, las_threshold_gpu_s=HOUR, max_wait_s=BOUND
+    )
     assert [d.victim_id for d in decide(state) if isinstance(d, Preempt)] == [11]
     off = replace(state, config=replace(state.config, max_wait_s=0.0))
     assert [d.victim_id for d in decide(off) if isinstance(d, Preempt)] == [10]
