@@ -107,13 +107,13 @@ def bound_order(
         if not keep[i] or j.priority_class in interactive:
             continue
         c = class_part(j)
-        rest = []
+        higher = []
         for lv in todo:
             if c <= lv:
                 first[lv] = i
             else:
-                rest.append(lv)
-        todo = rest
+                higher.append(lv)
+        todo = higher
         if not todo:
             break
     at: dict[int, list[int]] = {}
@@ -126,13 +126,13 @@ def bound_order(
         at.setdefault(pos, []).extend(band)
     # the jobs that stay, in order, with each band spliced in before the job
     # that was at its position (``over`` is ascending)
-    rest = list(compress(order, keep))
+    kept = list(compress(order, keep))
     out: list[PendingJob] = []
     done = 0
     for pos in sorted(at):
         r = pos - bisect_left(over, pos)
-        out += rest[done:r]
+        out += kept[done:r]
         out += [order[k] for k in at[pos]]
         done = r
-    out += rest[done:]
+    out += kept[done:]
     return out
