@@ -5,8 +5,8 @@ each virtual cluster, the time limits and which jobs have none. One seed's
 comparison can mislead: on scenario ``b`` the p99 JCT (its 18th longest of 1,819
 jobs) moves by 10-30 % between seeds for the same policy. For each scenario of
 ``bench/sim_report.py`` this replays every policy on every seed and writes, per seed,
-each policy's average and p99 JCT, its Jain index over users and its ratio to the
-baseline policy on the same seed; then, per policy, the mean of those ratios, their standard error, the worst
+each policy's average and p99 JCT, its Jain index over users, its longest wait
+and its ratio to the baseline policy on the same seed; then, per policy, the mean of those ratios, their standard error, the worst
 seed and on how many seeds the policy did better, for the average JCT, the p99 JCT
 and each size class. Per policy, too, the ratio of each job's wait (queue time: JCT
 less time run) to its wait under the baseline on the same seed, over the jobs that
@@ -14,7 +14,8 @@ waited more than an hour under the baseline and finished under both: p50, p99 an
 max per seed and over all seeds pooled (``wait_ratios``).
 
 ``python bench/sim_seeds.py [--only a,b] [--seeds 0-4] [--policies slurm,gpulab]
-[--baseline slurm] [--parallel 2] [--reuse] [--max-jobs N] [--out-dir DIR]``
+[--baseline slurm] [--parallel 2] [--reuse] [--max-jobs N] [--out-dir DIR]
+[--checkpointable-fraction F] [--max-wait S]``
 
 Writes ``OUT/seeds_<scenario>_<policy>_<seed>.json`` (the simulator's output),
 ``OUT/sim_seeds.md`` and ``OUT/sim_seeds.json`` (per scenario, the ratio summaries
@@ -104,6 +105,12 @@ def metric(result: dict[str, Any], key: str) -> float | None:
     else:
         value = result.get(key)
     return None if value is None else float(value)
+
+
+def max_wait(result: dict[str, Any]) -> float | None:
+    """The longest wait of a finished job (``queue_s_by_job``), s."""
+    waits = (result.get("queue_s_by_job") or {}).values()
+    return max(waits, default=None)
 
 
 def compare(
@@ -231,7 +238,12 @@ def markdown(
     lines = [f"## ({scenario}) {SCENARIOS[scenario][0]}", ""]
     head = ["seed"]
     for p in policies:
-        head += [f"{p} avg (h)", f"{p} p99 (h)", f"{p} Jain (users)"]
+        head += [
+            f"{p} avg (h)",
+            f"{p} p99 (h)",
+            f"{p} Jain (users)",
+            f"{p} max wait (h)",
+        ]
         if p != baseline:
             head += [f"{p} avg vs {baseline}", f"{p} p99 vs {baseline}"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -245,6 +257,7 @@ def markdown(
                 hours(None if r is None else metric(r, "avg_jct_s")),
                 hours(None if r is None else metric(r, "p99_jct_s")),
                 "-" if jain is None else f"{jain:.3f}",
+                hours(None if r is None else max_wait(r)),
             ]
             if p != baseline:
                 for key in ("avg_jct_s", "p99_jct_s"):
@@ -350,11 +363,21 @@ def main(argv: list[str] | None = None) -> int:
         help="every policy's replays (tiresias' too) with this seeded share of"
         " checkpointable jobs (use a separate --out-dir per value)",
     )
+    p.add_argument(
+        "--max-wait",
+        type=float,
+        help="gpulab's wait bound, s, in every replay (0: none; slurm ignores"
+        " it; use a separate --out-dir per value)",
+    )
     args = p.parse_args(argv)
     frac = args.checkpointable_fraction
     if frac is not None and not 0.0 <= frac <= 1.0:
         p.error(f"--checkpointable-fraction must be in [0, 1], not {frac:g}")
     args.common = () if frac is None else ("--checkpointable-fraction", f"{frac:g}")
+    if args.max_wait is not None:
+        if not args.max_wait >= 0:
+            p.error(f"--max-wait must be 0 or more seconds, not {args.max_wait:g}")
+        args.common += ("--max-wait", f"{args.max_wait:g}")
     try:
         seeds = parse_seeds(args.seeds)
     except ValueError as exc:

@@ -5,6 +5,8 @@ on preemptions of one job is ``GPULAB_PREEMPT_MAX_PER_HOUR`` (``GPULAB_POLICY``)
 
 from __future__ import annotations
 
+from django.core.exceptions import ImproperlyConfigured
+
 from portal.settings_env import envbool, envfloat
 
 # Preempt checkpointable jobs by attained service at all (off: class preemption
@@ -21,3 +23,14 @@ GPULAB_LAS_THRESHOLD = envfloat("GPULAB_LAS_THRESHOLD", 16.0, minimum=0.01)
 # times its service time (attained GPU-seconds / its GPUs) is no longer preempted
 # by attained service nor held behind the jobs it was preempted for.
 GPULAB_LAS_MAX_SLOWDOWN = envfloat("GPULAB_LAS_MAX_SLOWDOWN", 2.0, minimum=1.0)
+# The absolute wait bound (``scheduler.policy.wait_bound``, gpulab): a batch job
+# that has waited (time in the system not running) more than this many seconds
+# goes ahead of every job of its class and below, whatever its priority, and is
+# not preempted by attained service (6 days: docs/policy.md, "The wait bound").
+# 0: no bound.
+GPULAB_MAX_WAIT = envfloat("GPULAB_MAX_WAIT", 144 * 3600.0, minimum=0)
+if 0 < GPULAB_MAX_WAIT < 3600:
+    raise ImproperlyConfigured(
+        f"GPULAB_MAX_WAIT={GPULAB_MAX_WAIT} must be 0 (no bound) or at least 3600"
+        " (seconds: an hour)"
+    )

@@ -27,6 +27,7 @@ from scheduler.policy.ledger import Ledger
 from scheduler.policy.place import _fitting, is_gang, place
 from scheduler.policy.priority import class_factor
 from scheduler.policy.state import is_interactive
+from scheduler.policy.wait_bound import overdue_running
 
 if TYPE_CHECKING:
     from scheduler.policy.fairshare import FairShare
@@ -125,6 +126,8 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
             continue
         if r.las_slowdown(now) > cfg.las_max_slowdown:
             continue  # the wait bound: it has waited as long as it may
+        if overdue_running(r, now, cfg.max_wait_s):
+            continue  # it waited over GPULAB_MAX_WAIT (``wait_bound``)
         attained = r.attained_gpu_s(now)
         if interactive or (
             attained >= bar and not (spec is not None and spec.weight > weight)

@@ -35,7 +35,15 @@ from math import isnan
 from typing import TYPE_CHECKING
 
 from scheduler.policy import backfill as easy
-from scheduler.policy import colocate, dependency, index, place, preempt, priority
+from scheduler.policy import (
+    colocate,
+    dependency,
+    index,
+    place,
+    preempt,
+    priority,
+    wait_bound,
+)
 from scheduler.policy.arrays import ArrayLimits
 from scheduler.policy.fairshare import FairShare
 from scheduler.policy.interference import model_for
@@ -186,7 +194,9 @@ def share_setup(p: Pass, rules: str | None, estimator: Estimator | None) -> None
 def ordering(p: Pass) -> list[PendingJob]:
     """The pending jobs in scheduling order: interactive jobs first, then
     priority desc, then (``runtime``) the higher class, submitted asc, id asc
-    (``preempt.las_order`` then moves lower-queue resumed work, in ``gpulab``). Fills ``p.breakdowns`` and ``p.prio``."""
+    (``gpulab``: ``preempt.las_order`` then moves lower-queue resumed work, and
+    ``wait_bound.bound_order`` puts the jobs that waited over ``max_wait_s``
+    ahead of their class and below). Fills ``p.breakdowns`` and ``p.prio``."""
     state = p.state
     p.breakdowns, p.prio = breakdowns, prio = priority.breakdowns(
         state.pending,
@@ -207,7 +217,15 @@ def ordering(p: Pass) -> list[PendingJob]:
         interactive,
     )
     if p.preemption and p.cfg.las_preemption:
-        return preempt.las_order(p, order)
+        order = preempt.las_order(p, order)
+    if p.runtime and p.cfg.max_wait_s > 0:
+        order = wait_bound.bound_order(
+            order,
+            p.now,
+            p.cfg.max_wait_s,
+            lambda j: breakdowns[j.id]["class"],
+            interactive,
+        )
     return order
 
 

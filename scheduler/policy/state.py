@@ -96,6 +96,10 @@ class PolicyConfig:
     # times its service time (attained / GPUs) is neither preempted by attained
     # service nor held back by ``las_order``
     las_max_slowdown: float = 2.0
+    # ``gpulab``: the wait bound (``wait_bound``): a batch job that has waited
+    # (time in the system not running) longer than this goes ahead of every job
+    # of its class and below and is not preempted by attained service; 0: none
+    max_wait_s: float = 144 * 3600.0
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.

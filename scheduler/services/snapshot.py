@@ -41,6 +41,7 @@ def policy_config() -> policy.PolicyConfig:
         preempt_min_run_s=settings.GPULAB_PREEMPT_MIN_RUN,
         las_threshold_gpu_s=settings.GPULAB_LAS_THRESHOLD * 3600.0,
         las_max_slowdown=settings.GPULAB_LAS_MAX_SLOWDOWN,
+        max_wait_s=settings.GPULAB_MAX_WAIT,
     )
 
 

@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         "not preempted nor held back by attained service (GPULAB_LAS_MAX_SLOWDOWN)",
     )
     p.add_argument(
+        "--max-wait",
+        type=_nonneg,
+        default=PolicyConfig.max_wait_s,
+        help="gpulab: s a batch job may wait (time not running) before it goes "
+        "ahead of every job of its class and below and is no longer preempted by "
+        "attained service; 0: no bound (GPULAB_MAX_WAIT)",
+    )
+    p.add_argument(
         "--no-las",
         action="store_true",
         help="gpulab: no preemption by attained service (class preemption only)",
@@ -287,6 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             preempt_min_run_s=args.preempt_min_run,
             las_threshold_gpu_s=args.las_threshold * 3600.0,
             las_max_slowdown=args.las_max_slowdown,
+            max_wait_s=args.max_wait,
         ),
         SimOptions(
             period_s=args.period,
@@ -360,6 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "las_preemption": not args.no_las,
                 "las_threshold_gpu_h": args.las_threshold,
                 "las_max_slowdown": args.las_max_slowdown,
+                "max_wait_s": args.max_wait,
             },
             "assumptions": [
                 *prepared.assumptions,

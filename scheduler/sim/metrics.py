@@ -120,6 +120,9 @@ def summarize(result: SimResult) -> dict[str, Any]:
     for j in done:
         by_user[(j.group, j.user)].append(user_slowdown(j))
     user_means = [statistics.fmean(v) for v in by_user.values()]
+    by_user_mean = {
+        f"{g}/{u}": (len(v), statistics.fmean(v)) for (g, u), v in by_user.items()
+    }
     by_size: dict[str, float | None] = {}
     for name, lo, hi in SIZE_BUCKETS:
         by_size[name] = mean([jct(j) for j in done if lo <= j.gpus <= hi])
@@ -151,6 +154,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "p99_jct_s": percentile(jcts, 99),
         "avg_queue_s": mean(queues),
         "p99_queue_s": percentile(queues, 99),
+        "max_queue_s": max(queues, default=None),
         # each finished job's queue time (``queue_time``) by job id, so that two
         # replays of one trace and seed compare job by job (``bench/sim_seeds.py``'s
         # wait ratios); ids are the trace's order and the same for every policy
@@ -164,6 +168,9 @@ def summarize(result: SimResult) -> dict[str, Any]:
         # max(1, bounded slowdown) over the user's finished jobs
         "jain_fairness_users": jain(user_means),
         "users": len(user_means),
+        # per user ("group/user"): finished jobs and the mean Jain reads, so that
+        # a low index can be traced to the users who make it
+        "user_slowdown": dict(sorted(by_user_mean.items())),
         # every average and percentile of JCT, queue and slowdown is over these
         "avg_jct_over": {
             "jobs": len(done),

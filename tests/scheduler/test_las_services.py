@@ -75,3 +75,23 @@ def test_a_checkpointable_job_is_preempted_for_a_new_one_and_resumes_after_it(
     # older, yet it waits behind the job it was stopped for, which starts
     started = [d.job_id for d in policy.decide(state) if isinstance(d, policy.Start)]
     assert started == [new.pk]
+
+
+def test_the_wait_bound_setting_orders_an_overdue_job_first_in_production(
+    settings: Any, alice: User, bob: User, cluster: list[Node]
+) -> None:
+    """``GPULAB_MAX_WAIT`` reaches the pass: alice's 4-GPU job with a day's limit
+    has waited 3 h, bob's 10-minute one just arrived; only node-a holds 4 GPUs.
+    Shortest-first starts bob's, unless alice's is over the bound."""
+    old = JobFactory(owner=alice, gpus=4, time_limit_s=86400, submitted_at=at(0))
+    new = JobFactory(owner=bob, gpus=4, time_limit_s=600, submitted_at=at(3 * 3600))
+
+    def started() -> set[int]:
+        state = services.cluster_state(at(3 * 3600 + 60))
+        return {d.job_id for d in policy.decide(state) if isinstance(d, policy.Start)}
+
+    settings.GPULAB_MAX_WAIT = 0.0
+    assert started() == {new.pk}
+    settings.GPULAB_MAX_WAIT = 2 * 3600.0
+    assert services.cluster_state(at(0)).config.max_wait_s == 2 * 3600.0
+    assert started() == {old.pk}

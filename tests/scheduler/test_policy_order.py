@@ -167,6 +167,13 @@ def test_a_whole_pass_orders_and_decides_as_the_reference_order(seed, name):
     )
     if gpulab:
         base = st.preempt.las_order(p, base)
+        base = st.wait_bound.bound_order(
+            base,
+            state.now,
+            state.config.max_wait_s,
+            lambda j: p.breakdowns[j.id]["class"],
+            {"interactive"},
+        )
     assert [j.id for j in order] == [j.id for j in base]
     # ties are there to break: many jobs share their priority with another
     assert len(set(p.prio.values())) < len(state.pending)

@@ -201,3 +201,31 @@ def test_a_checkpointable_fraction_out_of_range_is_refused(capsys):
     assert "--checkpointable-fraction must be in [0, 1], not 1.5" in (
         capsys.readouterr().err
     )
+
+
+def test_a_max_wait_reaches_every_replay_and_the_table_shows_the_longest_wait(
+    tmp_path,
+):
+    code = seeds_bench.main(
+        ["--only", "b", "--seeds", "0", "--max-jobs", "300", "--policies",
+         "slurm,gpulab", "--max-wait", "7200", "--out-dir", str(tmp_path),
+         "--parallel", "1"]
+    )  # fmt: skip
+    assert code == 0
+    table = (tmp_path / "sim_seeds.md").read_text()
+    assert "`--max-wait 7200`" in table
+    assert "gpulab max wait (h)" in table
+    row = table.split("\n| 0 | ")[1].split("\n")[0]
+    for policy in ("slurm", "gpulab"):
+        data = json.loads((tmp_path / f"seeds_b_{policy}_0.json").read_text())
+        assert data["options"]["max_wait_s"] == 7200.0
+        longest = max(data["queue_s_by_job"].values())
+        assert data["max_queue_s"] == pytest.approx(longest)
+        assert f" {longest / 3600:.2f} |" in row
+
+
+def test_a_negative_max_wait_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        seeds_bench.main(["--max-wait", "-1"])
+    assert exc.value.code == 2
+    assert "--max-wait must be 0 or more seconds, not -1" in capsys.readouterr().err
