@@ -5,7 +5,7 @@ on preemptions of one job is ``GPULAB_PREEMPT_MAX_PER_HOUR`` (``GPULAB_POLICY``)
 
 from __future__ import annotations
 
-from portal.settings_env import envbool, envfloat
+from portal.settings_env import envbool, envchoice, envfloat, envint
 
 # Preempt checkpointable jobs by attained service at all (off: class preemption
 # of best-effort jobs only).
@@ -21,3 +21,11 @@ GPULAB_LAS_THRESHOLD = envfloat("GPULAB_LAS_THRESHOLD", 16.0, minimum=0.01)
 # times its service time (attained GPU-seconds / its GPUs) is no longer preempted
 # by attained service nor held behind the jobs it was preempted for.
 GPULAB_LAS_MAX_SLOWDOWN = envfloat("GPULAB_LAS_MAX_SLOWDOWN", 2.0, minimum=1.0)
+# Waiting jobs after the top blocked one that may each get a preemption plan by
+# attained service in one pass (0: only the top blocked job preempts).
+GPULAB_LAS_EXTRA_PLANS = envint("GPULAB_LAS_EXTRA_PLANS", 0, minimum=0)
+# The order victims are tried in: "attained" (the most attained service first) or
+# "checkpoint" (the least work lost since the last GPULAB_CHECKPOINT first).
+GPULAB_LAS_VICTIMS = envchoice(
+    "GPULAB_LAS_VICTIMS", "attained", ("attained", "checkpoint")
+)
