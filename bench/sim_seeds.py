@@ -15,7 +15,12 @@ max per seed and over all seeds pooled (``wait_ratios``).
 
 ``python bench/sim_seeds.py [--only a,b] [--seeds 0-4] [--policies slurm,gpulab]
 [--baseline slurm] [--parallel 2] [--reuse] [--max-jobs N] [--out-dir DIR]
-[--checkpointable-fraction F] [--max-wait S]``
+[--checkpointable-fraction F] [--max-wait S]
+[--variant 'LABEL=POLICY OPTION...']``
+
+``--variant`` (repeatable) names a policy run with simulator options, usable in
+``--policies`` like the built-in ones (``tiresias``): for example
+``--variant 'gpulab-oracle=gpulab --oracle-runtime --backfill-plan prediction'``.
 
 Writes ``OUT/seeds_<scenario>_<policy>_<seed>.json`` (the simulator's output),
 ``OUT/sim_seeds.md`` and ``OUT/sim_seeds.json`` (per scenario, the ratio summaries
@@ -316,10 +321,22 @@ def markdown(
     return "\n".join(lines)
 
 
+def parse_variant(text: str) -> tuple[str, tuple[str, tuple[str, ...]]]:
+    """``LABEL=POLICY OPTION...`` -> (label, (policy, options))."""
+    label, eq, rest = text.partition("=")
+    words = rest.split()
+    if not eq or not label.strip() or not words:
+        raise ValueError(f"--variant: {text!r} is not LABEL=POLICY [OPTION ...]")
+    if words[0] not in POLICIES and words[0] not in COLO_POLICIES:
+        raise ValueError(f"--variant: {text!r}: unknown policy {words[0]!r}")
+    base = VARIANTS.get(words[0], (words[0], ()))
+    return label.strip(), (base[0], (*base[1], *words[1:]))
+
+
 def run_one(
     scenario: str, policy: str, seed: int, out_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any] | None:
-    name, extra = VARIANTS.get(policy, (policy, ()))
+    name, extra = {**VARIANTS, **args.variants}.get(policy, (policy, ()))
     result = replay(
         scenario,
         name,
@@ -369,7 +386,18 @@ def main(argv: list[str] | None = None) -> int:
         help="gpulab's wait bound, s, in every replay (0: none; slurm ignores"
         " it; use a separate --out-dir per value)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="LABEL=POLICY OPTION...: a policy run with simulator options, named"
+        " LABEL in --policies (repeatable)",
+    )
     args = p.parse_args(argv)
+    try:
+        args.variants = dict(parse_variant(v) for v in args.variant)
+    except ValueError as exc:
+        p.error(str(exc))
     frac = args.checkpointable_fraction
     if frac is not None and not 0.0 <= frac <= 1.0:
         p.error(f"--checkpointable-fraction must be in [0, 1], not {frac:g}")
@@ -390,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--only: unknown scenario {s!r}; choose from"
                 f" {', '.join(k for k in SCENARIOS if k not in COLO_SCENARIOS)}"
             )
-    known = dict.fromkeys((*POLICIES, *COLO_POLICIES))
+    known = dict.fromkeys((*POLICIES, *COLO_POLICIES, *args.variants))
     bad = [pol for pol in policies if pol not in known]
     if bad:
         p.error(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(known)}")

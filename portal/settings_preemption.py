@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.settings_env import envbool, envfloat
+from portal.settings_env import envbool, envchoice, envfloat, envint
 
 # Preempt checkpointable jobs by attained service at all (off: class preemption
 # of best-effort jobs only).
@@ -34,3 +34,11 @@ if 0 < GPULAB_MAX_WAIT < 3600:
         f"GPULAB_MAX_WAIT={GPULAB_MAX_WAIT} must be 0 (no bound) or at least 3600"
         " (seconds: an hour)"
     )
+# Waiting jobs after the top blocked one that may each get a preemption plan by
+# attained service in one pass (0: only the top blocked job preempts).
+GPULAB_LAS_EXTRA_PLANS = envint("GPULAB_LAS_EXTRA_PLANS", 0, minimum=0)
+# The order victims are tried in: "attained" (the most attained service first) or
+# "checkpoint" (the least work lost since the last GPULAB_CHECKPOINT first).
+GPULAB_LAS_VICTIMS = envchoice(
+    "GPULAB_LAS_VICTIMS", "attained", ("attained", "checkpoint")
+)

@@ -93,7 +93,9 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     in the last hour, has run at least ``preempt_min_run_s`` in its current
     attempt, is of a class whose weight is not above ``job``'s, and has been in
     the system at most ``las_max_slowdown`` times its service time (attained /
-    GPUs; ``RunningJob.las_slowdown``): the wait bound. A victim
+    GPUs; ``RunningJob.las_slowdown``): the wait bound. With ``las_victims``
+    "checkpoint" the least work lost first (``lost_gpu_s``: since the last
+    checkpoint), then the most attained. A victim
     waits in the lower queue, behind ``job`` (``las_order``), so it cannot take
     the GPUs straight back: no job is started only to be preempted at once.
 
@@ -112,7 +114,8 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     bar = cfg.las_threshold_gpu_s
     own = classes.get(job.priority_class)
     weight = own.weight if own is not None else 0.0
-    out: list[tuple[float, float, int, RunningJob]] = []
+    by_loss = cfg.las_victims == "checkpoint"
+    out: list[tuple[float, float, float, int, RunningJob]] = []
     for r in state.running:
         if (
             not r.checkpointable
@@ -132,9 +135,27 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         if interactive or (
             attained >= bar and not (spec is not None and spec.weight > weight)
         ):
-            out.append((-attained, -r.started_at, -r.id, r))
-    out.sort(key=lambda t: t[:3])
-    return [t[3] for t in out]
+            out.append(
+                (
+                    lost_gpu_s(r, now) if by_loss else 0.0,
+                    -attained,
+                    -r.started_at,
+                    -r.id,
+                    r,
+                )
+            )
+    out.sort(key=lambda t: t[:4])
+    return [t[4] for t in out]
+
+
+def lost_gpu_s(r: RunningJob, now: float) -> float:
+    """The work ``r`` would lose if stopped now: GPUs x seconds since its last
+    checkpoint of this attempt (``RunningJob.checkpoint_at``), else since its
+    start."""
+    since = (
+        r.started_at if r.checkpoint_at is None else max(r.checkpoint_at, r.started_at)
+    )
+    return len(r.gpu_ids) * max(now - since, 0.0)
 
 
 def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:
@@ -208,12 +229,16 @@ def plan(
     spread: bool,
     topology: bool,
     cands: list[RunningJob] | None = None,
+    held: frozenset[int] = frozenset(),
 ) -> Plan | None:
     """The victims (in removal order) and where the job then goes, or None.
 
     GPUs of jobs already being stopped (``RunningJob.stopping``, e.g. the victims
     of an earlier pass still in their grace period) count as free: when they
     suffice, the plan has no new victims and the job keeps waiting for them.
+    ``held``: GPUs an earlier plan or reservation of this pass holds; the plan
+    neither takes them when free nor frees them (a later plan of the pass,
+    ``stages.las_extra``).
 
     A single-node job gets one remove-then-add-back plan per node holding
     candidates, and the plan with the fewest victims wins (then the one whose victims
@@ -226,7 +251,13 @@ def plan(
     stopping = [r for r in idx.state.running if r.stopping]
     if not cands and not stopping:
         return None
-    freed_by = _freeing(idx)
+    freed_by = _freeing(idx, held)
+    if held:
+        ledger = ledger.copy()
+        for node_id, gpus in list(ledger.free.items()):
+            mine = [g.id for g in gpus if g.id in held]
+            if mine:
+                ledger.take(node_id, mine)
     # the GPUs of jobs being stopped are as good as free
     gone = {r.id for r in stopping}
     if stopping:
@@ -247,10 +278,10 @@ def plan(
 FreedBy = Callable[[set[int], "RunningJob"], list["GpuView"]]
 
 
-def _freeing(idx: PassIndex) -> FreedBy:
+def _freeing(idx: PassIndex, held: frozenset[int] = frozenset()) -> FreedBy:
     """``freed_by(victims, r)``: the GPUs that free when ``r`` stops, given the
     other victims (a GPU frees when every job on it is a victim; only schedulable
-    GPUs of schedulable nodes count)."""
+    GPUs of schedulable nodes count, none of ``held``)."""
     on_gpu: dict[int, set[int]] = {}
     for r in idx.state.running:
         for gid in r.gpu_ids:
@@ -262,7 +293,7 @@ def _freeing(idx: PassIndex) -> FreedBy:
             gpu = idx.gpu_by_id.get(gid)
             if gpu is None or not gpu.schedulable or gpu.slots <= 0:
                 continue
-            if gpu.node_id not in idx.schedulable_nodes:
+            if gpu.node_id not in idx.schedulable_nodes or gid in held:
                 continue
             if on_gpu[gid] <= victims:
                 out.append(gpu)

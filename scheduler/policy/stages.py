@@ -19,7 +19,9 @@
   (``reserve_shadow``);
 - ``backfill``: ``backfill``: each later job, at most ``backfill_max_tested`` of
   them, starts if it fits now and either ends by the shadow time or avoids the
-  reserved GPUs; without backfill later jobs wait ``PRIORITY``;
+  reserved GPUs, else (``gpulab``, up to ``las_extra_plans`` a pass) may get a
+  preemption plan by attained service of its own (``las_extra``); without
+  backfill later jobs wait ``PRIORITY``;
 - ``reasons``: ``render_waits``: exactly one ``Wait`` per job not started, in
   scheduling order, against the final ledger.
 
@@ -135,6 +137,15 @@ class Pass:
         self.prio: dict[int, float] = {}
         self.top: PendingJob | None = None
         self.reservation: Reservation | None = None
+        # preemption plans by attained service beyond the top blocked job's
+        # (``las_extra``): how many are left, the victims and GPUs plans of this
+        # pass took, the candidates per (interactive, class weight), and per
+        # (constraint, candidates) the fewest GPUs no plan could free
+        self.las_left = cfg.las_extra_plans if preemption and cfg.las_preemption else 0
+        self.las_victims: set[int] = set()
+        self.held: set[int] = set()
+        self.las_pool: dict[tuple[bool, float], list[RunningJob]] = {}
+        self.las_failed: dict[tuple[Constraint, bool, float], int] = {}
         self.reserved = 0
         self.tested = 0
         self.stop_reason = STOP_QUEUE_EXHAUSTED
@@ -452,16 +463,79 @@ def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
 def preempt_for(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
     """Apply ``plan``: ``Preempt`` its victims; ``job`` waits
     ``WAITING_FOR_PREEMPTION`` and the GPUs it will take are reserved from now."""
-    victims, placements = plan.victims, plan.placements
+    placements = plan.placements
     p.reservation = easy.Reservation(
         job.id,
         p.now,
         placements,
         frozenset(g for pl in placements for g in pl.gpu_ids),
         None,
-        tuple(v.id for v in victims) + plan.waiting_on,
+        tuple(v.id for v in plan.victims) + plan.waiting_on,
     )
     p.reserved += 1
+    _apply_plan(p, job, plan)
+
+
+def las_extra(p: Pass, job: PendingJob, c: Constraint) -> bool:
+    """A preemption plan by attained service for ``job``, a waiting job after the
+    top blocked one that cannot start now (``backfill_one``), as Tiresias gives
+    every waiting top-queue job: at most ``las_extra_plans`` per pass, with the
+    guards of ``preempt.las_candidates``, never on the GPUs the reservation or an
+    earlier plan of the pass holds, never with an earlier plan's victims. True
+    when it got one (it then waits ``WAITING_FOR_PREEMPTION``); its free GPUs
+    leave the ledger, so no later job takes them."""
+    if p.las_left <= 0:
+        return False
+    spec = p.state.classes.get(job.priority_class)
+    if spec is not None and spec.preemptible:
+        return False
+    interactive = spec is not None and spec.interactive
+    if not interactive and not preempt.top_queue(job, p.cfg):
+        return False
+    pool_key = (interactive, spec.weight if spec is not None else 0.0)
+    cands = p.las_pool.get(pool_key)
+    if cands is None:
+        cands = p.las_pool[pool_key] = preempt.las_candidates(p.idx, job)
+    if p.las_victims:
+        cands = [r for r in cands if r.id not in p.las_victims]
+    fail_key = (c, *pool_key)
+    if p.las_failed.get(fail_key, INF) <= job.gpus:
+        return False
+    held = set(p.held)
+    if p.reservation is not None:
+        held |= p.reservation.gpu_ids
+    plan = preempt.plan(
+        c,
+        job.gpus,
+        p.ledger,
+        p.idx,
+        p.fairshare,
+        spread=p.spread,
+        topology=p.topology,
+        cands=cands,
+        held=frozenset(held),
+    )
+    if plan is None:
+        p.las_failed[fail_key] = min(p.las_failed.get(fail_key, INF), job.gpus)
+        return False
+    if plan.victims:
+        p.las_left -= 1
+    for pl in plan.placements:
+        free = {g.id for g in p.ledger.free.get(pl.node_id, ())}
+        mine = [g for g in pl.gpu_ids if g in free]
+        if mine:
+            p.ledger.take(pl.node_id, mine)
+    p.reserved += 1
+    _apply_plan(p, job, plan)
+    return True
+
+
+def _apply_plan(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
+    """``Preempt`` ``plan``'s victims for ``job``, which waits
+    ``WAITING_FOR_PREEMPTION``; its victims and GPUs are the pass's from now."""
+    victims, placements = plan.victims, plan.placements
+    p.las_victims.update(v.id for v in victims)
+    p.held.update(g for pl in placements for g in pl.gpu_ids)
     classes = p.state.classes
     for v in victims:
         spec = classes.get(v.priority_class)
@@ -615,6 +689,8 @@ def backfill_one(p: Pass, job: PendingJob, c: Constraint) -> None:
     if got is None:
         if not pack_first and share(p, job, c, bf=True, avoid=True):
             return
+        if p.las_left > 0 and las_extra(p, job, c):
+            return
         p.wait(
             job,
             Reason.RESOURCES,
@@ -639,6 +715,8 @@ def backfill_one(p: Pass, job: PendingJob, c: Constraint) -> None:
         start(p, job, got, bf=True)
         return
     if not pack_first and share(p, job, c, bf=True, avoid=True):
+        return
+    if p.las_left > 0 and las_extra(p, job, c):
         return
     p.wait(job, Reason.RESERVED_FOR_HIGHER, _held_message(p, job, shadow))
 

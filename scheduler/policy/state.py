@@ -100,6 +100,12 @@ class PolicyConfig:
     # (time in the system not running) longer than this goes ahead of every job
     # of its class and below and is not preempted by attained service; 0: none
     max_wait_s: float = 144 * 3600.0
+    # waiting jobs after the top blocked job that may each get a preemption plan
+    # by attained service in one pass (``stages.las_extra``; 0: the top one only)
+    las_extra_plans: int = 0
+    # the order LAS victims are tried in: "attained" (the most attained service
+    # first) or "checkpoint" (the least work lost since the last checkpoint first)
+    las_victims: str = "attained"
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.
@@ -273,6 +279,9 @@ class RunningJob:
     checkpointable: bool = False
     prior_gpu_s: float = 0.0
     submitted_at: float | None = None  # (None: unknown; the LAS wait bound skips it)
+    # When its current attempt last reported a checkpoint (``Attempt.checkpoint_at``,
+    # epoch seconds; None: none yet): stopped now it loses the work since then.
+    checkpoint_at: float | None = None
 
     def las_slowdown(self, now: float) -> float:
         """Time since its submission over its service time (attained / GPUs);

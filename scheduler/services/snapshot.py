@@ -42,6 +42,8 @@ def policy_config() -> policy.PolicyConfig:
         las_threshold_gpu_s=settings.GPULAB_LAS_THRESHOLD * 3600.0,
         las_max_slowdown=settings.GPULAB_LAS_MAX_SLOWDOWN,
         max_wait_s=settings.GPULAB_MAX_WAIT,
+        las_extra_plans=settings.GPULAB_LAS_EXTRA_PLANS,
+        las_victims=settings.GPULAB_LAS_VICTIMS,
     )
 
 
@@ -147,7 +149,7 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
        t.peak_memory_mib, j.array_id, j.checkpointable, {_PRIOR_SQL},
-       date_part('epoch', j.submitted_at),
+       date_part('epoch', t.checkpoint_at), date_part('epoch', j.submitted_at),
        t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
        t.progress_first_step, date_part('epoch', t.progress_first_at)
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
@@ -339,6 +341,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         array_id,
         checkpointable,
         prior,
+        checkpoint_at,
         submitted_at,
         *reports,
     ) in running_rows:
@@ -382,6 +385,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 checkpointable=checkpointable,
                 prior_gpu_s=float(prior),
                 submitted_at=submitted_at,
+                checkpoint_at=checkpoint_at,
             )
         )
     knowledge, trials = load_knowledge(

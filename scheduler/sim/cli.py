@@ -196,9 +196,43 @@ def build_parser() -> argparse.ArgumentParser:
         "attained service; 0: no bound (GPULAB_MAX_WAIT)",
     )
     p.add_argument(
+        "--las-extra-plans",
+        type=int,
+        default=PolicyConfig.las_extra_plans,
+        help="gpulab: waiting jobs after the top blocked one that may each get a "
+        "preemption plan by attained service per pass (GPULAB_LAS_EXTRA_PLANS)",
+    )
+    p.add_argument(
+        "--las-victims",
+        choices=("attained", "checkpoint"),
+        default=PolicyConfig.las_victims,
+        help="gpulab: LAS victims tried most attained first, or least work lost "
+        "since their last checkpoint first (GPULAB_LAS_VICTIMS)",
+    )
+    p.add_argument(
         "--no-las",
         action="store_true",
         help="gpulab: no preemption by attained service (class preemption only)",
+    )
+    p.add_argument(
+        "--oracle-runtime",
+        action="store_true",
+        help="experiment, simulator only: the policy's run-time inputs are the "
+        "jobs' true remaining run times (pending jobs' planned run time, running "
+        "jobs' ends; no progress), an upper bound of what predictions can buy",
+    )
+    p.add_argument(
+        "--weight-runtime",
+        type=_nonneg,
+        default=PolicyConfig.weight_runtime,
+        help="gpulab: weight of the run-time factor (GPULAB_WEIGHT_RUNTIME)",
+    )
+    p.add_argument(
+        "--runtime-ref",
+        type=_positive,
+        default=PolicyConfig.runtime_ref_s / 3600.0,
+        help="gpulab: hours at which the run-time factor reaches 0 "
+        "(GPULAB_RUNTIME_REF)",
     )
     p.add_argument(
         "--tiresias-threshold",
@@ -296,6 +330,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             las_threshold_gpu_s=args.las_threshold * 3600.0,
             las_max_slowdown=args.las_max_slowdown,
             max_wait_s=args.max_wait,
+            las_extra_plans=args.las_extra_plans,
+            las_victims=args.las_victims,
+            weight_runtime=args.weight_runtime,
+            runtime_ref_s=args.runtime_ref * 3600.0,
         ),
         SimOptions(
             period_s=args.period,
@@ -312,6 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             checkpoint_interval_s=args.checkpoint_interval,
             restart_overhead_s=args.restart_overhead,
             preempt_checkpointable=args.policy == tiresias.NAME,
+            oracle_runtime=args.oracle_runtime,
         ),
         throughputs=table,
         colocation=colocation,
@@ -370,6 +409,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "las_threshold_gpu_h": args.las_threshold,
                 "las_max_slowdown": args.las_max_slowdown,
                 "max_wait_s": args.max_wait,
+                "las_extra_plans": args.las_extra_plans,
+                "las_victims": args.las_victims,
+                "oracle_runtime": args.oracle_runtime,
+                "weight_runtime": args.weight_runtime,
+                "runtime_ref_h": args.runtime_ref,
             },
             "assumptions": [
                 *prepared.assumptions,

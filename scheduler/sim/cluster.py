@@ -124,6 +124,9 @@ class SimCluster:
         self.running_views: dict[int, RunningJob] = {}
         self.recently_preempted: set[int] = set()
         self.stale_views: set[int] = set()  # running jobs whose view changed
+        # ``las_victims`` "checkpoint": when each running checkpointable job's
+        # next checkpoint falls (its view's ``checkpoint_at`` moves then)
+        self.checkpoint_due: dict[int, float] = {}
         # exploration trials started: (time, unordered workload pair)
         self.trials: deque[tuple[float, frozenset[str]]] = deque()
         # History for run-time prediction (completed jobs only).

@@ -165,6 +165,7 @@ class GpuPhysics(SimCluster):
         del self.running_views[job.id]
         self.recently_preempted.discard(job.id)
         self.stale_views.discard(job.id)
+        self.checkpoint_due.pop(job.id, None)
         self._set_usage(job, now, 0.0)
         job.partners = ()
         for g in job.gpu_ids:

@@ -52,6 +52,11 @@ class SimOptions:
     # the policy may preempt any checkpointable job, whatever its class (tiresias:
     # a job that cannot checkpoint would lose its whole attempt)
     preempt_checkpointable: bool = False
+    # An experiment, never a default: the policy is told each job's true remaining
+    # run time through the same inputs a prediction reaches it by (a pending job's
+    # ``planned_s``; a running job's ``planned_s`` up to its true end, without
+    # progress), the upper bound of what better predictions could buy.
+    oracle_runtime: bool = False
 
 
 @dataclass

@@ -37,8 +37,59 @@ class PolicyViews(GpuPhysics):
             return predict(hist_u), "user"
         return None, "default"
 
+    def _oracle_left(self, job: SimJob) -> float:
+        """``--oracle-runtime``: the true run time a waiting job has left (its
+        reference duration less the work its checkpoints kept, plus the restart
+        overhead a resumed attempt pays)."""
+        left = job.ref_duration * (1.0 - job.done_fraction)
+        if job.done_fraction > 0:
+            left += self.opts.restart_overhead_s
+        return left
+
+    def _oracle_end(self, job: SimJob) -> float:
+        """``--oracle-runtime``: when a running job truly ends, at its current
+        rate (its limit if that comes first)."""
+        left = max(job.run_duration - job.done_work, 0.0)
+        done = job.rate_since + left / job.rate if job.rate > 0 else math.inf
+        return min(done, job.started_at + job.attempt_limit)
+
+    def _checkpoint_at(self, job: SimJob, now: float) -> float | None:
+        """When ``job``'s current attempt last checkpointed (one checkpoint per
+        checkpoint interval of progress after its restart overhead, as
+        ``engine._checkpointed`` counts them; None: none yet), for
+        ``RunningJob.checkpoint_at``; notes when its next one falls
+        (``checkpoint_due``). A checkpoint before the job's latest change of rate
+        is placed as if it had run alone since its start."""
+        self.checkpoint_due.pop(job.id, None)
+        if not job.checkpointable or job.state != "running":
+            return None
+        every = (
+            self.opts.checkpoint_interval_s
+            if job.checkpoint_interval_s is None
+            else job.checkpoint_interval_s
+        )
+        rate = job.rate
+        work = job.done_work + rate * (now - job.rate_since)
+        useful = work - job.overhead_s
+        if every <= 0:
+            return now if useful > 0 else None
+        k = math.floor(useful / every) if useful > 0 else 0
+        if rate > 0:
+            nxt = job.overhead_s + (k + 1) * every
+            self.checkpoint_due[job.id] = job.rate_since + (nxt - job.done_work) / rate
+        if k <= 0:
+            return None
+        target = job.overhead_s + k * every  # the attempt's work at that checkpoint
+        if target >= job.done_work and rate > 0:
+            return job.rate_since + (target - job.done_work) / rate
+        return min(job.rate_since, job.started_at + target)
+
     def _pending_view(self, job: SimJob) -> PendingJob:
-        predicted, source = self._predict(job)
+        predicted: float | None
+        if self.opts.oracle_runtime:
+            predicted, source = self._oracle_left(job), "oracle"
+        else:
+            predicted, source = self._predict(job)
         job.planned_s = planned_runtime(job.time_limit, predicted)
         job.pred_source = source
         job.pred_version = self.user_version.get(job.user, 0)
@@ -73,11 +124,16 @@ class PolicyViews(GpuPhysics):
             if log_r is not None:
                 measured = math.exp(log_r)
                 measured_for = seg.measured_s
+        planned_s = job.planned_s
+        progress = self.tracker.view(job, now)
+        if self.opts.oracle_runtime:
+            planned_s = self._oracle_end(job) - job.started_at
+            progress = None
         return RunningJob(
             id=job.id,
             gpu_ids=job.gpu_ids,
             started_at=job.started_at,
-            planned_s=job.planned_s,
+            planned_s=planned_s,
             time_limit_s=job.attempt_limit,
             user=job.user,
             group=job.group,
@@ -99,10 +155,15 @@ class PolicyViews(GpuPhysics):
             trial=job.trial,
             measured_slowdown=measured,
             measured_for_s=measured_for,
-            progress=self.tracker.view(job, now),
+            progress=progress,
             checkpointable=job.checkpointable,
             prior_gpu_s=job.gpus * job.run_total,
             submitted_at=job.submit,
+            checkpoint_at=(
+                self._checkpoint_at(job, now)
+                if self.config.las_victims == "checkpoint"
+                else None
+            ),
         )
 
     def _state(self, now: float) -> ClusterState:
@@ -118,6 +179,8 @@ class PolicyViews(GpuPhysics):
         # progress: rates the events changed, and the jobs that reported since
         self.tracker.observe(self.running.values())
         refresh |= self.tracker.due(self.running.values(), now)
+        if self.checkpoint_due:
+            refresh |= {j for j, t in self.checkpoint_due.items() if t <= now}
         knowledge = Knowledge()
         trials: Mapping[frozenset[str], int] = MappingProxyType({})
         meter = self.meter

@@ -10,7 +10,9 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import time_machine
 
+from agents import protocol
 from scheduler import policy, services
 from scheduler.models import Job
 from tests.factories import JobFactory
@@ -95,3 +97,25 @@ def test_the_wait_bound_setting_orders_an_overdue_job_first_in_production(
     settings.GPULAB_MAX_WAIT = 2 * 3600.0
     assert services.cluster_state(at(0)).config.max_wait_s == 2 * 3600.0
     assert started() == {old.pk}
+def test_the_snapshot_says_when_a_running_attempt_last_checkpointed(
+    alice: User, cluster: list[Node]
+) -> None:
+    _, node_b = cluster
+    job = JobFactory(owner=alice, submitted_at=at(0), gpus=2, checkpointable=True)
+    attempt = running(job, node_b, at=T0)
+    state = services.cluster_state(at(3600))
+    [r] = [r for r in state.running if r.id == job.pk]
+    assert r.checkpoint_at is None  # none reported yet: a stop loses it all
+    with time_machine.travel(at(1800), tick=False):
+        services.append_log(
+            node_b.pk,
+            protocol.JobLogData(
+                attempt_id=attempt.pk,
+                job_id=job.pk,
+                offset=0,
+                data="step 10\nGPULAB_CHECKPOINT saved\n",
+            ),
+        )
+    state = services.cluster_state(at(3600))
+    [r] = [r for r in state.running if r.id == job.pk]
+    assert r.checkpoint_at == pytest.approx(T0 + 1800)

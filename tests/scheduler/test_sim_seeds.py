@@ -229,3 +229,26 @@ def test_a_negative_max_wait_is_refused(capsys):
         seeds_bench.main(["--max-wait", "-1"])
     assert exc.value.code == 2
     assert "--max-wait must be 0 or more seconds, not -1" in capsys.readouterr().err
+def test_a_variant_is_a_policy_run_with_options(tmp_path):
+    code = seeds_bench.main(
+        ["--only", "b", "--seeds", "0", "--max-jobs", "200", "--policies",
+         "slurm,gpulab-oracle", "--out-dir", str(tmp_path), "--parallel", "1",
+         "--variant", "gpulab-oracle=gpulab --oracle-runtime --las-extra-plans 2"]
+    )  # fmt: skip
+    assert code == 0
+    data = json.loads((tmp_path / "seeds_b_gpulab-oracle_0.json").read_text())
+    assert data["policy"] == "gpulab"
+    assert data["options"]["oracle_runtime"] is True
+    assert data["options"]["las_extra_plans"] == 2
+    assert "gpulab-oracle avg (h)" in (tmp_path / "sim_seeds.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [("gpulab --oracle-runtime", "is not LABEL=POLICY"), ("x=nope", "unknown policy")],
+)
+def test_a_bad_variant_is_named(capsys, variant, message):
+    with pytest.raises(SystemExit) as exc:
+        seeds_bench.main(["--variant", variant])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
