@@ -97,6 +97,8 @@ def test_the_wait_bound_setting_orders_an_overdue_job_first_in_production(
     settings.GPULAB_MAX_WAIT = 2 * 3600.0
     assert services.cluster_state(at(0)).config.max_wait_s == 2 * 3600.0
     assert started() == {old.pk}
+
+
 def test_the_snapshot_says_when_a_running_attempt_last_checkpointed(
     alice: User, cluster: list[Node]
 ) -> None:

@@ -229,6 +229,8 @@ def test_a_negative_max_wait_is_refused(capsys):
         seeds_bench.main(["--max-wait", "-1"])
     assert exc.value.code == 2
     assert "--max-wait must be 0 or more seconds, not -1" in capsys.readouterr().err
+
+
 def test_a_variant_is_a_policy_run_with_options(tmp_path):
     code = seeds_bench.main(
         ["--only", "b", "--seeds", "0", "--max-jobs", "200", "--policies",
