@@ -14,6 +14,7 @@ from portal.api.serializers import ErrorSerializer
 from scheduler.models import Attempt, Job, JobDependency, Node
 
 if TYPE_CHECKING:
+    from django.db.models import QuerySet
     from rest_framework.request import Request
 
 _ERRORS = {
@@ -59,16 +60,38 @@ UNREAD_JOB_FIELDS = ("priority_breakdown", "interactive_token", "last_preempted_
 
 
 def jobs_for(request: Request) -> Any:
-    """The jobs the requester may see, with what the serializer reads and no
-    more: the owner's, group's and holder's names joined in, the attempts and
-    dependencies in one query each for a whole page (as lists, ``to_attr``: a
-    related manager's queryset per job would cost more than the rows)."""
+    """The jobs the requester may see, read as ``listed`` reads them."""
+    return listed(Job.objects.visible_to(request.user))
+
+
+def listed(jobs: QuerySet[Job]) -> Any:
+    """``jobs`` with what the serializer reads and no more: the owner's,
+    group's and holder's names joined in, the attempts and dependencies in one
+    query each for a whole page (as lists, ``to_attr``: a related manager's
+    queryset per job would cost more than the rows)."""
     return (
-        Job.objects.visible_to(request.user)
-        .select_related("owner", "group", "held_by")
+        jobs.select_related("owner", "group", "held_by")
         .defer(*UNREAD_JOB_FIELDS)
         .prefetch_related(dependencies_out(), attempts_for_nodes())
     )
+
+
+def page_of(ordered: QuerySet[Job], offset: int, limit: int, read: Any) -> list[Job]:
+    """``ordered[offset : offset + limit]``, each job read as the queryset
+    ``read`` reads it (its joins, deferred fields and prefetches), in one
+    query whose page is chosen by an id-only subquery: PostgreSQL skips and
+    sorts ``offset`` narrow rows (ids, from the indexes where it can) instead
+    of ``offset`` whole jobs joined to their owner, group and holder, which
+    made a deep page (``offset=10000``) cost several times a first one
+    (bench/bounded_cost.py). ``ordered``'s ordering must end in the id, so the
+    page is the same whichever rows tie on the keys before it."""
+    keys = ordered.query.order_by
+    if not keys or keys[-1].lstrip("-") not in ("id", "pk"):
+        raise ValueError(f"the ordering {keys!r} must end in the id")
+    if limit <= 0:
+        return []
+    ids = ordered.values("pk")[offset : offset + limit]
+    return list(read.filter(pk__in=ids).order_by(*keys))
 
 
 def dependencies_out() -> Prefetch[Any, Any]:

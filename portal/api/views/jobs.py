@@ -31,7 +31,9 @@ from portal.api.views.common import (
     dependencies_out,
     errors,
     jobs_for,
+    listed,
     node_names,
+    page_of,
     query,
     visible_job,
 )
@@ -177,7 +179,7 @@ class JobList(APIView):
         jobs = jobs.order_by("-id")
         count = jobs.count()
         limit, offset = q["limit"], q["offset"]
-        page = list(jobs[offset : offset + limit])
+        page = page_of(jobs, offset, limit, listed(Job.objects))
         attach_queue_positions(page)
 
         def link(at: int) -> str:
