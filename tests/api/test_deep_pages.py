@@ -93,8 +93,9 @@ def test_a_deep_job_list_page_skips_ids_not_whole_jobs(
     ]
     [sql] = [q for q in sqls if reads_whole_jobs(q)]
     subquery = re.search(
-        r'"scheduler_job"\."id" IN \(SELECT U0\."id" AS "pk" FROM "scheduler_job" U0 '
-        r"(?P<body>.*?) LIMIT 5 OFFSET 7\)",
+        r'"scheduler_job"\."id" = ANY\(\(ARRAY\('
+        r'SELECT U0\."id" AS "pk" FROM "scheduler_job" U0 '
+        r"(?P<body>.*?) LIMIT 5 OFFSET 7\)\)\)",
         sql,
     )
     assert subquery is not None, sql
@@ -156,7 +157,8 @@ def test_a_deep_queue_page_skips_ids_not_whole_jobs(
     assert [j["id"] for j in got.json()] == tied_queue[5:9]
     [sql] = [q for q in sqls if reads_whole_jobs(q)]  # running ones: none here
     assert re.search(
-        r'"scheduler_job"\."id" IN \(SELECT U0\."id" AS "pk" FROM "scheduler_job" U0 '
-        r"[^()]*LIMIT 4 OFFSET 2\)",
+        r'"scheduler_job"\."id" = ANY\(\(ARRAY\('
+        r'SELECT U0\."id" AS "pk" FROM "scheduler_job" U0 '
+        r"[^()]*LIMIT 4 OFFSET 2\)\)\)",
         sql,
     ), sql

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import F, Prefetch
+from django.contrib.postgres.expressions import ArraySubquery
+from django.db.models import F, Lookup, Prefetch
 from django.http import Http404
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
@@ -79,19 +80,32 @@ def listed(jobs: QuerySet[Job]) -> Any:
 def page_of(ordered: QuerySet[Job], offset: int, limit: int, read: Any) -> list[Job]:
     """``ordered[offset : offset + limit]``, each job read as the queryset
     ``read`` reads it (its joins, deferred fields and prefetches), in one
-    query whose page is chosen by an id-only subquery: PostgreSQL skips and
-    sorts ``offset`` narrow rows (ids, from the indexes where it can) instead
-    of ``offset`` whole jobs joined to their owner, group and holder, which
-    made a deep page (``offset=10000``) cost several times a first one
-    (bench/bounded_cost.py). ``ordered``'s ordering must end in the id, so the
-    page is the same whichever rows tie on the keys before it."""
+    query whose page is chosen first as ids: ``id = ANY(ARRAY(ids))``, the
+    ids' LIMIT/OFFSET query run once (an init plan), then the page's jobs by
+    their primary key. PostgreSQL thus sorts and skips ``offset`` narrow rows
+    instead of ``offset`` whole jobs joined to their owner, group and holder,
+    which made a deep page (``offset=10000``) cost several times a first one
+    (bench/bounded_cost.py); ``id IN (subquery)`` would let it plan a hash
+    semi-join over every job instead. ``ordered``'s ordering must end in the
+    id, so the page is the same whichever rows tie on the keys before it."""
     keys = ordered.query.order_by
     if not keys or keys[-1].lstrip("-") not in ("id", "pk"):
         raise ValueError(f"the ordering {keys!r} must end in the id")
     if limit <= 0:
         return []
     ids = ordered.values("pk")[offset : offset + limit]
-    return list(read.filter(pk__in=ids).order_by(*keys))
+    return list(read.filter(AnyOf(F("pk"), ArraySubquery(ids))).order_by(*keys))
+
+
+class AnyOf(Lookup[Any]):
+    """``lhs = ANY(rhs)``, ``rhs`` an array (``ArraySubquery``)."""
+
+    lookup_name = "any_of"
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+        lhs, lhs_params = self.process_lhs(compiler, connection)
+        rhs, rhs_params = self.process_rhs(compiler, connection)
+        return f"{lhs} = ANY({rhs})", [*lhs_params, *rhs_params]
 
 
 def dependencies_out() -> Prefetch[Any, Any]:
