@@ -89,7 +89,8 @@ def page_of(ordered: QuerySet[Job], offset: int, limit: int, read: Any) -> list[
     semi-join over every job instead. ``ordered``'s ordering must end in the
     id, so the page is the same whichever rows tie on the keys before it."""
     keys = ordered.query.order_by
-    if not keys or keys[-1].lstrip("-") not in ("id", "pk"):
+    last = keys[-1] if keys else None
+    if not isinstance(last, str) or last.lstrip("-") not in ("id", "pk"):
         raise ValueError(f"the ordering {keys!r} must end in the id")
     if limit <= 0:
         return []

@@ -179,7 +179,7 @@ class JobList(APIView):
         jobs = jobs.order_by("-id")
         count = jobs.count()
         limit, offset = q["limit"], q["offset"]
-        page = page_of(jobs, offset, limit, listed(Job.objects))
+        page = page_of(jobs, offset, limit, listed(Job.objects.all()))
         attach_queue_positions(page)
 
         def link(at: int) -> str:
