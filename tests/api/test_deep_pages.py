@@ -162,3 +162,64 @@ def test_a_deep_queue_page_skips_ids_not_whole_jobs(
         r"[^()]*LIMIT 4 OFFSET 2\)\)\)",
         sql,
     ), sql
+
+
+# ------------------------------------------------------------------ cursor
+
+
+def test_a_cursor_pages_through_the_list_as_offsets_do(
+    alice: User, bob: User, charlie: User, as_bob: Api
+) -> None:
+    """``before`` (the last id of the page before) gives the jobs after it in
+    the list, and from a cursor ``next`` is the next cursor: following it lists
+    every visible job once, in order, whatever else filters the list."""
+    Membership.objects.filter(user=bob).update(is_leader=True)
+    for i in range(5):
+        JobFactory(owner=alice, name=f"a{i}")
+        JobFactory(owner=charlie, name=f"c{i}")
+        JobFactory(owner=bob, name=f"b{i}", status=Job.Status.FAILED)
+    whole = as_bob.get("/api/v1/jobs/", limit=1000).json()["results"]
+    ids = [j["id"] for j in whole]
+    assert len(ids) == 10
+
+    first = as_bob.get("/api/v1/jobs/", before=ids[3], limit=4).json()
+    assert first["results"] == whole[4:8]
+    assert first["count"] == 6  # the jobs below the cursor
+    assert first["previous"] is None
+
+    seen, url, pages = [], f"/api/v1/jobs/?before={ids[0] + 1}&limit=3", 0
+    while url:
+        page = as_bob.client.get(url, headers=as_bob.headers).json()
+        assert "offset=0" in url or pages == 0
+        seen += page["results"]
+        url, pages = page["next"], pages + 1
+    assert (seen, pages) == (whole, 4)
+
+    failed = as_bob.get("/api/v1/jobs/", state="failed", before=ids[2], limit=2)
+    assert [j["id"] for j in failed.json()["results"]] == [
+        j["id"] for j in whole[3:] if j["state"] == "failed"
+    ][:2]
+    assert f"before={failed.json()['results'][-1]['id']}" in failed.json()["next"]
+
+
+def test_a_cursors_page_skips_nothing(alice: User, as_alice: Api) -> None:
+    jobs = [JobFactory(owner=alice) for _ in range(9)]
+
+    got, sqls = page_queries(as_alice, "/api/v1/jobs/", before=jobs[6].pk, limit=3)
+
+    assert [j["id"] for j in got.json()["results"]] == [
+        jobs[5].pk,
+        jobs[4].pk,
+        jobs[3].pk,
+    ]
+    [sql] = [q for q in sqls if reads_whole_jobs(q)]
+    assert f'U0."id" < {jobs[6].pk}' in sql
+    assert "OFFSET" not in sql
+
+
+@pytest.mark.parametrize("before", ["0", "-3", "x", "1.5", str(2**62 + 1)])
+def test_a_bad_cursor_is_a_400_naming_it(as_alice: Api, before: str) -> None:
+    got = as_alice.get("/api/v1/jobs/", before=before)
+
+    assert got.status_code == 400
+    assert list(got.json()["fields"]) == ["before"]
