@@ -3,11 +3,12 @@ thread that answers it and of the PostgreSQL backend that serves its queries
 (issue #27: a member's deep 1,000-job page was the costliest request, and what it
 costs is what other users' calls share the two cores with).
 
-On a database ``bench/bounded_cost.py --keep-database`` populated (100,000 jobs;
-the member ``u0`` leads group ``g0``, 12,500 jobs; ``admin`` staff, created here
-if missing, sees all), in this process through Django's test client (no HTTP,
-no gate: the request's own cost), each of ``--repeat`` times in turn, medians
-printed:
+On ``bench/bounded_cost.py``'s data (``--database``: a database its
+``--keep-database`` run populated; else populated afresh and dropped): 100,000
+jobs, the member ``u0`` leading group ``g0`` (12,500 jobs), ``admin`` (staff,
+created here if missing) seeing all. In this process, through Django's test
+client (no HTTP, no gate: the request's own cost), each page in turn,
+``--repeat`` times, the medians printed:
 
 - the member's 1,000-job page at offset 0, at offset 10,000, and from a cursor
   (``before``) at the same depth;
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pass_scaling import _with_db, setup_django
+from bounded_cost import bench_database, populate
 from real_stack import loadavg
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -47,12 +48,26 @@ def backend_cpu_s(pid: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", required=True, metavar="NAME")
+    parser.add_argument(
+        "--database",
+        metavar="NAME",
+        help="a database bench/bounded_cost.py --keep-database populated; without"
+        " it, a fresh one is populated as that bench does (minutes) and dropped",
+    )
+    parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=11)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    setup_django(_with_db(os.environ["DATABASE_URL"], args.database))
     os.environ.setdefault("DJANGO_ALLOWED_HOSTS", "127.0.0.1")
+    with bench_database(args.database, keep=False):
+        if not args.database:
+            populate(args.jobs, 365)
+        measure(args.repeat)
+    return 0
 
+
+def measure(repeat: int) -> None:
+    """Each page ``repeat`` times in turn; the medians printed."""
     from django.contrib.auth.models import User
     from django.db import connection
     from django.test import Client
@@ -103,7 +118,7 @@ def main() -> int:
         cursor.execute("SELECT pg_backend_pid()")
         pid = cursor.fetchone()[0]
     times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         for label, (url, headers) in cases.items():
             wall, cpu, pg = time.perf_counter(), time.thread_time(), backend_cpu_s(pid)
             got = client.get(url, headers=headers)
@@ -115,14 +130,13 @@ def main() -> int:
                     backend_cpu_s(pid) - pg,
                 )
             )
-    print(f"{total} jobs; median of {args.repeat}; load {loadavg()}")
+    print(f"{total} jobs; median of {repeat}; load {loadavg()}")
     print(f"{'page':42} {'web CPU':>9} {'PG CPU':>8} {'wall':>9}")
     for label, rows in times.items():
         web, pg, wall = (
             statistics.median(r[i] for r in rows) * 1000 for i in (1, 2, 0)
         )
         print(f"{label:42} {web:6.0f} ms {pg:5.0f} ms {wall:6.0f} ms")
-    return 0
 
 
 if __name__ == "__main__":
