@@ -673,9 +673,18 @@ def latest_nodes(job: Job, names: dict[int, str]) -> list[str]:
 
 
 class JobPageSerializer(serializers.Serializer[Any]):
-    count = serializers.IntegerField()
-    next = serializers.CharField(allow_null=True)
-    previous = serializers.CharField(allow_null=True)
+    count = serializers.IntegerField(
+        help_text="The jobs the filters match (with before: those below it)."
+    )
+    next = serializers.CharField(
+        allow_null=True,
+        help_text="The next page's URL, null after the last; asked with before, it"
+        " carries the cursor on (before = this page's last id).",
+    )
+    previous = serializers.CharField(
+        allow_null=True,
+        help_text="The page before's URL (by offset), null at offset 0.",
+    )
     results = JobSerializer(many=True)
 
 
