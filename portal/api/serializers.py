@@ -673,9 +673,18 @@ def latest_nodes(job: Job, names: dict[int, str]) -> list[str]:
 
 
 class JobPageSerializer(serializers.Serializer[Any]):
-    count = serializers.IntegerField()
-    next = serializers.CharField(allow_null=True)
-    previous = serializers.CharField(allow_null=True)
+    count = serializers.IntegerField(
+        help_text="The jobs the filters match (with before: those below it)."
+    )
+    next = serializers.CharField(
+        allow_null=True,
+        help_text="The next page's URL, null after the last; asked with before, it"
+        " carries the cursor on (before = this page's last id).",
+    )
+    previous = serializers.CharField(
+        allow_null=True,
+        help_text="The page before's URL (by offset), null at offset 0.",
+    )
     results = JobSerializer(many=True)
 
 
@@ -735,7 +744,17 @@ class JobListQuery(serializers.Serializer[Any]):
         max_value=settings.GPULAB_API_MAX_OFFSET,
         help_text="Skip this many jobs (at most"
         f" {settings.GPULAB_API_MAX_OFFSET}, GPULAB_API_MAX_OFFSET): deeper,"
-        " narrow the list with since, until or state instead.",
+        " narrow the list with since, until or state, or page with before.",
+    )
+    before = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=2**62,
+        help_text="Only jobs with a lower id, i.e. submitted earlier (a cursor: give"
+        " the last id of the page before). A page from a cursor costs what a first"
+        " page does however deep it is, where an offset's cost grows with the"
+        " jobs it skips; with before, next carries the cursor on. count, offset"
+        " and previous count the jobs below it.",
     )
 
     def validate_state(self, value: str) -> list[str]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import jsonschema_rs
 import pytest
+from django.conf import settings
 from django.test import Client
 
 from scheduler.models import Job
@@ -181,6 +182,15 @@ def test_the_request_limits_are_stated(schema: dict[str, Any]) -> None:
     assert props["time_limit_s"]["maximum"] == 14 * 24 * 3600
     assert props["env"]["maxProperties"] == 200
     params = schema["paths"]["/api/v1/jobs/"]["get"]["parameters"]
+    by_name = {p["name"]: p["schema"] for p in params}
+    assert by_name["limit"]["maximum"] == settings.GPULAB_API_MAX_PAGE
+    assert by_name["offset"]["maximum"] == settings.GPULAB_API_MAX_OFFSET
+    assert (by_name["before"]["minimum"], by_name["before"]["maximum"]) == (1, 2**62)
+    queue = schema["paths"]["/api/v1/queue/"]["get"]["parameters"]
+    assert {p["name"]: p["schema"]["maximum"] for p in queue} == {
+        "limit": settings.GPULAB_API_MAX_PAGE,
+        "offset": settings.GPULAB_API_MAX_OFFSET,
+    }
     state = next(p for p in params if p["name"] == "state")
     assert "active" in state["schema"]["items"]["enum"]
     assert "running" in state["schema"]["items"]["enum"]

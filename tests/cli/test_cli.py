@@ -375,6 +375,20 @@ def test_queue_follows_the_apis_pages_to_the_end(
     assert [j["id"] for j in json.loads(shown.stdout)] == [j.pk for j in waiting]
 
 
+def test_ls_follows_the_job_lists_pages_by_cursor(
+    gpulab: Gpulab, alice: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpulab ls` asks each page from the last id of the one before (the API's
+    ``before``: a deep page costs what a first one does): the newest ``-n``
+    jobs, shown oldest first (pages of 2 here)."""
+    jobs = [JobFactory(owner=alice).pk for _ in range(5)]
+    monkeypatch.setattr("portal.cli.jobs.JOBS_PAGE", 2)
+    for n, want in ((4, jobs[1:]), (100, jobs)):
+        shown = gpulab("ls", "-a", "-n", str(n), "--json", user=alice)
+        assert shown.exit_code == 0, shown.output
+        assert [j["id"] for j in json.loads(shown.stdout)] == want
+
+
 # ------------------------------------------------------------------ show, cancel
 
 

@@ -25,6 +25,7 @@ from portal.api.views.common import (
     errors,
     no_empty,
     node_names,
+    page_of,
     query,
 )
 from portal.quotas.models import Quota
@@ -270,22 +271,18 @@ class Queue(APIView):
         queue of any length costs a page."""
         q = query(QueueQuery, request)
         limit, offset = q["limit"], q["offset"]
-        running_q = (
-            Job.objects.filter(status__in=Job.ON_NODE)
-            .select_related("owner", "group")
-            .prefetch_related(attempts_for_nodes())
-            .order_by("started_at", "id")
+        running_q = Job.objects.filter(status__in=Job.ON_NODE).order_by(
+            "started_at", "id"
         )
-        pending_q = (
-            Job.objects.in_queue_order()
-            .select_related("owner", "group")
-            .prefetch_related(attempts_for_nodes())
+        pending_q = Job.objects.in_queue_order()
+        read = Job.objects.select_related("owner", "group").prefetch_related(
+            attempts_for_nodes()
         )
         n_running, n_pending = running_q.count(), pending_q.count()
-        running = list(running_q[offset : offset + limit]) if offset < n_running else []
+        running = page_of(running_q, offset, limit, read) if offset < n_running else []
         skip = max(0, offset - n_running)
         room = limit - len(running)
-        pending = list(pending_q[skip : skip + room]) if room > 0 else []
+        pending = page_of(pending_q, skip, room, read) if room > 0 else []
         attach_queue_positions(pending, first=skip + 1)  # running jobs have none
         response = Response(
             QueueEntry(

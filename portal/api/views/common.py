@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import F, Prefetch
+from django.contrib.postgres.expressions import ArraySubquery
+from django.db.models import F, Lookup, Prefetch
 from django.http import Http404
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
@@ -14,6 +15,7 @@ from portal.api.serializers import ErrorSerializer
 from scheduler.models import Attempt, Job, JobDependency, Node
 
 if TYPE_CHECKING:
+    from django.db.models import QuerySet
     from rest_framework.request import Request
 
 _ERRORS = {
@@ -59,16 +61,52 @@ UNREAD_JOB_FIELDS = ("priority_breakdown", "interactive_token", "last_preempted_
 
 
 def jobs_for(request: Request) -> Any:
-    """The jobs the requester may see, with what the serializer reads and no
-    more: the owner's, group's and holder's names joined in, the attempts and
-    dependencies in one query each for a whole page (as lists, ``to_attr``: a
-    related manager's queryset per job would cost more than the rows)."""
+    """The jobs the requester may see, read as ``listed`` reads them."""
+    return listed(Job.objects.visible_to(request.user))
+
+
+def listed(jobs: QuerySet[Job]) -> Any:
+    """``jobs`` with what the serializer reads and no more: the owner's,
+    group's and holder's names joined in, the attempts and dependencies in one
+    query each for a whole page (as lists, ``to_attr``: a related manager's
+    queryset per job would cost more than the rows)."""
     return (
-        Job.objects.visible_to(request.user)
-        .select_related("owner", "group", "held_by")
+        jobs.select_related("owner", "group", "held_by")
         .defer(*UNREAD_JOB_FIELDS)
         .prefetch_related(dependencies_out(), attempts_for_nodes())
     )
+
+
+def page_of(ordered: QuerySet[Job], offset: int, limit: int, read: Any) -> list[Job]:
+    """``ordered[offset : offset + limit]``, each job read as the queryset
+    ``read`` reads it (its joins, deferred fields and prefetches), in one
+    query whose page is chosen first as ids: ``id = ANY(ARRAY(ids))``, the
+    ids' LIMIT/OFFSET query run once (an init plan), then the page's jobs by
+    their primary key. PostgreSQL thus sorts and skips ``offset`` narrow rows
+    instead of ``offset`` whole jobs joined to their owner, group and holder,
+    which made a deep page (``offset=10000``) cost several times a first one
+    (bench/bounded_cost.py); ``id IN (subquery)`` would let it plan a hash
+    semi-join over every job instead. ``ordered``'s ordering must end in the
+    id, so the page is the same whichever rows tie on the keys before it."""
+    keys = ordered.query.order_by
+    last = keys[-1] if keys else None
+    if not isinstance(last, str) or last.lstrip("-") not in ("id", "pk"):
+        raise ValueError(f"the ordering {keys!r} must end in the id")
+    if limit <= 0:
+        return []
+    ids = ordered.values("pk")[offset : offset + limit]
+    return list(read.filter(AnyOf(F("pk"), ArraySubquery(ids))).order_by(*keys))
+
+
+class AnyOf(Lookup[Any]):
+    """``lhs = ANY(rhs)``, ``rhs`` an array (``ArraySubquery``)."""
+
+    lookup_name = "any_of"
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+        lhs, lhs_params = self.process_lhs(compiler, connection)
+        rhs, rhs_params = self.process_rhs(compiler, connection)
+        return f"{lhs} = ANY({rhs})", [*lhs_params, *rhs_params]
 
 
 def dependencies_out() -> Prefetch[Any, Any]:

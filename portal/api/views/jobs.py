@@ -31,7 +31,9 @@ from portal.api.views.common import (
     dependencies_out,
     errors,
     jobs_for,
+    listed,
     node_names,
+    page_of,
     query,
     visible_job,
 )
@@ -174,21 +176,30 @@ class JobList(APIView):
             )
         if q.get("until"):
             jobs = jobs.filter(submitted_at__lt=q["until"])
+        if q.get("before"):
+            jobs = jobs.filter(pk__lt=q["before"])
         jobs = jobs.order_by("-id")
         count = jobs.count()
         limit, offset = q["limit"], q["offset"]
-        page = list(jobs[offset : offset + limit])
+        page = page_of(jobs, offset, limit, listed(Job.objects.all()))
         attach_queue_positions(page)
 
-        def link(at: int) -> str:
+        def link(at: int, before: int | None = None) -> str:
             params = request.query_params.copy()
             params["offset"] = str(at)
             params["limit"] = str(limit)
+            if before is not None:
+                params["before"] = str(before)
             return request.build_absolute_uri(f"{request.path}?{params.urlencode()}")
 
+        following = None
+        if offset + limit < count:
+            # From a cursor, the next page is the next cursor (an offset would
+            # make each page cost more than the one before it).
+            following = link(0, page[-1].pk) if "before" in q else link(offset + limit)
         data = {
             "count": count,
-            "next": link(offset + limit) if offset + limit < count else None,
+            "next": following,
             "previous": link(max(0, offset - limit)) if offset > 0 else None,
             "results": s.JobSerializer(
                 page,
