@@ -254,17 +254,16 @@ class Model:
         return got
 
 
-# What the odds of a never-tried pair start from, in tried pairs: each level (all
-# pairs; pairs of the same or of different families; the two families) is shrunk
-# to the level above as if it had this many pairs at that level's rate.
+# What a family pair's odds are shrunk to its relation's (pairs of one family, or
+# of two) with: as if this many of its pairs had shown the relation's rate.
 ODDS_STRENGTH = 2.0
 
 
 @dataclass(frozen=True)
 class Odds:
     """How likely a never-tried pair is to be admissible once observed: ``p``,
-    from ``wins`` of the ``tried`` pairs of its two families (shrunk to pairs of
-    the same relation: one family or two, then to all tried pairs)."""
+    from ``wins`` of the ``tried`` pairs of its two families (shrunk to the tried
+    pairs of its relation: one family, or two)."""
 
     p: float
     wins: int
@@ -282,10 +281,12 @@ class Outcomes:
     the same families behave alike (in Gavel's measured table, 14 of the 15 LM
     pairs on P100 lose throughput), and pairs of one family lose more often than
     pairs of two (docs/policy.md): so the odds of a new pair are the share of
-    admissible pairs among those tried of its two families, shrunk to the share
-    among tried pairs of its relation (one family or two), shrunk to the share
-    among all tried pairs (``ODDS_STRENGTH`` pairs' worth each time; with none
-    tried at all, 1/2)."""
+    admissible pairs among those tried of its two families, shrunk
+    (``ODDS_STRENGTH`` pairs' worth) to the share among tried pairs of its
+    relation, one family or two, itself (wins + 1) / (tried + 2): 1/2 with none
+    tried. Where no pair shares well (K80) the odds fall as 1 / (tried + 2) and
+    exploration stops; where some do, it goes on among families not yet seen to
+    fail."""
 
     def __init__(self, knowledge: Knowledge) -> None:
         pairs = knowledge.pairs
@@ -324,23 +325,19 @@ class Outcomes:
         if got is not None:
             return got
         same = fa == fb
-        counts = {"all": [0, 0], "relation": [0, 0], "families": [0, 0]}
+        counts = {"relation": [0, 0], "families": [0, 0]}
         for fams, rel, g, worst in self.tried:
+            if rel != same:
+                continue
             win = g > need_gain and (cap is None or worst * (1.0 + cap_margin) <= cap)
-            levels = ["all"]
-            if rel == same:
-                levels.append("relation")
-                if fams == (fa, fb):
-                    levels.append("families")
+            levels = ("relation", "families") if fams == (fa, fb) else ("relation",)
             for level in levels:
                 counts[level][0] += win
                 counts[level][1] += 1
-        w, n = counts["all"]
+        w, n = counts["relation"]
         p = (w + 1.0) / (n + 2.0)
-        for level in ("relation", "families"):
-            w, n = counts[level]
-            p = (w + ODDS_STRENGTH * p) / (n + ODDS_STRENGTH)
         w, n = counts["families"]
+        p = (w + ODDS_STRENGTH * p) / (n + ODDS_STRENGTH)
         got = self._cache[key] = Odds(p, w, n, (fa, fb))
         return got
 

@@ -307,24 +307,26 @@ def test_a_known_pair_or_a_trial_within_the_margin_is_measured_longer(change):
 
 
 def test_a_trial_of_families_whose_tried_pairs_lost_waits_with_the_odds():
-    # three LM pairs were tried: two ran 1.6x slower each (over the 1.5 cap),
-    # one was evicted. A fourth LM pair was never seen: its predicted gain alone
-    # would try it, its odds do not
+    # six LM pairs were tried: three ran 1.6x slower each (over the 1.5 cap),
+    # three were evicted. Another LM pair was never seen: its predicted gain
+    # alone would try it, its odds do not
     lost = Observations.of([math.log(1.6)])
     lm = [f"LM (batch size {b})" for b in (5, 10, 20, 40, 80)]
     k = Knowledge(
-        pairs={(lm[0], lm[1]): lost, (lm[1], lm[0]): lost, (lm[2], lm[2]): lost},
-        harmful=frozenset({frozenset((lm[0], lm[2]))}),
-    )
+        pairs={(lm[0], lm[1]): lost, (lm[1], lm[0]): lost, (lm[1], lm[2]): lost,
+               (lm[2], lm[1]): lost, (lm[2], lm[2]): lost},
+        harmful=frozenset({frozenset((lm[0], lm[2])), frozenset((lm[0],)),
+                           frozenset((lm[1],))}),
+    )  # fmt: skip
     base = (gpus(1, 1, busy={0: 1}), [sharer(1, lm[3])], [resident(9, 100, lm[4])])
     ds = decide(state(*base, knowledge=k))
     assert 1 not in starts(ds)
-    assert "of 3 tried pair(s) of lm and lm, 0 could share" in waits(ds)[1].message
+    assert "of 6 tried pair(s) of lm and lm, 0 could share" in waits(ds)[1].message
     # with the check off (odds 0) it is a trial, as before
     ds = decide(state(*base, knowledge=k, colo_trial_min_odds=0.0))
     adm = starts(ds)[1].admission
     assert adm is not None and adm.trial
-    # and a pair of other families is still tried
+    # and a pair of two families is still tried
     other = (gpus(1, 1, busy={0: 1}), [sharer(1, "Recommendation (batch size 512)")],
              [resident(9, 100, lm[4])])  # fmt: skip
     adm = starts(decide(state(*other, knowledge=k)))[1].admission
