@@ -542,7 +542,7 @@ GPULAB_POLICY: dict[str, Any] = {
     ),
     "colo_trials_per_hour": envint("GPULAB_COLO_TRIALS_PER_HOUR", 10, minimum=0),
     "colo_trial_min_odds": envfloat(
-        "GPULAB_COLO_TRIAL_MIN_ODDS", 0.04, minimum=0, maximum=1
+        "GPULAB_COLO_TRIAL_MIN_ODDS", 0.0, minimum=0, maximum=1
     ),
     "colo_trial_evict_margin": envfloat(
         "GPULAB_COLO_TRIAL_EVICT_MARGIN", 0.1, minimum=0

@@ -106,8 +106,10 @@ class PolicyConfig:
     colo_trials_per_pair_hour: int = 1
     colo_trials_per_hour: int = 10
     # a trial needs at least these odds of the pair being admissible once seen,
-    # from the pairs tried so far (``interference.Outcomes``); 0: no such check
-    colo_trial_min_odds: float = 0.04
+    # from the pairs tried so far (``interference.Outcomes``); 0: no such check.
+    # Off by default: at 0.04 and 0.1 it stopped exploration on (b) before any
+    # pair was found admissible (docs/policy.md, "Cheaper exploration")
+    colo_trial_min_odds: float = 0.0
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
     colo_packing: str = "exclusive-first"

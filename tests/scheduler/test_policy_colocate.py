@@ -382,11 +382,12 @@ def test_a_harmful_pair_counts_as_a_failure_and_nothing_new_is_tried_after_many(
     names = [f"W{i}" for i in range(30)]
     k = Knowledge(harmful=frozenset(frozenset(p) for p in pairwise(names)))
     got = Outcomes(k).odds("X1", "X2", **ODDS)
-    assert got.p == pytest.approx(1 / (29 + 2))  # under the default 0.04
+    assert got.p == pytest.approx(1 / (29 + 2))  # under 0.04
     model = Table({("x1", "x2"): 1.2, ("x2", "x1"): 1.2}, unsure={("x1", "x2")})
     refused = admit(
         job(1, "x1"), [job(2, "x2")], gpu_id=7, memory_total_mib=16 * GIB, slots=2,
-        model=model, config=PolicyConfig(colo_headroom_mib=0), budget=Budget(1, 10),
+        model=model, config=PolicyConfig(colo_headroom_mib=0, colo_trial_min_odds=0.04),
+        budget=Budget(1, 10),
         outcomes=Outcomes(k),
     )  # fmt: skip
     assert (refused.admitted, refused.rule) == (False, "odds")

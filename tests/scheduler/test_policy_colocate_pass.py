@@ -319,7 +319,7 @@ def test_a_trial_of_families_whose_tried_pairs_lost_waits_with_the_odds():
                            frozenset((lm[1],))}),
     )  # fmt: skip
     base = (gpus(1, 1, busy={0: 1}), [sharer(1, lm[3])], [resident(9, 100, lm[4])])
-    ds = decide(state(*base, knowledge=k))
+    ds = decide(state(*base, knowledge=k, colo_trial_min_odds=0.04))
     assert 1 not in starts(ds)
     assert "of 6 tried pair(s) of lm and lm, 0 could share" in waits(ds)[1].message
     # with the check off (odds 0) it is a trial, as before
@@ -329,5 +329,6 @@ def test_a_trial_of_families_whose_tried_pairs_lost_waits_with_the_odds():
     # and a pair of two families is still tried
     other = (gpus(1, 1, busy={0: 1}), [sharer(1, "Recommendation (batch size 512)")],
              [resident(9, 100, lm[4])])  # fmt: skip
-    adm = starts(decide(state(*other, knowledge=k)))[1].admission
+    adm = starts(decide(state(*other, knowledge=k, colo_trial_min_odds=0.04)))[1]
+    adm = adm.admission
     assert adm is not None and adm.trial
