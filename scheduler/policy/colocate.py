@@ -14,8 +14,12 @@ first that fails is the refusal's rule, and an admission records its numbers:
   last (``colo_trials_per_pair_hour``, ``colo_trials_per_hour``): without trials
   nothing is learned, without a budget users pay for it. A trial is judged on its
   predicted gain only (rule 2 with the prior) while the pair was never observed
-  together; the cap is enforced by watching it (the pass evicts a job measured over
-  its cap for ``colo_detect_window_s``), and once observed, rule 3 applies too;
+  together; the cap is enforced by watching it (the pass ends a trial at its first
+  measurement clearly over a cap, else within ``colo_detect_window_s``), and once
+  observed, rule 3 applies too;
+- ``odds`` (when ``colo_trial_min_odds`` is set): a trial's pair must have those
+  odds of being admissible once seen, from the pairs tried so far
+  (``interference.Outcomes``);
 - ``gain`` (rule 2, P2): for every pair on the GPU, 1/r_AB + 1/r_BA > 1 +
   ``colo_gain_margin`` (at margin 0 exactly r_AB * r_BA < r_AB + r_BA: sharing beats
   taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more;
