@@ -139,6 +139,8 @@ COLO_KEYS = (
     ("max_true_slowdown", "max true slowdown", "{:.2f}"),
     ("p99_true_slowdown", "p99 true slowdown", "{:.2f}"),
     ("over_cap_beyond_window", "over cap beyond window", "{:.0f}"),
+    ("trial_lost_gpu_hours", "GPU-hours lost to trials", "{:.2f}"),
+    ("trial_over_cap_s", "job-seconds over cap in trials", "{:.0f}"),
 )
 COLO_DETAIL = (
     ("oom_failures", "OOM failures", "{:.0f}"),

@@ -541,6 +541,12 @@ GPULAB_POLICY: dict[str, Any] = {
         "GPULAB_COLO_TRIALS_PER_PAIR_HOUR", 1, minimum=0
     ),
     "colo_trials_per_hour": envint("GPULAB_COLO_TRIALS_PER_HOUR", 10, minimum=0),
+    "colo_trial_min_odds": envfloat(
+        "GPULAB_COLO_TRIAL_MIN_ODDS", 0.0, minimum=0, maximum=1
+    ),
+    "colo_trial_evict_margin": envfloat(
+        "GPULAB_COLO_TRIAL_EVICT_MARGIN", 0.1, minimum=0
+    ),
     "colo_packing": envchoice(
         "GPULAB_COLO_PACKING", "exclusive-first", ("exclusive-first", "pack")
     ),

@@ -175,7 +175,13 @@ def _job_context(job: Job) -> dict[str, Any]:
         ahead = list(Job.objects.ahead_of(job).select_related("owner")[:5])
     policy = services.policy_config()
     return {
-        "trial": _trial_note(job, attempt, partners, policy.colo_detect_window_s),
+        "trial": _trial_note(
+            job,
+            attempt,
+            partners,
+            policy.colo_detect_window_s,
+            policy.colo_trial_evict_margin,
+        ),
         "job": job,
         "attempt": attempt,
         "allocations": allocations,
@@ -210,14 +216,19 @@ def _default_group(user: Any, groups: list[Group]) -> str:
 
 
 def _trial_note(
-    job: Job, attempt: Attempt | None, partners: list[Job], window_s: float
+    job: Job,
+    attempt: Attempt | None,
+    partners: list[Job],
+    window_s: float,
+    clear_margin: float,
 ) -> dict[str, Any] | None:
     """What the page says of an exploration trial on the job's GPU, the job's own
     admission or the one of the partner that joined it (docs/colocation.md): the
     pair was admitted on its predicted gain alone, so its predicted slowdowns may
     be over the cap; the pass sends the job that joined back to the queue (if its
-    owner allows) once a job of the GPU was measured over its cap for half of
-    ``colo_detect_window_s``."""
+    owner allows) once a job of the GPU was measured over its cap by more than
+    ``colo_trial_evict_margin`` (at its first measurement), or over it at all for
+    half of ``colo_detect_window_s``."""
     if attempt is None:
         return None
     joined: Job = job
@@ -245,6 +256,7 @@ def _trial_note(
         "over_cap": predicted is not None and cap is not None and predicted > cap,
         "cap": _times(cap),
         "detect_min": f"{window_s / 2 / 60:g}",
+        "clear_pct": f"{clear_margin * 100:g}",
         "window_min": f"{window_s / 60:g}",
     }
 

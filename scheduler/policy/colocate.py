@@ -14,8 +14,12 @@ first that fails is the refusal's rule, and an admission records its numbers:
   last (``colo_trials_per_pair_hour``, ``colo_trials_per_hour``): without trials
   nothing is learned, without a budget users pay for it. A trial is judged on its
   predicted gain only (rule 2 with the prior) while the pair was never observed
-  together; the cap is enforced by watching it (the pass evicts a job measured over
-  its cap for ``colo_detect_window_s``), and once observed, rule 3 applies too;
+  together; the cap is enforced by watching it (the pass ends a trial at its first
+  measurement clearly over a cap, else within ``colo_detect_window_s``), and once
+  observed, rule 3 applies too;
+- ``odds`` (when ``colo_trial_min_odds`` is set): a trial's pair must have those
+  odds of being admissible once seen, from the pairs tried so far
+  (``interference.Outcomes``);
 - ``gain`` (rule 2, P2): for every pair on the GPU, 1/r_AB + 1/r_BA > 1 +
   ``colo_gain_margin`` (at margin 0 exactly r_AB * r_BA < r_AB + r_BA: sharing beats
   taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more;
@@ -36,7 +40,13 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
-from scheduler.policy.interference import Estimate, Profile, gain
+from scheduler.policy.interference import (
+    Estimate,
+    Outcomes,
+    Profile,
+    gain,
+    outcomes_for,
+)
 from scheduler.policy.state import Evict, is_interactive
 
 if TYPE_CHECKING:
@@ -130,10 +140,13 @@ def admit(
     config: PolicyConfig,
     budget: Budget,
     rules: str = "full",
+    outcomes: Outcomes | None = None,
 ) -> Admission:
     """Whether ``job`` may join ``residents`` on one GPU (it does not spend the
     budget: the caller does, for the admission it keeps). ``rules``: "full", or
-    "memory" for count, exclusive and memory only (``pack-by-memory``)."""
+    "memory" for count, exclusive and memory only (``pack-by-memory``);
+    ``outcomes``: the pairs tried so far, which a trial's odds are read from
+    (None: a trial is judged without them)."""
     partners = tuple(r.id for r in residents)
     workloads = (job.profile.workload, *(r.profile.workload for r in residents))
     refused = _fit_refusal(job, residents, slots, memory_total_mib, config, model)
@@ -159,7 +172,7 @@ def admit(
             workloads=workloads,
         )
     p = _Prediction.of(job, residents, model, config)
-    rule, message = _judge(job, p, config, budget)
+    rule, message = _judge(job, p, config, budget, outcomes)
     return Admission(
         job.id,
         gpu_id,
@@ -274,10 +287,15 @@ class _Prediction:
 
 
 def _judge(
-    job: Sharer, p: _Prediction, config: PolicyConfig, budget: Budget
+    job: Sharer,
+    p: _Prediction,
+    config: PolicyConfig,
+    budget: Budget,
+    outcomes: Outcomes | None = None,
 ) -> tuple[str, str]:
-    """The predicted rules, in order: ``budget`` (a trial needs one), ``gain``,
-    ``protection``; (rule, message), the rule "ok" or "trial" when admitted."""
+    """The predicted rules, in order: ``budget`` and ``odds`` (a trial needs
+    both), ``gain``, ``protection``; (rule, message), the rule "ok" or "trial"
+    when admitted."""
     confidence, worst_gain, trial = p.confidence, p.worst_gain, p.trial
     need_gain = 1.0 + config.colo_gain_margin
     if trial:
@@ -291,6 +309,9 @@ def _judge(
                 f" needs {config.colo_min_confidence:.2f}) and the exploration"
                 " budget for this hour is spent",
             )
+        refused = _odds_refusal(job, p.residents, config, outcomes)
+        if refused is not None:
+            return "odds", refused
     a_id, b_id = p.worst_pair
     if worst_gain <= need_gain:
         return (
@@ -321,6 +342,38 @@ def _judge(
     return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}"
 
 
+def _odds_refusal(
+    job: Sharer,
+    residents: Sequence[Sharer],
+    config: PolicyConfig,
+    outcomes: Outcomes | None,
+) -> str | None:
+    """Why a trial beside ``residents`` is not worth its cost: for some pair,
+    the pairs tried so far give it odds under ``colo_trial_min_odds`` of being
+    admissible once observed (``interference.Outcomes``); None when all pass."""
+    if outcomes is None or config.colo_trial_min_odds <= 0:
+        return None
+    for r in residents:
+        caps = [c for c in (job.cap, r.cap) if c is not None]
+        got = outcomes.odds(
+            job.profile.workload,
+            r.profile.workload,
+            cap=min(caps) if caps else None,
+            need_gain=1.0 + config.colo_gain_margin,
+            cap_margin=config.colo_cap_margin,
+        )
+        if got.p < config.colo_trial_min_odds:
+            fa, fb = got.families
+            return (
+                f"pairs like this one rarely share well: of {got.tried} tried"
+                f" pair(s) of {fa or 'unlabelled'} and {fb or 'unlabelled'},"
+                f" {got.wins} could share within the caps; with the other tried"
+                f" pairs the odds are {got.p:.2f}, a trial needs"
+                f" {config.colo_trial_min_odds:.2f}"
+            )
+    return None
+
+
 def rank(
     admission: Admission, job: Sharer, residents: Sequence[Sharer]
 ) -> tuple[bool, float, float, int]:
@@ -341,7 +394,14 @@ def rank(
 
 # ------------------------------------------------------------------ the pass's side
 
-_RULE_RANK = {"protection": 5, "gain": 4, "budget": 3, "memory": 2, "exclusive": 1}
+_RULE_RANK = {
+    "protection": 6,
+    "gain": 5,
+    "odds": 4,
+    "budget": 3,
+    "memory": 2,
+    "exclusive": 1,
+}
 
 
 class Sharing:
@@ -363,6 +423,7 @@ class Sharing:
         self.idx = idx
         self.model = model
         self.rules = rules
+        self.outcomes = outcomes_for(state.knowledge)
         used = dict(state.trials_last_hour)
         self.budget = Budget(
             cfg.colo_trials_per_pair_hour,
@@ -445,6 +506,7 @@ class Sharing:
             config=self.config,
             budget=self.budget,
             rules=self.rules,
+            outcomes=self.outcomes,
         )
 
     def try_share(
@@ -533,13 +595,31 @@ class Sharing:
         self._file(gid)
 
 
+def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
+    """``r`` was measured over its cap long enough to act: for half of the
+    detection window, or, in an exploration trial, at its first measurement when
+    it is over the cap by more than ``colo_trial_evict_margin`` (noise on a few
+    reports is a few per cent; a trial's pair was never seen, so nothing
+    predicted it within the cap)."""
+    if r.measured_slowdown is None or r.slowdown_cap is None:
+        return False
+    if r.measured_slowdown <= r.slowdown_cap:
+        return False
+    if r.measured_for_s >= config.colo_detect_window_s / 2:
+        return True
+    clear = r.slowdown_cap * (1.0 + config.colo_trial_evict_margin)
+    return trial and r.measured_slowdown > clear
+
+
 def evictions(state: ClusterState) -> list[Evict]:
     """The later job of each shared GPU on which a job was measured over its cap
-    for half of ``colo_detect_window_s`` or more (if its owner allows it to be
-    requeued; an interactive job is never evicted: when it is the later job, its
-    earliest batch partner goes instead): the reports start a minute or two into the episode and the next
-    pass comes within a minute, so the job is stopped within the window."""
-    window = state.config.colo_detect_window_s
+    for half of ``colo_detect_window_s`` or more, or, when the later job was
+    admitted as an exploration trial, as soon as a job is measured clearly over
+    its cap (``_over_cap``); if its owner allows it to be requeued (an
+    interactive job is never evicted: when it is the later job, its earliest
+    batch partner goes instead). The reports start a minute or two into the
+    episode and the next pass comes within a minute, so the job is stopped
+    within the window, and a failing trial within a few minutes."""
     by_gpu: dict[int, list[RunningJob]] = {}
     for r in state.running:
         if len(r.gpu_ids) == 1 and r.shareable and not r.stopping:
@@ -548,20 +628,13 @@ def evictions(state: ClusterState) -> list[Evict]:
     for rs in by_gpu.values():
         if len(rs) < 2:
             continue
-        over = [
-            r
-            for r in rs
-            if r.measured_slowdown is not None
-            and r.measured_for_s >= window / 2
-            and r.slowdown_cap is not None
-            and r.measured_slowdown > r.slowdown_cap
-        ]
-        if not over:
-            continue
         joined = [r for r in rs if r.joined_at is not None]
         if not joined:
             continue
         later = max(joined, key=lambda r: (r.joined_at or 0.0, r.id))
+        over = [r for r in rs if _over_cap(r, state.config, trial=later.trial)]
+        if not over:
+            continue
         if is_interactive(state, later):
             # an interactive job is never evicted: its batch partner goes
             batch = [r for r in rs if not is_interactive(state, r)]

@@ -254,7 +254,106 @@ class Model:
         return got
 
 
+# What a family pair's odds are shrunk to its relation's (pairs of one family, or
+# of two) with: as if this many of its pairs had shown the relation's rate.
+ODDS_STRENGTH = 2.0
+
+
+@dataclass(frozen=True)
+class Odds:
+    """How likely a never-tried pair is to be admissible once observed: ``p``,
+    from ``wins`` of the ``tried`` pairs of its two families (shrunk to the tried
+    pairs of its relation: one family, or two)."""
+
+    p: float
+    wins: int
+    tried: int
+    families: tuple[str, str]
+
+
+class Outcomes:
+    """What became of the workload pairs tried so far: per unordered pair, its
+    combined normalised throughput and worst slowdown as observed (both
+    directions needed), or a failure when it was marked harmful (evicted over a
+    cap, or out of memory where that is recorded). Built once per ``Knowledge``.
+
+    A trial is worth its cost only if the pair may turn out admissible. Pairs of
+    the same families behave alike (in Gavel's measured table, 14 of the 15 LM
+    pairs on P100 lose throughput), and pairs of one family lose more often than
+    pairs of two (docs/policy.md): so the odds of a new pair are the share of
+    admissible pairs among those tried of its two families, shrunk
+    (``ODDS_STRENGTH`` pairs' worth) to the share among tried pairs of its
+    relation, one family or two, itself (wins + 1) / (tried + 2): 1/2 with none
+    tried. Where no pair shares well (K80) the odds fall as 1 / (tried + 2) and
+    exploration stops; where some do, it goes on among families not yet seen to
+    fail."""
+
+    def __init__(self, knowledge: Knowledge) -> None:
+        pairs = knowledge.pairs
+        # (families sorted, relation "same"/"different", gain, worst slowdown)
+        self.tried: list[tuple[tuple[str, str], bool, float, float]] = []
+        seen: set[frozenset[str]] = set()
+        for (a, b), ab in pairs.items():
+            key = frozenset((a, b))
+            if key in seen or not a or not b or key in knowledge.harmful:
+                continue
+            ba = pairs.get((b, a))
+            if ab.n <= 0 or ba is None or ba.n <= 0:
+                continue
+            seen.add(key)
+            r_ab, r_ba = ab.slowdown, ba.slowdown
+            self._add(a, b, gain(r_ab, r_ba), max(r_ab, r_ba))
+        for key in knowledge.harmful:
+            a, b = (*key, *key)[:2]
+            if a and b:
+                self._add(a, b, 0.0, math.inf)
+        self._cache: dict[tuple[object, ...], Odds] = {}
+
+    def _add(self, a: str, b: str, g: float, worst: float) -> None:
+        fa, fb = sorted((parse_label(a)[0], parse_label(b)[0]))
+        self.tried.append(((fa, fb), fa == fb, g, worst))
+
+    def odds(
+        self, a: str, b: str, *, cap: float | None, need_gain: float, cap_margin: float
+    ) -> Odds:
+        """The odds that the pair (``a``, ``b``) is admissible: its gain over
+        ``need_gain`` and its worst slowdown, ``cap_margin`` added, within
+        ``cap`` (None: unbounded)."""
+        fa, fb = sorted((parse_label(a)[0], parse_label(b)[0]))
+        key = (fa, fb, cap, need_gain, cap_margin)
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        same = fa == fb
+        counts = {"relation": [0, 0], "families": [0, 0]}
+        for fams, rel, g, worst in self.tried:
+            if rel != same:
+                continue
+            win = g > need_gain and (cap is None or worst * (1.0 + cap_margin) <= cap)
+            levels = ("relation", "families") if fams == (fa, fb) else ("relation",)
+            for level in levels:
+                counts[level][0] += win
+                counts[level][1] += 1
+        w, n = counts["relation"]
+        p = (w + 1.0) / (n + 2.0)
+        w, n = counts["families"]
+        p = (w + ODDS_STRENGTH * p) / (n + ODDS_STRENGTH)
+        got = self._cache[key] = Odds(p, w, n, (fa, fb))
+        return got
+
+
 _last: list[tuple[Knowledge, Model]] = []
+_last_outcomes: list[tuple[Knowledge, Outcomes]] = []
+
+
+def outcomes_for(knowledge: Knowledge) -> Outcomes:
+    """The ``Outcomes`` of ``knowledge``, kept while passes bring the same
+    (frozen) object, as ``model_for`` keeps its ``Model``."""
+    if _last_outcomes and _last_outcomes[0][0] is knowledge:
+        return _last_outcomes[0][1]
+    got = Outcomes(knowledge)
+    _last_outcomes[:] = [(knowledge, got)]
+    return got
 
 
 def model_for(knowledge: Knowledge) -> Model:

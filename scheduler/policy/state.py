@@ -115,6 +115,11 @@ class PolicyConfig:
     colo_min_confidence: float = 0.5  # below: the pair is unknown (a trial)
     colo_trials_per_pair_hour: int = 1
     colo_trials_per_hour: int = 10
+    # a trial needs at least these odds of the pair being admissible once seen,
+    # from the pairs tried so far (``interference.Outcomes``); 0: no such check.
+    # Off by default: at 0.04 and 0.1 it stopped exploration on (b) before any
+    # pair was found admissible (docs/policy.md, "Cheaper exploration")
+    colo_trial_min_odds: float = 0.0
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
     colo_packing: str = "exclusive-first"
@@ -124,6 +129,10 @@ class PolicyConfig:
     # later job, if its owner allows it) is evicted once the slowdown has been
     # measured over the cap for half of it (reports lag the episode's start)
     colo_detect_window_s: float = 600.0
+    # an exploration trial is ended at its first measurement (two reports) that
+    # shows a job over its cap by more than this fraction, not after half the
+    # window
+    colo_trial_evict_margin: float = 0.10
     # admission keeps a job's predicted slowdown this fraction under its cap, so
     # a pair measured just under the cap (within the noise) is not admitted
     colo_cap_margin: float = 0.02

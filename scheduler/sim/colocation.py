@@ -148,6 +148,10 @@ class Segment:
     partners: tuple[int, ...] = ()
     n: int = 0
     sum_log: float = 0.0
+    # a sharing episode that an exploration trial began (its latest joiner was
+    # admitted as a trial), and the GPU's true combined normalised throughput
+    trial: bool = False
+    combined: float = 1.0
 
     @property
     def measured_s(self) -> float:

@@ -397,10 +397,13 @@ class Simulator(PolicyViews):
                 "its GPU"
             )
         partner = self.by_id[decision.partner_id]
+        trial = job.segment is not None and job.segment.trial
         ran = self._release(job, now)
         self.result.requeues += 1
         self.result.evictions += 1
         self.result.evicted_work_s += job.done_work
+        if trial:
+            self.result.trial_lost_gpu_s += job.done_work
         if self.meter is not None:
             self.meter.refuse(job.label, partner.label)
         self._back_to_queue(job, ran, now)
@@ -416,6 +419,8 @@ class Simulator(PolicyViews):
         self.result.requeues += 1
         self.result.oom_failures += 1
         self.result.oom_lost_gpu_s += ran
+        if job.trial:
+            self.result.trial_lost_gpu_s += ran
         if self.meter is not None:
             for p in beside:
                 self.meter.refuse(job.label, self.by_id[p].label)

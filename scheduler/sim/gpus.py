@@ -116,6 +116,8 @@ class GpuPhysics(SimCluster):
         job.partners = partners
         if self.meter is not None:
             job.segment = Segment(now, rate, partners)
+            if partners:
+                self._mark_episode(job.segment, job, partners)
         self.stale_views.add(job.id)
         # its end at this rate, or its (wall-clock) limit if that comes first
         left = max(job.run_duration - job.done_work, 0.0)
@@ -128,6 +130,27 @@ class GpuPhysics(SimCluster):
         else:
             job.end_cause = "timeout"
             self._push(t_limit, END, job.id, job.epoch)
+
+    def _mark_episode(
+        self, seg: Segment, job: SimJob, partners: tuple[int, ...]
+    ) -> None:
+        """Whether the sharing episode ``seg`` begins is an exploration trial (the
+        latest of its jobs to join was admitted as one), and its GPU's true
+        combined normalised throughput (every job's rate, summed)."""
+        group = [job, *(self.by_id[p] for p in partners)]
+        joiners = [j for j in group if j.joined_at is not None]
+        if joiners:
+            seg.trial = max(joiners, key=lambda j: (j.joined_at or 0.0, j.id)).trial
+        table = self.colocation
+        model = self.gpu_model[job.gpu_ids[0]]
+        combined = 0.0
+        for m in group:
+            r = 1.0
+            for o in group:
+                if o is not m and table is not None:
+                    r *= table.norm(model, m.label, o.label) or 0.0
+            combined += r
+        seg.combined = combined
 
     def _close_segment(self, job: SimJob, now: float) -> None:
         """End ``job``'s constant-rate stretch: draw the reports it owes; a sharing
@@ -151,6 +174,13 @@ class GpuPhysics(SimCluster):
             cap = CLASSES[job.priority_class].slowdown_cap
             if cap is not None and true > cap:
                 job.over_cap_s = max(job.over_cap_s, length)
+                if seg.trial:
+                    self.result.trial_over_cap_s += length
+            if seg.trial and seg.combined < 1.0:
+                # the GPU's loss, shared among the episode's jobs (each closes
+                # its own segment over the same stretch)
+                share = (1.0 - seg.combined) / (len(seg.partners) + 1)
+                self.result.trial_shared_loss_gpu_s += length * share
         if len(seg.partners) == 1:
             meter.episode_ended(seg, key, self.by_id[seg.partners[0]].label)
 

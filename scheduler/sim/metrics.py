@@ -89,6 +89,11 @@ def colocation(result: SimResult) -> dict[str, Any]:
         "max_true_slowdown": max(true_slow, default=None),
         "p99_true_slowdown": percentile(true_slow, 99),
         "over_cap_beyond_window": sum(1 for j in shared if j.over_cap_s > window),
+        "trial_lost_gpu_hours": (
+            result.trial_lost_gpu_s + result.trial_shared_loss_gpu_s
+        )
+        / 3600.0,
+        "trial_over_cap_s": result.trial_over_cap_s,
         "colocation": {
             "jobs_shared": len(shared),
             "oom_failures": result.oom_failures,
@@ -101,6 +106,8 @@ def colocation(result: SimResult) -> dict[str, Any]:
             "avg_true_slowdown": mean(true_slow),
             "observations": result.observations,
             "shared_gpu_hours": result.shared_gpu_s / 3600.0,
+            "trial_requeue_lost_gpu_hours": result.trial_lost_gpu_s / 3600.0,
+            "trial_shared_loss_gpu_hours": result.trial_shared_loss_gpu_s / 3600.0,
         },
     }
 

@@ -86,6 +86,13 @@ class SimResult:
     oom_lost_gpu_s: float = 0.0  # GPU time held by attempts that failed OOM
     evicted_work_s: float = 0.0  # solo-seconds done by evicted attempts
     shared_timeouts: int = 0  # timed out in an attempt that shared a GPU
+    # what exploration trials cost: GPU time of trial joiners that failed out of
+    # memory plus work of evicted trial attempts; GPU time lost while a trial
+    # pair did less than one GPU's worth (length x (1 - combined)); job-seconds
+    # truly over a cap in trial episodes
+    trial_lost_gpu_s: float = 0.0
+    trial_shared_loss_gpu_s: float = 0.0
+    trial_over_cap_s: float = 0.0
     observations: int = 0  # sharing episodes that became knowledge
     # a job truly over its cap longer than this was not stopped in time: the
     # detection window plus one pass period (when the pass that sees it runs)

@@ -148,6 +148,7 @@ def test_a_trial_says_why_it_may_exceed_the_cap_and_for_how_long(
     assert "never been seen sharing a GPU" in joiner
     assert "1.64x, may exceed its cap of 1.5x" in joiner  # its prediction, its cap
     assert f"{window_min / 2:g} minutes" in joiner  # measured over it that long
+    assert "by more than 10 % at its first measurements" in joiner  # or clearly
     assert f"within {window_min:g} minutes" in joiner
     assert "this job (the one that joined) is sent back to the queue" in joiner
     # The job it joined: its own prediction (under its cap), who would leave.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from itertools import pairwise
 
 import pytest
 
@@ -17,6 +18,7 @@ from scheduler.policy.interference import (
     Knowledge,
     Model,
     Observations,
+    Outcomes,
     Profile,
     gain,
     parse_label,
@@ -326,3 +328,67 @@ def test_rank_prefers_known_pairs_then_gain_then_similar_size():
     assert rank(good, me, near) < rank(same_far, me, far)
     better = run(me, far, Table({("a", "b"): 1.1, ("b", "a"): 1.1}), mem=32 * GIB)
     assert rank(better, me, far) < rank(good, me, near)
+
+
+# ------------------------------------------------------------------ trial odds
+
+
+def tried(*pairs: tuple[str, str, float]) -> dict[tuple[str, str], Observations]:
+    """Each (a, b, slowdown both ways) observed once in both directions."""
+    out = {}
+    for a, b, r in pairs:
+        out[a, b] = out[b, a] = Observations.of([math.log(r)])
+    return out
+
+
+ODDS = {"cap": 1.5, "need_gain": 1.05, "cap_margin": 0.02}
+
+
+def test_with_nothing_tried_a_pair_has_even_odds():
+    got = Outcomes(Knowledge()).odds("LM (batch size 5)", "A3C", **ODDS)
+    assert (got.p, got.wins, got.tried, got.families) == (0.5, 0, 0, ("a3c", "lm"))
+
+
+def test_odds_are_learned_per_family_pair_then_per_relation():
+    # same-family pairs lost (LM, ResNet-18, Recommendation with themselves);
+    # pairs of two families shared well twice in three
+    k = Knowledge(pairs=tried(
+        ("LM (batch size 5)", "LM (batch size 10)", 2.2),
+        ("ResNet-18 (batch size 16)", "ResNet-18 (batch size 32)", 1.9),
+        ("Recommendation (batch size 512)", "Recommendation (batch size 1024)", 1.8),
+        ("LM (batch size 5)", "Recommendation (batch size 512)", 1.2),
+        ("Recommendation (batch size 512)", "ResNet-18 (batch size 16)", 1.25),
+        ("LM (batch size 5)", "ResNet-18 (batch size 16)", 1.7),
+    ))  # fmt: skip
+    out = Outcomes(k)
+    # a new same-family pair of a family never tried: its relation's record
+    p_same = (0 + 1) / (3 + 2)
+    assert out.odds("CycleGAN", "CycleGAN", **ODDS).p == pytest.approx(p_same)
+    # a new pair of two new families: pairs of two families do better
+    p_diff = (2 + 1) / (3 + 2)
+    assert out.odds("A3C", "CycleGAN", **ODDS).p == pytest.approx(p_diff)
+    # a new batch size of a family pair that shared well: its families' record,
+    # shrunk to its relation's as if 2 pairs had shown that
+    got = out.odds("LM (batch size 80)", "Recommendation (batch size 8192)", **ODDS)
+    assert (got.wins, got.tried) == (1, 1)
+    assert got.p == pytest.approx((1 + 2 * p_diff) / (1 + 2))
+    # the caps decide what "shared well" means: uncapped, the 1.7x pair gains too
+    uncapped = out.odds("CycleGAN", "A3C", cap=None, need_gain=1.05, cap_margin=0.02)
+    assert uncapped.p == pytest.approx((3 + 1) / (3 + 2))
+
+
+def test_a_harmful_pair_counts_as_a_failure_and_nothing_new_is_tried_after_many():
+    # K80: every pair tried ran over the cap or out of memory
+    names = [f"W{i}" for i in range(30)]
+    k = Knowledge(harmful=frozenset(frozenset(p) for p in pairwise(names)))
+    got = Outcomes(k).odds("X1", "X2", **ODDS)
+    assert got.p == pytest.approx(1 / (29 + 2))  # under 0.04
+    model = Table({("x1", "x2"): 1.2, ("x2", "x1"): 1.2}, unsure={("x1", "x2")})
+    refused = admit(
+        job(1, "x1"), [job(2, "x2")], gpu_id=7, memory_total_mib=16 * GIB, slots=2,
+        model=model, config=PolicyConfig(colo_headroom_mib=0, colo_trial_min_odds=0.04),
+        budget=Budget(1, 10),
+        outcomes=Outcomes(k),
+    )  # fmt: skip
+    assert (refused.admitted, refused.rule) == (False, "odds")
+    assert "of 0 tried pair(s) of x1 and x2, 0 could share" in refused.message

@@ -268,3 +268,67 @@ def test_no_eviction_short_of_the_rule(change):
     ]
     ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
     assert not [d for d in ds if isinstance(d, Evict)]
+
+
+def test_a_trial_clearly_over_its_cap_is_ended_at_its_first_measurement():
+    # job 9 joined job 8 as a trial 3 min ago; two reports say job 8 runs 1.8x
+    # slower, over its 1.5 cap by more than the 10 % margin: it goes now, not
+    # after half the window
+    run = [
+        over(8, 100, "b", slowdown=1.8, for_s=120.0),
+        over(9, 100, "a", slowdown=1.1, for_s=120.0, joined=NOW - 180, trial=True),
+    ]
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    (ev,) = [d for d in ds if isinstance(d, Evict)]
+    assert (ev.job_id, ev.partner_id) == (9, 8)
+    assert "job 8 ran 1.80x slower than alone for 2 min" in ev.reason
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"trial": False},  # a known pair waits half the window: it was predicted
+        {"slowdown": 1.6},  # within the noise of two reports: measured longer
+    ],
+)
+def test_a_known_pair_or_a_trial_within_the_margin_is_measured_longer(change):
+    slowdown = change.pop("slowdown", 1.8)
+    trial = change.pop("trial", True)
+    run = [
+        over(8, 100, "b", slowdown=slowdown, for_s=120.0),
+        over(9, 100, "a", slowdown=1.1, for_s=120.0, joined=NOW - 180, trial=trial),
+    ]
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    assert not [d for d in ds if isinstance(d, Evict)]
+    # at half the window it goes either way
+    run = [replace(r, measured_for_s=300.0) for r in run]
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    assert [d.job_id for d in ds if isinstance(d, Evict)] == [9]
+
+
+def test_a_trial_of_families_whose_tried_pairs_lost_waits_with_the_odds():
+    # six LM pairs were tried: three ran 1.6x slower each (over the 1.5 cap),
+    # three were evicted. Another LM pair was never seen: its predicted gain
+    # alone would try it, its odds do not
+    lost = Observations.of([math.log(1.6)])
+    lm = [f"LM (batch size {b})" for b in (5, 10, 20, 40, 80)]
+    k = Knowledge(
+        pairs={(lm[0], lm[1]): lost, (lm[1], lm[0]): lost, (lm[1], lm[2]): lost,
+               (lm[2], lm[1]): lost, (lm[2], lm[2]): lost},
+        harmful=frozenset({frozenset((lm[0], lm[2])), frozenset((lm[0],)),
+                           frozenset((lm[1],))}),
+    )  # fmt: skip
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, lm[3])], [resident(9, 100, lm[4])])
+    ds = decide(state(*base, knowledge=k, colo_trial_min_odds=0.04))
+    assert 1 not in starts(ds)
+    assert "of 6 tried pair(s) of lm and lm, 0 could share" in waits(ds)[1].message
+    # with the check off (odds 0) it is a trial, as before
+    ds = decide(state(*base, knowledge=k, colo_trial_min_odds=0.0))
+    adm = starts(ds)[1].admission
+    assert adm is not None and adm.trial
+    # and a pair of two families is still tried
+    other = (gpus(1, 1, busy={0: 1}), [sharer(1, "Recommendation (batch size 512)")],
+             [resident(9, 100, lm[4])])  # fmt: skip
+    adm = starts(decide(state(*other, knowledge=k, colo_trial_min_odds=0.04)))[1]
+    adm = adm.admission
+    assert adm is not None and adm.trial

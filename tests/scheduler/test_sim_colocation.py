@@ -689,3 +689,32 @@ def test_cli_reports_the_colocation_keys_and_needs_the_table_for_the_oracle(
     assert main([*base, "--colocation", pairs, "--gpu-job-limit", "1",
                  "--policy", "pack-by-memory", "--out", str(out)]) == 0  # fmt: skip
     assert json.loads(out.read_text())["admitted_pairs"] == 0
+
+
+def test_what_exploration_trials_cost_is_counted_apart(table):
+    # the eviction above, admitted as a trial: D's 36 s of work are lost to the
+    # trial, and D ran 1.67x slower (over its 1.5 cap) for the trial's 60 s
+    a, d = job(1, 0, 100, "A"), job(2, 0, 300, "D")
+    _sim, result = simulate([a, d], table, packer(trial=True, evict={2: 60.0}),
+                            period_s=60)  # fmt: skip
+    out = summarize(result)
+    assert out["trial_lost_gpu_hours"] == pytest.approx(36 / 3600)
+    assert out["trial_over_cap_s"] == pytest.approx(60)
+    # a trial pair that loses: A (0.5) and C (0.45) do 0.95 GPU's worth until A
+    # ends at 200 s: 10 s of the GPU lost; both ran over their cap (2x, 2.2x)
+    a, c = job(1, 0, 100, "A"), job(2, 0, 1000, "C")
+    _sim, result = simulate([a, c], table, packer(trial=True))
+    out = summarize(result)
+    assert a.end == pytest.approx(200)
+    assert out["trial_lost_gpu_hours"] == pytest.approx(10 / 3600)
+    assert out["trial_over_cap_s"] == pytest.approx(400)
+    # a trial pair that does not fit: the joiner's 5 s on the GPU
+    b, c = job(1, 0, 100, "B"), job(2, 10, 30, "C")
+    _sim, result = simulate([b, c], table, packer(trial=True), oom_after_s=5)
+    assert summarize(result)["trial_lost_gpu_hours"] == pytest.approx(5 / 3600)
+    # the same pairs admitted as known pairs cost no trial anything
+    a, c = job(1, 0, 100, "A"), job(2, 0, 1000, "C")
+    _sim, result = simulate([a, c], table, packer())
+    out = summarize(result)
+    assert out["trial_lost_gpu_hours"] == 0 and out["trial_over_cap_s"] == 0
+    assert out["over_cap_beyond_window"] == 0 and a.over_cap_s == pytest.approx(200)
