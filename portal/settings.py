@@ -21,6 +21,7 @@ from portal.settings_env import (
     envbool,
     envchoice,
     envfloat,
+    envfloat_or_none,
     envint,
     envlist,
     envnetworks,
@@ -544,8 +545,9 @@ GPULAB_POLICY: dict[str, Any] = {
     "colo_trial_min_odds": envfloat(
         "GPULAB_COLO_TRIAL_MIN_ODDS", 0.0, minimum=0, maximum=1
     ),
-    "colo_trial_evict_margin": envfloat(
-        "GPULAB_COLO_TRIAL_EVICT_MARGIN", 0.1, minimum=0
+    # unset: off (a trial is measured for half the window like any pair)
+    "colo_trial_evict_margin": envfloat_or_none(
+        "GPULAB_COLO_TRIAL_EVICT_MARGIN", minimum=0
     ),
     "colo_packing": envchoice(
         "GPULAB_COLO_PACKING", "exclusive-first", ("exclusive-first", "pack")

@@ -90,6 +90,16 @@ def envfloat(
     return number
 
 
+def envfloat_or_none(
+    name: str, *, minimum: float | None = None, maximum: float | None = None
+) -> float | None:
+    """``envfloat`` for a setting that is off unless set: None when unset or
+    empty, else the number, checked the same way."""
+    if os.environ.get(name, "").strip() == "":
+        return None
+    return envfloat(name, 0.0, minimum=minimum, maximum=maximum)
+
+
 def envlist(name: str, default: list[str]) -> list[str]:
     value = os.environ.get(name)
     if value is None:

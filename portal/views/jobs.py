@@ -220,15 +220,15 @@ def _trial_note(
     attempt: Attempt | None,
     partners: list[Job],
     window_s: float,
-    clear_margin: float,
+    clear_margin: float | None,
 ) -> dict[str, Any] | None:
     """What the page says of an exploration trial on the job's GPU, the job's own
     admission or the one of the partner that joined it (docs/colocation.md): the
     pair was admitted on its predicted gain alone, so its predicted slowdowns may
     be over the cap; the pass sends the job that joined back to the queue (if its
     owner allows) once a job of the GPU was measured over its cap by more than
-    ``colo_trial_evict_margin`` (at its first measurement), or over it at all for
-    half of ``colo_detect_window_s``."""
+    ``colo_trial_evict_margin`` (at its first measurement; when that is set), or
+    over it at all for half of ``colo_detect_window_s``."""
     if attempt is None:
         return None
     joined: Job = job
@@ -256,7 +256,7 @@ def _trial_note(
         "over_cap": predicted is not None and cap is not None and predicted > cap,
         "cap": _times(cap),
         "detect_min": f"{window_s / 2 / 60:g}",
-        "clear_pct": f"{clear_margin * 100:g}",
+        "clear_pct": None if clear_margin is None else f"{clear_margin * 100:g}",
         "window_min": f"{window_s / 60:g}",
     }
 

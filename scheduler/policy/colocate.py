@@ -598,7 +598,7 @@ class Sharing:
 def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
     """``r`` was measured over its cap long enough to act: for half of the
     detection window, or, in an exploration trial, at its first measurement when
-    it is over the cap by more than ``colo_trial_evict_margin`` (noise on a few
+    it is over the cap by more than ``colo_trial_evict_margin`` when set (noise on a few
     reports is a few per cent; a trial's pair was never seen, so nothing
     predicted it within the cap)."""
     if r.measured_slowdown is None or r.slowdown_cap is None:
@@ -607,8 +607,10 @@ def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
         return False
     if r.measured_for_s >= config.colo_detect_window_s / 2:
         return True
-    clear = r.slowdown_cap * (1.0 + config.colo_trial_evict_margin)
-    return trial and r.measured_slowdown > clear
+    margin = config.colo_trial_evict_margin
+    if not trial or margin is None:
+        return False
+    return r.measured_slowdown > r.slowdown_cap * (1.0 + margin)
 
 
 def evictions(state: ClusterState) -> list[Evict]:

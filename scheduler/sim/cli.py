@@ -121,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=PolicyConfig.colo_packing,
         help="co-location: a free GPU first, or share first (GPULAB_COLO_PACKING)",
     )
+    p.add_argument(
+        "--colo-trial-min-odds",
+        type=_fraction,
+        default=PolicyConfig.colo_trial_min_odds,
+        help="co-location: the least odds, learned from the pairs tried so far, "
+        "that a trial's pair turns out admissible; 0: off (GPULAB_COLO_TRIAL_MIN_ODDS)",
+    )
+    p.add_argument(
+        "--colo-trial-evict-margin",
+        type=_nonneg,
+        default=PolicyConfig.colo_trial_evict_margin,
+        help="co-location: end a trial at its first measurement over a cap by more "
+        "than this fraction; unset: off (GPULAB_COLO_TRIAL_EVICT_MARGIN)",
+    )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
     p.add_argument(
         "--colocation",
@@ -325,6 +339,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name=args.policy,
             backfill_plan=args.backfill_plan,
             colo_packing=args.colo_packing,
+            colo_trial_min_odds=args.colo_trial_min_odds,
+            colo_trial_evict_margin=args.colo_trial_evict_margin,
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
             las_threshold_gpu_s=args.las_threshold * 3600.0,
@@ -383,6 +399,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "vc": args.vc,
                 "backfill_plan": args.backfill_plan,
                 "colo_packing": args.colo_packing,
+                "colo_trial_min_odds": args.colo_trial_min_odds,
+                "colo_trial_evict_margin": args.colo_trial_evict_margin,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,
                 "period_s": args.period,

@@ -12,6 +12,7 @@ from portal.settings_env import (
     envbool,
     envchoice,
     envfloat,
+    envfloat_or_none,
     envint,
     envlist,
     envnetworks,
@@ -300,3 +301,14 @@ def test_it_refuses_a_bad_network(monkeypatch: pytest.MonkeyPatch, value: str) -
     monkeypatch.setenv("NETS", value)
     with pytest.raises(ImproperlyConfigured, match=r"NETS: .* is not an IP network"):
         envnetworks("NETS")
+
+
+def test_an_optional_number_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert envfloat_or_none(VAR, minimum=0) is None
+    monkeypatch.setenv(VAR, "  ")
+    assert envfloat_or_none(VAR, minimum=0) is None
+    monkeypatch.setenv(VAR, "0.1")
+    assert envfloat_or_none(VAR, minimum=0) == 0.1
+    monkeypatch.setenv(VAR, "-1")
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}=-1.0 must be at least 0"):
+        envfloat_or_none(VAR, minimum=0)

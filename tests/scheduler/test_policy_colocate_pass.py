@@ -278,10 +278,14 @@ def test_a_trial_clearly_over_its_cap_is_ended_at_its_first_measurement():
         over(8, 100, "b", slowdown=1.8, for_s=120.0),
         over(9, 100, "a", slowdown=1.1, for_s=120.0, joined=NOW - 180, trial=True),
     ]
-    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    fast = {"colo_trial_evict_margin": 0.1}
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run, **fast))
     (ev,) = [d for d in ds if isinstance(d, Evict)]
     assert (ev.job_id, ev.partner_id) == (9, 8)
     assert "job 8 ran 1.80x slower than alone for 2 min" in ev.reason
+    # off (the default), it is measured for half the window like any pair
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    assert not [d for d in ds if isinstance(d, Evict)]
 
 
 @pytest.mark.parametrize(
@@ -298,11 +302,12 @@ def test_a_known_pair_or_a_trial_within_the_margin_is_measured_longer(change):
         over(8, 100, "b", slowdown=slowdown, for_s=120.0),
         over(9, 100, "a", slowdown=1.1, for_s=120.0, joined=NOW - 180, trial=trial),
     ]
-    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    fast = {"colo_trial_evict_margin": 0.1}
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run, **fast))
     assert not [d for d in ds if isinstance(d, Evict)]
     # at half the window it goes either way
     run = [replace(r, measured_for_s=300.0) for r in run]
-    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run, **fast))
     assert [d.job_id for d in ds if isinstance(d, Evict)] == [9]
 
 
