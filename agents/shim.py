@@ -242,6 +242,20 @@ def _stop_signal(job_dir: Path) -> int:
     return _STOP_SIGNALS.get(name, signal.SIGTERM)
 
 
+# Signals a job gets with their default action again (``_default_signals``).
+JOB_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _default_signals() -> None:
+    """In the job's child, before its exec: an ignored signal stays ignored
+    across exec, and a shell cannot even trap one ignored at its start; the shim
+    ignores SIGINT and SIGHUP for itself (and an agent started by ``nohup`` or in
+    the background passes SIGINT and SIGQUIT on ignored), so without this a job
+    whose checkpoint signal is INT would never see it."""
+    for sig in JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def run(job_dir: Path) -> int:
     """Run the job in ``job_dir`` to completion; returns the shim's exit status."""
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -289,6 +303,7 @@ def run(job_dir: Path) -> int:
                 stderr=subprocess.STDOUT,
                 close_fds=True,
                 process_group=0,
+                preexec_fn=_default_signals,
                 **kwargs,
             )
     except LaunchError as exc:

@@ -424,7 +424,13 @@ class Terminals:
 
 
 def _take_controlling_tty() -> None:
+    """In the shell's child, before its exec: the PTY becomes its controlling
+    terminal, and the terminal's signals (Ctrl-C, Ctrl-\\, hang-up) get their
+    default action back, should the agent have been started with them ignored
+    (``nohup``, a background job): ignored signals stay ignored across exec."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _login_shell(uid: int | None) -> str:

@@ -52,6 +52,25 @@ def test_the_kill_sends_the_named_signal_first(
     assert (job.dir / "stop_signal").read_text() == "USR1\n"
 
 
+def test_a_checkpoint_signal_of_int_reaches_the_jobs_trap(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """The shim ignores SIGINT and SIGHUP itself; the job must not inherit that
+    (a shell cannot trap a signal ignored at its start)."""
+    marker = tmp_path / "m"
+    job = start(
+        launcher,
+        f"trap 'echo int > {marker}; exit 7' INT; touch {marker}.ready; "
+        "while :; do sleep 0.1; done",
+        tmp_path,
+    )
+    wait_until(lambda: job.pgid and (tmp_path / "m.ready").exists())
+    launcher.kill(job, 30, "preempted", sig="INT")
+    outcome = wait_until(lambda: launcher.poll(job), 15)
+    assert outcome.exit_code == 7
+    assert marker.read_text() == "int\n"
+
+
 def test_without_a_signal_the_kill_is_sigterm(
     launcher: Launcher, tmp_path: Path
 ) -> None:

@@ -155,6 +155,23 @@ async def test_a_terminal_runs_the_login_shell_as_the_jobs_account(
         assert term not in agent.terminals.by_id
 
 
+@pytest.fixture(params=["default", "ignored"])
+def agent_signals(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The agent's own SIGINT and SIGQUIT: as a service gets them, or ignored, as
+    ``nohup`` or a background start leaves them (inherited by what it spawns
+    unless it resets them)."""
+    if request.param == "default":
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@pytest.mark.usefixtures("agent_signals")
 async def test_ctrl_c_interrupts_the_foreground_command_not_the_shell(
     portal: Portal, tmp_path: Path, account: pwd.struct_passwd
 ) -> None:

@@ -615,13 +615,20 @@ def _until(fd: int, seen: bytearray, pattern: bytes, times: int = 1) -> None:
             seen += os.read(fd, 65536)
 
 
+def _terminal_window() -> None:
+    import fcntl
+    import signal
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(("key", "code"), [(b"q", 0), (b"\x03", 130)])
 def test_top_runs_live_in_a_terminal_until_q_or_ctrl_c(
     gpulab: Gpulab, alice: User, cluster: list[Node], key: bytes, code: int
 ) -> None:
-    import fcntl
     import pty
-    import termios
 
     master, slave = pty.openpty()
     env = {
@@ -639,9 +646,10 @@ def test_top_runs_live_in_a_terminal_until_q_or_ctrl_c(
         stderr=slave,
         env=env,
         # a session of its own whose controlling terminal is the pty, as in a
-        # terminal window: ^C there is SIGINT
+        # terminal window: ^C there is SIGINT (with its default action, as a
+        # terminal window gives it, even if this run of the suite ignores it)
         start_new_session=True,
-        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        preexec_fn=_terminal_window,
     )
     os.close(slave)
     try:
