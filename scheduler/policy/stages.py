@@ -428,32 +428,38 @@ def place_in_order(
 # ------------------------------------------------------------------ reservation
 
 
+def _plan(
+    p: Pass,
+    job: PendingJob,
+    c: Constraint,
+    cands: list[RunningJob] | None = None,
+    held: frozenset[int] = frozenset(),
+) -> preempt.Plan | None:
+    """``preempt.plan`` for ``job`` on this pass's ledger, index, fair share and
+    placement, among ``cands`` (None: the preemptible class's jobs), not on
+    ``held`` GPUs."""
+    return preempt.plan(
+        c,
+        job.gpus,
+        p.ledger,
+        p.idx,
+        p.fairshare,
+        spread=p.spread,
+        topology=p.topology,
+        cands=cands,
+        held=held,
+    )
+
+
 def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
     """``job`` is the top blocked job: a preemption plan (``gpulab``, a job of a
     non-preemptible class) when one exists, else the EASY reservation."""
     p.top = job
     spec = p.state.classes.get(job.priority_class)
     if p.preemption and not (spec is not None and spec.preemptible):
-        plan = preempt.plan(
-            c,
-            job.gpus,
-            p.ledger,
-            p.idx,
-            p.fairshare,
-            spread=p.spread,
-            topology=p.topology,
-        )
+        plan = _plan(p, job, c)
         if plan is None and p.cfg.las_preemption:
-            plan = preempt.plan(
-                c,
-                job.gpus,
-                p.ledger,
-                p.idx,
-                p.fairshare,
-                spread=p.spread,
-                topology=p.topology,
-                cands=preempt.las_candidates(p.idx, job),
-            )
+            plan = _plan(p, job, c, cands=preempt.las_candidates(p.idx, job))
         if plan is not None:
             preempt_for(p, job, plan)
             return
@@ -504,17 +510,7 @@ def las_extra(p: Pass, job: PendingJob, c: Constraint) -> bool:
     held = set(p.held)
     if p.reservation is not None:
         held |= p.reservation.gpu_ids
-    plan = preempt.plan(
-        c,
-        job.gpus,
-        p.ledger,
-        p.idx,
-        p.fairshare,
-        spread=p.spread,
-        topology=p.topology,
-        cands=cands,
-        held=frozenset(held),
-    )
+    plan = _plan(p, job, c, cands=cands, held=frozenset(held))
     if plan is None:
         p.las_failed[fail_key] = min(p.las_failed.get(fail_key, INF), job.gpus)
         return False

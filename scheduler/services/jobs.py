@@ -578,13 +578,19 @@ def cancel_job(job_id: int, *, by: User | None, reason: str = "") -> Job:
     return job
 
 
+def _canceller(by: User | None, reason: str) -> tuple[str, str]:
+    """Who a cancel's events name ("alice (reason)", "gpulab") and their source."""
+    who = by.get_username() if by is not None else "gpulab"
+    who += f" ({reason})" if reason else ""
+    source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
+    return who, source
+
+
 def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
     """Steps 2-3 of ``cancel_job`` on a job the caller has locked and checked
     (active, no cancel asked yet); ``_cancel_many_locked`` is its batch form."""
     now = timezone.now()
-    who = by.get_username() if by is not None else "gpulab"
-    who += f" ({reason})" if reason else ""
-    source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
+    who, source = _canceller(by, reason)
     if job.status in (Job.Status.PENDING, Job.Status.HELD):
         transition(
             job,
@@ -631,9 +637,7 @@ def _cancel_many_locked(
     end CANCELLED as each exit is reported (their owner is told then, as for
     one job)."""
     now = timezone.now()
-    who = by.get_username() if by is not None else "gpulab"
-    who += f" ({reason})" if reason else ""
-    source = JobEvent.Source.USER if by is not None else JobEvent.Source.SYSTEM
+    who, source = _canceller(by, reason)
     waiting = [j for j in jobs if j.status in (Job.Status.PENDING, Job.Status.HELD)]
     on_node = [j for j in jobs if j.status in Job.ON_NODE]
     summary = f"{what}: {len(waiting)} waiting tasks cancelled by {who}"
