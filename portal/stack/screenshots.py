@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from portal.stack.up import web_argv
+
 REPO = Path(__file__).resolve().parents[2]
 NAMES = [
     "resnet50-imagenet",
@@ -325,10 +327,7 @@ def main() -> int:
 
         users = people()
         py = sys.executable
-        procs.start(
-            "web", py, "-m", "uvicorn", "portal.asgi:application", "--host",
-            "127.0.0.1", "--port", str(port),
-        )  # fmt: skip
+        procs.start("web", *web_argv(port))
         procs.start(
             "worker", py, "-m", "celery", "-A", "portal", "worker", "--pool", "solo",
             "--concurrency", "1", "--without-gossip", "--without-mingle",

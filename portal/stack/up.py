@@ -125,6 +125,22 @@ def setup_steps(state: Path, nodes: list[DemoNode]) -> list[list[str]]:
     return steps
 
 
+def web_argv(number: int, host: str = HOST) -> list[str]:
+    """The ASGI server's command line: ``make up``'s, the tests' and the
+    screenshots' web process are the same server with the same options."""
+    return [
+        sys.executable, "-m", "uvicorn", "portal.asgi:application",
+        "--host", host, "--port", str(number),
+        # A websocket frame is never buffered past this (agents' frames are
+        # at most 1 MiB: protocol.MAX_FRAME_BYTES, refused with a reason).
+        "--ws-max-size", "2097152",
+        # An idle keep-alive connection is closed by the client first: with
+        # uvicorn's 5 s, the same as httpx's (the CLI's), a request sent on a
+        # connection the server is closing fails (ReadError; 47 in a burst).
+        "--timeout-keep-alive", "75",
+    ]  # fmt: skip
+
+
 def processes(
     state: Path, nodes: list[DemoNode], number: int, account: str | None = None
 ) -> dict[str, list[str]]:
@@ -132,17 +148,7 @@ def processes(
     ``account``: the agents' ``--default-account`` (``make up`` run by root)."""
     py = sys.executable
     procs = {
-        "web": [
-            py, "-m", "uvicorn", "portal.asgi:application",
-            "--host", HOST, "--port", str(number),
-            # A websocket frame is never buffered past this (agents' frames are
-            # at most 1 MiB: protocol.MAX_FRAME_BYTES, refused with a reason).
-            "--ws-max-size", "2097152",
-            # An idle keep-alive connection is closed by the client first: with
-            # uvicorn's 5 s, the same as httpx's (the CLI's), a request sent on a
-            # connection the server is closing fails (ReadError; 47 in a burst).
-            "--timeout-keep-alive", "75",
-        ],
+        "web": web_argv(number),
         "worker": [
             py, "-m", "celery", "-A", "portal", "worker",
             "--loglevel", "INFO", "--concurrency", "2",

@@ -29,6 +29,8 @@ from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
+from portal.stack.up import web_argv
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
@@ -155,18 +157,7 @@ class Stack:
         return proc
 
     def start_web(self, name: str = "web", **extra_env: str) -> Proc:
-        return self.start(
-            name,
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "portal.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            extra_env=extra_env,
-        )
+        return self.start(name, *web_argv(self.port), extra_env=extra_env)
 
     def restart_web(self, name: str, **extra_env: str) -> Proc:
         """Stop the web process and start one with ``extra_env``, listening."""
