@@ -628,15 +628,10 @@ class JobSerializer(ListedFast, serializers.Serializer[Job]):
     def get_expected_end(self, job: Job) -> str | None:
         if job.status != Job.Status.RUNNING:
             return None
-        live = [a for a in attempts_of(job) if a.ended_at is None]
-        got = expected_end.of(job, live[0] if live else None, timezone.now())
-        if got is None:
-            return None
-        # written as ``est_start`` and the other times are
-        return str(serializers.DateTimeField().to_representation(got.at))
+        return expected_end_text(job, attempts_of(job))
 
     def get_interactive_url(self, job: Job) -> str:
-        return f"/interactive/{job.pk}/" if job.interactive == "jupyter" else ""
+        return interactive_url(job.pk, job.interactive)
 
     def get_restarts(self, job: Job) -> int:
         return job.restarts()[0]
@@ -669,7 +664,28 @@ def latest_nodes(job: Job, names: dict[int, str]) -> list[str]:
     if not attempts:
         return []
     last = max(attempts, key=lambda a: a.number)
-    return [names.get(n, str(n)) for n in last.node_ids]
+    return node_names_of(last.node_ids, names)
+
+
+def node_names_of(node_ids: list[int], names: dict[int, str]) -> list[str]:
+    """Nodes by name (an id no longer named: the id), in the order given."""
+    return [names.get(n, str(n)) for n in node_ids]
+
+
+def expected_end_text(job: Job, attempts: list[Attempt]) -> str | None:
+    """A running job's expected end (``portal.expected_end``) from its attempts
+    (its live one: the one not ended), written as the API writes its times."""
+    live = [a for a in attempts if a.ended_at is None]
+    got = expected_end.of(job, live[0] if live else None, timezone.now())
+    if got is None:
+        return None
+    # written as ``est_start`` and the other times are
+    return str(serializers.DateTimeField().to_representation(got.at))
+
+
+def interactive_url(job_id: int, interactive: str) -> str:
+    """Where the portal serves a JupyterLab job's notebook; '' for other jobs."""
+    return f"/interactive/{job_id}/" if interactive == "jupyter" else ""
 
 
 class JobPageSerializer(serializers.Serializer[Any]):

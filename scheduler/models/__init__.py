@@ -27,6 +27,8 @@ from scheduler.models.jobs import (
     JobQuerySet,
     attach_queue_positions,
     may_cancel,
+    queue_places,
+    restarts_of,
 )
 from scheduler.models.nodes import (
     NODE_MODE_VERBS,
@@ -75,4 +77,6 @@ __all__ = [
     "may_cancel",
     "mode_flags",
     "node_mode",
+    "queue_places",
+    "restarts_of",
 ]

@@ -54,9 +54,16 @@ class JobQuerySet(models.QuerySet["Job"]):
         if no pass has placed it)."""
         if job.queue_order is None:
             return self.none()
+        return self.ahead_of_place(job.queue_order, job.submitted_at, job.pk)
+
+    def ahead_of_place(
+        self, queue_order: int, submitted_at: datetime, pk: int
+    ) -> JobQuerySet:
+        """The waiting jobs ahead of a placed job's keys (``QUEUE_ORDER``), the
+        nearest first: ``ahead_of`` for a job read as values, not a model."""
         before = RawSQL(
             _AHEAD_SQL,
-            [job.queue_order, job.submitted_at, job.pk],
+            [queue_order, submitted_at, pk],
             output_field=BooleanField(),
         )
         return (
@@ -108,17 +115,36 @@ def attach_queue_positions(jobs: Iterable[Job], *, first: int | None = None) -> 
         for n, job in enumerate(placed):
             job.queue_position = first + n
         return
-    if not placed:
-        return
-    if len(placed) == 1:
-        job = placed[0]
-        job.queue_position = Job.objects.ahead_of(job).count() + 1
-        return
-    with connection.cursor() as cursor:
-        cursor.execute(_PLACES_SQL, [[j.pk for j in placed]])
-        places = dict(cursor.fetchall())
+    places = queue_places([(j.pk, j.queue_order, j.submitted_at) for j in placed])
     for job in placed:
         job.queue_position = places.get(job.pk)
+
+
+def queue_places(placed: list[tuple[int, Any, datetime]]) -> dict[int, int]:
+    """The 1-based places in the queue of waiting jobs a pass has placed, given
+    as (id, queue_order, submitted_at), in at most one query: one job's count
+    of the jobs ahead (the queue index), more jobs' one numbering of the whole
+    queue. A job no longer waiting there has none."""
+    if not placed:
+        return {}
+    if len(placed) == 1:
+        pk, order, submitted = placed[0]
+        return {pk: Job.objects.ahead_of_place(order, submitted, pk).count() + 1}
+    with connection.cursor() as cursor:
+        cursor.execute(_PLACES_SQL, [[pk for pk, _, _ in placed]])
+        return dict(cursor.fetchall())
+
+
+def restarts_of(
+    attempts: Iterable[tuple[int, datetime | None, int | None]],
+) -> tuple[int, int]:
+    """(Times resumed, GPU-seconds of work lost) from a job's attempts as
+    (number, started_at, lost_work_gpu_s): an attempt that lost work counts as
+    resumed once a later attempt started (``Job.restarts``)."""
+    rows = list(attempts)
+    last = max((n for n, started, _ in rows if started is not None), default=0)
+    resumed = sum(1 for n, _, lost in rows if lost is not None and n < last)
+    return resumed, sum(lost or 0 for _, _, lost in rows)
 
 
 def may_cancel(user: User | AnonymousUser, *, owner_id: int) -> bool:
@@ -337,9 +363,7 @@ class Job(models.Model):
                 self.attempt_set.values_list("number", "started_at", "lost_work_gpu_s")
             )
         )
-        last = max((n for n, started, _ in rows if started is not None), default=0)
-        resumed = sum(1 for n, _, lost in rows if lost is not None and n < last)
-        self._restarts = (resumed, sum(lost or 0 for _, _, lost in rows))
+        self._restarts = restarts_of(rows)
         return self._restarts
 
     @property

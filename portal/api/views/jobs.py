@@ -31,14 +31,13 @@ from portal.api.views.common import (
     dependencies_out,
     errors,
     jobs_for,
-    listed,
     node_names,
-    page_of,
     query,
     visible_job,
 )
+from portal.api.views.listing import job_items
 from scheduler import services
-from scheduler.models import Attempt, Job, JobArray, JobLogChunk, attach_queue_positions
+from scheduler.models import Attempt, Job, JobArray, JobLogChunk
 
 if TYPE_CHECKING:
     from rest_framework.request import Request
@@ -181,8 +180,7 @@ class JobList(APIView):
         jobs = jobs.order_by("-id")
         count = jobs.count()
         limit, offset = q["limit"], q["offset"]
-        page = page_of(jobs, offset, limit, listed(Job.objects.all()))
-        attach_queue_positions(page)
+        items = job_items(jobs, offset, limit)
 
         def link(at: int, before: int | None = None) -> str:
             params = request.query_params.copy()
@@ -196,16 +194,15 @@ class JobList(APIView):
         if offset + limit < count:
             # From a cursor, the next page is the next cursor (an offset would
             # make each page cost more than the one before it).
-            following = link(0, page[-1].pk) if "before" in q else link(offset + limit)
+            following = (
+                link(0, items[-1]["id"]) if "before" in q else link(offset + limit)
+            )
         data = {
             "count": count,
             "next": following,
             "previous": link(max(0, offset - limit)) if offset > 0 else None,
-            "results": s.JobSerializer(
-                page,
-                many=True,
-                context={"node_names": node_names()},
-            ).data,
+            # JobSerializer's items, written from rows (``listing``)
+            "results": items,
         }
         return Response(data)
 

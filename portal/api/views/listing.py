@@ -1,0 +1,246 @@
+"""The job list's items written from rows, not models.
+
+A page of 1,000 jobs read as models cost the web process about half a
+millisecond of Python per job (bench/job_page_cost.py): a ``Job`` and its
+owner's, group's and holder's ``User`` / ``Group`` built field by field, its
+attempts and dependencies as models too, then each of the item's 44 fields
+read back from them. Under the GIL that time is taken from every other request
+the process serves (issue #27: another user's calls beside a member's biggest
+pages). Here the page's jobs, their attempts and their dependencies are read as
+tuples (``values_list``: the same three queries) and each item is written
+straight from them, field by field in ``serializers.JobSerializer``'s order
+and by its fields' own rules: a plain field's value from its source's column
+(``owner.username`` is ``owner__username``), converted as the field's
+``to_representation`` would (``str``, ``int``, a time in ISO 8601 in the
+current time zone, ...), and the method fields by the functions the serializer
+itself calls (``restarts_of``, ``expected_end_text``, ``node_names_of``,
+``queue_places``). The detail and every other answer still go through the
+serializer; ``tests/api/test_job_list_cost.py`` holds the two equal, key by
+key and in order."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from rest_framework import ISO_8601
+from rest_framework import serializers as drf
+from rest_framework.settings import api_settings
+
+from portal.api import serializers as s
+from portal.api.views.common import node_names, page_of
+from scheduler.models import Attempt, Job, JobDependency, queue_places, restarts_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from datetime import datetime, tzinfo
+
+    from django.db.models import QuerySet
+
+# JobSerializer's fields written from more than their own column.
+COMPUTED = (
+    "interactive_url",
+    "restarts",
+    "lost_work_gpu_s",
+    "queue_position",
+    "cancel_requested",
+    "held_by",
+    "nodes",
+    "dependencies",
+    "expected_end",
+)
+# The columns those read besides the plain fields' own.
+EXTRA_COLUMNS = (
+    "queue_order",
+    "preemptions",
+    "cancel_requested_at",
+    "held_by__username",
+)
+# An attempt's columns: what ``latest_nodes``, ``Job.restarts`` and the expected
+# end (``portal.expected_end.of``) read, by their attribute names.
+ATTEMPT_COLUMNS = (
+    "job_id",
+    "number",
+    "node_id",
+    "ranks",
+    "created_at",
+    "started_at",
+    "ended_at",
+    "progress_step",
+    "progress_total",
+    "progress_at",
+    "progress_first_step",
+    "progress_first_at",
+    "lost_work_gpu_s",
+)
+_MOMENT = "moment"  # (_MOMENT, field): a time, written in the request's zone
+
+
+def _writer(field: drf.Field[Any, Any, Any, Any]) -> Any:
+    """How a plain field writes a value that is not None: a builtin where the
+    field's ``to_representation`` is that builtin, else the field's own."""
+    kind = type(field)
+    if kind is drf.CharField:
+        return str
+    if kind is drf.IntegerField:
+        return int
+    if kind is drf.FloatField:
+        return float
+    if kind is drf.BooleanField:
+        # DRF's TRUE_VALUES / FALSE_VALUES hold True and False: a column's bool
+        # is written as itself; anything else goes to the field
+        return lambda value: (
+            value if type(value) is bool else field.to_representation(value)
+        )
+    if kind is drf.DictField and type(field.child) is drf.CharField:  # type: ignore[attr-defined]
+        return lambda value: {
+            str(k): None if v is None else str(v) for k, v in value.items()
+        }
+    if (
+        kind is drf.DateTimeField
+        and not hasattr(field, "timezone")
+        and getattr(field, "format", api_settings.DATETIME_FORMAT) == ISO_8601
+    ):
+        return (_MOMENT, field)
+    return field.to_representation
+
+
+@cache
+def _plan() -> tuple[tuple[str, ...], tuple[tuple[str, int, Any], ...]]:
+    """The columns to read, and per field of an item in order: its name, its
+    column's index (-1: computed) and its writer."""
+    columns: list[str] = []
+    plan: list[tuple[str, int, Any]] = []
+    fields = s.JobSerializer().fields
+    for name, field in fields.items():
+        if name in COMPUTED:
+            plan.append((name, -1, None))
+            continue
+        plan.append((name, len(columns), _writer(field)))
+        columns.append("__".join(field.source_attrs))
+    return (*columns, *EXTRA_COLUMNS), tuple(plan)
+
+
+def _times(tz: tzinfo, field: Any) -> Callable[[datetime], Any]:
+    """A time as ``DateTimeField.to_representation`` writes it in ``tz``:
+    ISO 8601, UTC as Z; what it would refuse or convert otherwise (a naive time,
+    one out of range in ``tz``) is left to the field."""
+
+    def write(value: datetime) -> Any:
+        if value.tzinfo is None:
+            return field.to_representation(value)
+        try:
+            text = value.astimezone(tz).isoformat()
+        except OverflowError:
+            return field.to_representation(value)
+        return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+    return write
+
+
+def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str, Any]]:
+    """``ordered[offset : offset + limit]`` (``page_of``) as the job list's
+    items: what ``JobSerializer(many=True)`` writes for those jobs read by
+    ``views.common.listed``, in three queries (the jobs with their owner's,
+    group's and holder's names, their attempts, their dependencies), plus the
+    node names and the waiting jobs' places in the queue."""
+    columns, plan = _plan()
+    rows = page_of(ordered, offset, limit, Job.objects.values_list(*columns))
+    if not rows:
+        return []
+    at = {c: i for i, c in enumerate(columns)}
+    i_id, i_status, i_interactive = at["id"], at["status"], at["interactive"]
+    i_attempts, i_preemptions = at["attempts"], at["preemptions"]
+    i_cancel, i_holder = at["cancel_requested_at"], at["held_by__username"]
+    ids = [row[i_id] for row in rows]
+    attempts: dict[int, list[tuple[Any, ...]]] = {}
+    for attempt in (
+        Attempt.objects.filter(job_id__in=ids)
+        .order_by("job_id", "number")
+        .values_list(*ATTEMPT_COLUMNS)
+    ):
+        attempts.setdefault(attempt[0], []).append(attempt)
+    dependencies: dict[int, list[dict[str, Any]]] = {}
+    for job_id, kind, on, state in (
+        JobDependency.objects.filter(job_id__in=ids)
+        .order_by("depends_on_id")
+        .values_list("job_id", "kind", "depends_on_id", "depends_on__status")
+    ):
+        # DependencyOut's fields: type, job, state
+        dependencies.setdefault(job_id, []).append(
+            {"type": str(kind), "job": int(on), "state": str(state)}
+        )
+    pending = Job.Status.PENDING
+    i_order, i_submitted = at["queue_order"], at["submitted_at"]
+    places = queue_places(
+        [
+            (row[i_id], row[i_order], row[i_submitted])
+            for row in rows
+            if row[i_status] == pending and row[i_order] is not None
+        ]
+    )
+    names = node_names()
+
+    def restarts(row: tuple[Any, ...]) -> tuple[int, int]:
+        if not row[i_preemptions] and row[i_attempts] < 2:
+            return 0, 0
+        return restarts_of((a[1], a[5], a[12]) for a in attempts.get(row[i_id], []))
+
+    def nodes(row: tuple[Any, ...]) -> list[str]:
+        tried = attempts.get(row[i_id]) if row[i_attempts] else None
+        if not tried:
+            return []
+        last = max(tried, key=lambda a: a[1])
+        return s.node_names_of([int(n) for n in last[3]] or [last[2]], names)
+
+    computed: dict[str, Callable[[tuple[Any, ...]], Any]] = {
+        "interactive_url": lambda row: s.interactive_url(row[i_id], row[i_interactive]),
+        "restarts": lambda row: restarts(row)[0],
+        "lost_work_gpu_s": lambda row: restarts(row)[1],
+        "queue_position": lambda row: places.get(row[i_id]),
+        "cancel_requested": lambda row: row[i_cancel] is not None,
+        "held_by": lambda row: row[i_holder],
+        "nodes": nodes,
+        "dependencies": lambda row: dependencies.get(row[i_id], []),
+        "expected_end": lambda row: _expected_end(row, at, attempts.get(row[i_id], [])),
+    }
+    tz = drf.DateTimeField().default_timezone()  # the request's
+    writers: list[tuple[str, int, Any]] = []
+    for name, index, write in plan:
+        if index < 0:
+            writers.append((name, index, computed[name]))
+        elif type(write) is tuple:  # (_MOMENT, its field)
+            field = write[1]
+            plain = _times(tz, field) if tz is not None else field.to_representation
+            writers.append((name, index, plain))
+        else:
+            writers.append((name, index, write))
+    items = []
+    for row in rows:
+        item: dict[str, Any] = {}
+        for name, index, write in writers:
+            if index < 0:
+                item[name] = write(row)
+            else:
+                value = row[index]
+                item[name] = None if value is None else write(value)
+        items.append(item)
+    return items
+
+
+def _expected_end(
+    row: tuple[Any, ...], at: dict[str, int], attempts: list[tuple[Any, ...]]
+) -> str | None:
+    """A running job's expected end, by ``serializers.expected_end_text`` on the
+    job and attempts the row holds (models built for the few running jobs
+    only)."""
+    if row[at["status"]] != Job.Status.RUNNING:
+        return None
+    job = Job(
+        id=row[at["id"]],
+        status=row[at["status"]],
+        time_limit_s=row[at["time_limit_s"]],
+        predicted_runtime_s=row[at["predicted_runtime_s"]],
+    )
+    tried = [Attempt(**dict(zip(ATTEMPT_COLUMNS, a, strict=True))) for a in attempts]
+    return s.expected_end_text(job, tried)
