@@ -5,6 +5,7 @@ reader and for everyone sharing the web process with it)."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -258,3 +259,90 @@ def test_the_queue_answers_what_drf_would(
     assert [(e["name"], e["nodes"]) for e in expected[:1]] == [
         ("running-1", ["node-a"])
     ]
+
+
+def test_a_list_item_is_the_detail_key_by_key_for_a_job_with_every_field_set(
+    alice: User, admin_user: User, as_alice: Api, cluster: list[Node]
+) -> None:
+    """The list writes its items from rows (``views.listing``), the detail
+    through ``JobSerializer``: for a job with every field set, and one waiting
+    in the queue, they answer the same keys in the same order with the same
+    values (the list's bytes are the detail's)."""
+    now = timezone.now()
+    array = JobArray.objects.create(owner=alice, name="sweep", spec="0-1", size=2)
+    first = JobFactory(owner=alice, name="first", status=Job.Status.COMPLETED)
+    second = JobFactory(owner=alice, name="second", status=Job.Status.FAILED)
+    full = JobFactory(
+        owner=alice,
+        name="full \u00e9 \u2028",
+        command="python train.py\n\t--x 'y'",
+        workdir="/home/lab/run",
+        env={"B": "two words", "A": "1", "EMPTY": ""},
+        gpus=2,
+        gpu_memory_mib=40_000,
+        gpu_model="A100",
+        time_limit_s=7200,
+        predicted_runtime_s=5400,
+        shareable=True,
+        slowdown_cap=1.25,
+        evictable=False,
+        workload="llm",
+        kill_grace_s=45,
+        requeue_on_node_loss=False,
+        interactive="jupyter",
+        checkpointable=True,
+        checkpoint_signal="USR1",
+        checkpoint_grace_s=90,
+        exit_code=3,
+        end_reason="an end reason",
+        pending_reason="resources",
+        pending_message="waits for 2 GPUs",
+        est_start=now.replace(microsecond=0) + timedelta(hours=1),
+        finished_at=now + timedelta(hours=2),
+        held_by=admin_user,
+        cancel_requested_at=now,
+        array=array,
+        array_index=1,
+        attempts=2,
+        preemptions=1,
+    )
+    JobDependency.objects.create(
+        job=full, depends_on=second, kind=JobDependency.Kind.AFTERANY
+    )
+    JobDependency.objects.create(
+        job=full, depends_on=first, kind=JobDependency.Kind.AFTEROK
+    )
+    Attempt.objects.create(
+        job=full, number=1, node=cluster[0], started_at=now - timedelta(hours=1),
+        ended_at=now - timedelta(minutes=30), lost_work_gpu_s=600,
+    )  # fmt: skip
+    Attempt.objects.create(
+        job=full, number=2, node=cluster[0], started_at=now - timedelta(minutes=20),
+        ranks=[cluster[1].pk, cluster[0].pk],
+    )  # fmt: skip
+    Job.objects.filter(pk=full.pk).update(
+        status=Job.Status.RUNNING, started_at=now - timedelta(minutes=20)
+    )
+    waiting = [
+        JobFactory(owner=alice, name=f"waiting-{i}", queue_order=i) for i in range(2)
+    ]
+    page = as_alice.get("/api/v1/jobs/", limit=1000)
+    assert page.status_code == 200, page.content
+    listed = {item["id"]: item for item in page.json()["results"]}
+    for job in (full, *waiting):
+        detail = as_alice.get(f"/api/v1/jobs/{job.pk}/").json()
+        assert list(listed[job.pk]) == list(s.JobSerializer().fields)
+        for key, value in detail.items():
+            assert (key, listed[job.pk][key]) == (key, value)
+        assert list(listed[job.pk]) == list(detail)
+    item = listed[full.pk]
+    # each field set shows as set (a column read for another would not)
+    assert None not in [v for k, v in item.items() if k != "queue_position"]
+    assert [d["job"] for d in item["dependencies"]] == [first.pk, second.pk]
+    assert list(item["dependencies"][0]) == list(s.DependencyOut().fields)
+    assert item["nodes"] == [cluster[1].name, cluster[0].name]
+    assert (item["restarts"], item["lost_work_gpu_s"]) == (1, 600)
+    # a time without microseconds is written without them; UTC as Z
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", item["est_start"])
+    assert re.fullmatch(r".*T.*\.\d{6}Z", item["finished_at"])
+    assert [listed[j.pk]["queue_position"] for j in waiting] == [1, 2]
