@@ -204,7 +204,7 @@ def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str,
         "dependencies": lambda row: dependencies.get(row[i_id], []),
         "expected_end": lambda row: _expected_end(row, at, attempts.get(row[i_id], [])),
     }
-    tz = drf.DateTimeField().default_timezone()  # the request's
+    tz: Any = drf.DateTimeField().default_timezone()  # the request's
     writers: list[tuple[str, int, Any]] = []
     for name, index, write in plan:
         if index < 0:
