@@ -81,9 +81,8 @@ def page_of(ordered: QuerySet[Job], offset: int, limit: int, read: Any) -> list[
     """``ordered[offset : offset + limit]``, each job read as the queryset
     ``read`` reads it (its joins, deferred fields and prefetches; or its
     ``values_list`` rows), in one query whose page is chosen first as ids:
-    ``id = ANY(ARRAY(ids))``, the
-    ids' LIMIT/OFFSET query run once (an init plan), then the page's jobs by
-    their primary key. PostgreSQL thus sorts and skips ``offset`` narrow rows
+    ``id = ANY(ARRAY(ids))``, the ids' LIMIT/OFFSET query run once (an init
+    plan), then the page's jobs by their primary key. PostgreSQL thus sorts and skips ``offset`` narrow rows
     instead of ``offset`` whole jobs joined to their owner, group and holder,
     which made a deep page (``offset=10000``) cost several times a first one
     (bench/bounded_cost.py); ``id IN (subquery)`` would let it plan a hash
