@@ -35,7 +35,7 @@ Steps 2 and 3 run in a web process of their own for each ``--variant`` (gate
 settings, e.g. ``GPULAB_WEB_HEAVY_CONCURRENCY=0`` for no heavy cap), each of
 ``--rounds`` times in turn, on the same data. Prints the figures with the
 machine's load, then one ``GOAL`` line per run (others' p95 of both endpoints,
-their p95 alone, the load), and writes ``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
+their p50 beside the four, their p50 and p95 alone, the load), and writes ``<out-dir>/bounded_cost.json``. Run through ``make bench`` or
 ``python -m portal.stack.run -- python bench/bounded_cost.py``.
 """
 
@@ -563,12 +563,21 @@ def main() -> int:
             f"GOAL others' API p95 beside four of {result['costliest']!r}:"
             f" /api/v1/me/ {me:g} ms, /api/v1/jobs/ {jobs:g} ms (goal < {GOAL_MS} ms:"
             f" {met}) [{run['variant']}, round {run['round']};"
-            f" alone {run['others_alone']['/api/v1/me/']['p95_ms']:g} /"
+            f" p50 beside {_p50s(run['others'])} ms;"
+            f" alone p50 {_p50s(run['others_alone'])} ms, p95"
+            f" {run['others_alone']['/api/v1/me/']['p95_ms']:g} /"
             f" {run['others_alone']['/api/v1/jobs/']['p95_ms']:g} ms;"
             f" load {run['load_during'][1].split()[0]}]"
         )
     (args.out_dir / "bounded_cost.json").write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _p50s(others: dict[str, dict[str, Any]]) -> str:
+    """ "A / B": the other user's p50 of /api/v1/me/ and of /api/v1/jobs/."""
+    return " / ".join(
+        f"{others[p]['p50_ms']:g}" for p in ("/api/v1/me/", "/api/v1/jobs/")
+    )
 
 
 def measure_alone(
