@@ -23,6 +23,9 @@ from __future__ import annotations
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from django.db import connection
+from django.db.models import BooleanField
+from django.db.models.expressions import RawSQL
 from rest_framework import ISO_8601
 from rest_framework import serializers as drf
 from rest_framework.settings import api_settings
@@ -35,10 +38,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from datetime import datetime, tzinfo
 
-    from django.db.models import QuerySet
+    from django.db.models import Model, QuerySet
 
-# JobSerializer's fields written from more than their own column.
-COMPUTED = (
+# JobSerializer's fields written from more than their own column, and the
+# columns those read besides the plain fields' own.
+JOB_COMPUTED = (
     "interactive_url",
     "restarts",
     "lost_work_gpu_s",
@@ -49,13 +53,7 @@ COMPUTED = (
     "dependencies",
     "expected_end",
 )
-# The columns those read besides the plain fields' own.
-EXTRA_COLUMNS = (
-    "queue_order",
-    "preemptions",
-    "cancel_requested_at",
-    "held_by__username",
-)
+JOB_EXTRA = ("queue_order", "preemptions", "cancel_requested_at", "held_by__username")
 # An attempt's columns: what ``latest_nodes``, ``Job.restarts`` and the expected
 # end (``portal.expected_end.of``) read, by their attribute names.
 ATTEMPT_COLUMNS = (
@@ -72,6 +70,10 @@ ATTEMPT_COLUMNS = (
     "progress_first_step",
     "progress_first_at",
     "lost_work_gpu_s",
+)
+_NUMBER, _NODE, _RANKS, _STARTED, _LOST = (
+    ATTEMPT_COLUMNS.index(c)
+    for c in ("number", "node_id", "ranks", "started_at", "lost_work_gpu_s")
 )
 _MOMENT = "moment"  # (_MOMENT, field): a time, written in the request's zone
 
@@ -106,19 +108,86 @@ def _writer(field: drf.Field[Any, Any, Any, Any]) -> Any:
 
 
 @cache
-def _plan() -> tuple[tuple[str, ...], tuple[tuple[str, int, Any], ...]]:
-    """The columns to read, and per field of an item in order: its name, its
-    column's index (-1: computed) and its writer."""
+def _plan(
+    serializer: type[drf.Serializer[Any]], computed: tuple[str, ...]
+) -> tuple[tuple[str, ...], tuple[tuple[str, int, Any], ...]]:
+    """The columns ``serializer``'s plain fields read, and per field of an item
+    in order: its name, its column's index (-1: one of ``computed``) and its
+    writer."""
     columns: list[str] = []
     plan: list[tuple[str, int, Any]] = []
-    fields = s.JobSerializer().fields
-    for name, field in fields.items():
-        if name in COMPUTED:
+    for name, field in serializer().fields.items():
+        if name in computed:
             plan.append((name, -1, None))
             continue
         plan.append((name, len(columns), _writer(field)))
         columns.append("__".join(field.source_attrs))
-    return (*columns, *EXTRA_COLUMNS), tuple(plan)
+    return tuple(columns), tuple(plan)
+
+
+def _items(
+    rows: list[tuple[Any, ...]],
+    plan: tuple[tuple[str, int, Any], ...],
+    computed: dict[str, Callable[[tuple[Any, ...]], Any]],
+) -> list[dict[str, Any]]:
+    """Each row written as an item by ``plan``: a plain field's column by its
+    writer (None as None), a computed one by its function of the row."""
+    tz: Any = drf.DateTimeField().default_timezone()  # the request's
+    writers: list[tuple[str, int, Any]] = []
+    for name, index, write in plan:
+        if index < 0:
+            writers.append((name, index, computed[name]))
+        elif type(write) is tuple:  # (_MOMENT, its field)
+            field = write[1]
+            plain = _times(tz, field) if tz is not None else field.to_representation
+            writers.append((name, index, plain))
+        else:
+            writers.append((name, index, write))
+    items = []
+    for row in rows:
+        item: dict[str, Any] = {}
+        for name, index, write in writers:
+            if index < 0:
+                item[name] = write(row)
+            else:
+                value = row[index]
+                item[name] = None if value is None else write(value)
+        items.append(item)
+    return items
+
+
+def _attempts(ids: list[int]) -> dict[int, list[tuple[Any, ...]]]:
+    """The jobs' attempts as ``ATTEMPT_COLUMNS`` rows, by job, in number order."""
+    attempts: dict[int, list[tuple[Any, ...]]] = {}
+    for attempt in (
+        Attempt.objects.filter(_job_among(Attempt, ids))
+        .order_by("job_id", "number")
+        .values_list(*ATTEMPT_COLUMNS)
+    ):
+        attempts.setdefault(attempt[0], []).append(attempt)
+    return attempts
+
+
+def _job_among(model: type[Model], ids: list[int]) -> RawSQL:
+    """``model``'s ``job_id = ANY(ids)``: the ids as one array parameter, where
+    ``job_id__in`` sends one placeholder per job, which psycopg splits the query
+    at (a few ms for a page of 1,000 jobs: ``bench/job_page_cost.py``)."""
+    quote = connection.ops.quote_name
+    column = f"{quote(model._meta.db_table)}.{quote('job_id')}"
+    return RawSQL(f"{column} = ANY(%s)", [ids], output_field=BooleanField())
+
+
+def _nodes(tried: list[tuple[Any, ...]] | None, names: dict[int, str]) -> list[str]:
+    """``serializers.latest_nodes`` on attempt rows (None: never started)."""
+    if not tried:
+        return []
+    last = max(tried, key=lambda a: a[_NUMBER])
+    return s.node_names_of([int(n) for n in last[_RANKS]] or [last[_NODE]], names)
+
+
+def _attempt(row: tuple[Any, ...]) -> Attempt:
+    """An attempt row as the model (for the rules that take one)."""
+    return Attempt(**dict(zip(ATTEMPT_COLUMNS, row, strict=True)))
 
 
 def _times(tz: tzinfo, field: Any) -> Callable[[datetime], Any]:
@@ -144,7 +213,8 @@ def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str,
     ``views.common.listed``, in three queries (the jobs with their owner's,
     group's and holder's names, their attempts, their dependencies), plus the
     node names and the waiting jobs' places in the queue."""
-    columns, plan = _plan()
+    own, plan = _plan(s.JobSerializer, JOB_COMPUTED)
+    columns = (*own, *JOB_EXTRA)
     rows = page_of(ordered, offset, limit, Job.objects.values_list(*columns))
     if not rows:
         return []
@@ -153,16 +223,10 @@ def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str,
     i_attempts, i_preemptions = at["attempts"], at["preemptions"]
     i_cancel, i_holder = at["cancel_requested_at"], at["held_by__username"]
     ids = [row[i_id] for row in rows]
-    attempts: dict[int, list[tuple[Any, ...]]] = {}
-    for attempt in (
-        Attempt.objects.filter(job_id__in=ids)
-        .order_by("job_id", "number")
-        .values_list(*ATTEMPT_COLUMNS)
-    ):
-        attempts.setdefault(attempt[0], []).append(attempt)
+    attempts = _attempts(ids)
     dependencies: dict[int, list[dict[str, Any]]] = {}
     for job_id, kind, on, state in (
-        JobDependency.objects.filter(job_id__in=ids)
+        JobDependency.objects.filter(_job_among(JobDependency, ids))
         .order_by("depends_on_id")
         .values_list("job_id", "kind", "depends_on_id", "depends_on__status")
     ):
@@ -184,63 +248,37 @@ def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str,
     def restarts(row: tuple[Any, ...]) -> tuple[int, int]:
         if not row[i_preemptions] and row[i_attempts] < 2:
             return 0, 0
-        return restarts_of((a[1], a[5], a[12]) for a in attempts.get(row[i_id], []))
+        return restarts_of(
+            (a[_NUMBER], a[_STARTED], a[_LOST]) for a in attempts.get(row[i_id], [])
+        )
 
-    def nodes(row: tuple[Any, ...]) -> list[str]:
-        tried = attempts.get(row[i_id]) if row[i_attempts] else None
-        if not tried:
-            return []
-        last = max(tried, key=lambda a: a[1])
-        return s.node_names_of([int(n) for n in last[3]] or [last[2]], names)
+    def expected_end(row: tuple[Any, ...]) -> str | None:
+        if row[i_status] != Job.Status.RUNNING:
+            return None
+        job = Job(**{c: row[at[c]] for c in ("id", "status", *_PLANS_WITH)})
+        tried = [_attempt(a) for a in attempts.get(row[i_id], [])]
+        return s.expected_end_text(job, tried)
 
-    computed: dict[str, Callable[[tuple[Any, ...]], Any]] = {
-        "interactive_url": lambda row: s.interactive_url(row[i_id], row[i_interactive]),
-        "restarts": lambda row: restarts(row)[0],
-        "lost_work_gpu_s": lambda row: restarts(row)[1],
-        "queue_position": lambda row: places.get(row[i_id]),
-        "cancel_requested": lambda row: row[i_cancel] is not None,
-        "held_by": lambda row: row[i_holder],
-        "nodes": nodes,
-        "dependencies": lambda row: dependencies.get(row[i_id], []),
-        "expected_end": lambda row: _expected_end(row, at, attempts.get(row[i_id], [])),
-    }
-    tz: Any = drf.DateTimeField().default_timezone()  # the request's
-    writers: list[tuple[str, int, Any]] = []
-    for name, index, write in plan:
-        if index < 0:
-            writers.append((name, index, computed[name]))
-        elif type(write) is tuple:  # (_MOMENT, its field)
-            field = write[1]
-            plain = _times(tz, field) if tz is not None else field.to_representation
-            writers.append((name, index, plain))
-        else:
-            writers.append((name, index, write))
-    items = []
-    for row in rows:
-        item: dict[str, Any] = {}
-        for name, index, write in writers:
-            if index < 0:
-                item[name] = write(row)
-            else:
-                value = row[index]
-                item[name] = None if value is None else write(value)
-        items.append(item)
-    return items
-
-
-def _expected_end(
-    row: tuple[Any, ...], at: dict[str, int], attempts: list[tuple[Any, ...]]
-) -> str | None:
-    """A running job's expected end, by ``serializers.expected_end_text`` on the
-    job and attempts the row holds (models built for the few running jobs
-    only)."""
-    if row[at["status"]] != Job.Status.RUNNING:
-        return None
-    job = Job(
-        id=row[at["id"]],
-        status=row[at["status"]],
-        time_limit_s=row[at["time_limit_s"]],
-        predicted_runtime_s=row[at["predicted_runtime_s"]],
+    return _items(
+        rows,
+        plan,
+        {
+            "interactive_url": lambda row: s.interactive_url(
+                row[i_id], row[i_interactive]
+            ),
+            "restarts": lambda row: restarts(row)[0],
+            "lost_work_gpu_s": lambda row: restarts(row)[1],
+            "queue_position": lambda row: places.get(row[i_id]),
+            "cancel_requested": lambda row: row[i_cancel] is not None,
+            "held_by": lambda row: row[i_holder],
+            "nodes": lambda row: _nodes(
+                attempts.get(row[i_id]) if row[i_attempts] else None, names
+            ),
+            "dependencies": lambda row: dependencies.get(row[i_id], []),
+            "expected_end": expected_end,
+        },
     )
-    tried = [Attempt(**dict(zip(ATTEMPT_COLUMNS, a, strict=True))) for a in attempts]
-    return s.expected_end_text(job, tried)
+
+
+# The job's fields ``portal.expected_end.of`` reads besides its state.
+_PLANS_WITH = ("time_limit_s", "predicted_runtime_s")
