@@ -16,9 +16,9 @@ client (no HTTP, no gate: the request's own cost), each page in turn,
   page), and from a cursor at that depth;
 - another user's default page (100 of their 2,500 jobs).
 
-CPU time is the thread's (``time.thread_time``) and the backend's (its
-``/proc/PID/stat`` user + system ticks, 10 ms each: a median of several rounds
-smooths them); wall time is printed too but moves with the machine's load, CPU
+CPU time is the thread's (``time.thread_time``; "a row": that over the page's
+items) and the backend's (its ``/proc/PID/stat`` user + system ticks, 10 ms
+each: a median of several rounds smooths them); wall time is printed too but moves with the machine's load, CPU
 time much less. Run ``python -m portal.stack.run -- python bench/job_page_cost.py
 --database NAME`` (the name ``bounded_cost.py --keep-database`` printed); from an
 older checkout of the code the same command measures it before a change.
@@ -118,11 +118,13 @@ def measure(repeat: int) -> None:
         cursor.execute("SELECT pg_backend_pid()")
         pid = cursor.fetchone()[0]
     times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
+    rows: dict[str, int] = {}  # items on each page
     for _ in range(repeat):
         for label, (url, headers) in cases.items():
             wall, cpu, pg = time.perf_counter(), time.thread_time(), backend_cpu_s(pid)
             got = client.get(url, headers=headers)
             assert got.status_code == 200, (url, got.status_code)
+            rows.setdefault(label, len(got.json()["results"]))
             times[label].append(
                 (
                     time.perf_counter() - wall,
@@ -131,12 +133,13 @@ def measure(repeat: int) -> None:
                 )
             )
     print(f"{total} jobs; median of {repeat}; load {loadavg()}")
-    print(f"{'page':42} {'web CPU':>9} {'PG CPU':>8} {'wall':>9}")
-    for label, rows in times.items():
+    print(f"{'page':42} {'web CPU':>9} {'a row':>9} {'PG CPU':>8} {'wall':>9}")
+    for label, runs in times.items():
         web, pg, wall = (
-            statistics.median(r[i] for r in rows) * 1000 for i in (1, 2, 0)
+            statistics.median(r[i] for r in runs) * 1000 for i in (1, 2, 0)
         )
-        print(f"{label:42} {web:6.0f} ms {pg:5.0f} ms {wall:6.0f} ms")
+        per_row = web / max(1, rows[label])
+        print(f"{label:42} {web:6.0f} ms {per_row:6.3f} ms {pg:5.0f} ms {wall:6.0f} ms")
 
 
 if __name__ == "__main__":
