@@ -29,12 +29,6 @@ class InterferencePair(models.Model):
     util_n = models.PositiveIntegerField(default=0)
     util_mean_log = models.FloatField(default=0.0)
     util_m2 = models.FloatField(default=0.0)
-    # Short episodes: log slowdowns measured (progress) over sharing episodes too
-    # short to be observations (a trial whose job ended within minutes); only the
-    # trial odds read them (``policy.interference.Outcomes``).
-    short_n = models.PositiveIntegerField(default=0)
-    short_mean_log = models.FloatField(default=0.0)
-    short_m2 = models.FloatField(default=0.0)
     harmful = models.BooleanField(default=False)
     harmful_reason = models.CharField(max_length=500, blank=True)
     updated_at = models.DateTimeField(default=timezone.now)
@@ -55,7 +49,7 @@ class InterferencePair(models.Model):
                 name="%(app_label)s_%(class)s_unique_pair",
             ),
             models.CheckConstraint(
-                condition=Q(m2__gte=0) & Q(util_m2__gte=0) & Q(short_m2__gte=0),
+                condition=Q(m2__gte=0) & Q(util_m2__gte=0),
                 name="%(app_label)s_%(class)s_m2_non_negative",
             ),
         ]

@@ -143,9 +143,7 @@ class Knowledge:
     ``pairs``: observations per ordered workload pair (A's label, B's label);
     ``busy``: solo busy fraction per workload label, from the agents' samples of
     jobs that ran alone; ``weak``: what utilisation showed of pairs whose jobs
-    reported no progress; ``harmful``: pairs the pass evicted a job for;
-    ``short``: what sharing episodes too short to be observations measured,
-    which only the trial odds read (``Outcomes``)."""
+    reported no progress; ``harmful``: pairs the pass evicted a job for."""
 
     pairs: Mapping[tuple[str, str], Observations] = field(
         default_factory=lambda: MappingProxyType({})
@@ -158,12 +156,6 @@ class Knowledge:
     # unordered workload pairs a job was evicted for (measured over a cap): never
     # admitted again until an admin resets the pair
     harmful: frozenset[frozenset[str]] = frozenset()
-    # log slowdowns per ordered pair measured over sharing episodes shorter than an
-    # observation needs (at least two reports): a trial whose job ended within
-    # minutes still says whether its pair ran within the caps
-    short: Mapping[tuple[str, str], Observations] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
 
 
 class Model:
@@ -282,11 +274,10 @@ class Odds:
 
 class Outcomes:
     """What became of the workload pairs tried so far: per unordered pair, its
-    combined normalised throughput and worst slowdown as measured (both
-    directions needed: observations, else short episodes' measurements), or a
-    failure when it was marked harmful (evicted over a cap, or out of memory
-    where that is recorded). Built once per ``Knowledge``; ``with_live`` adds
-    the verdicts of trials still running.
+    combined normalised throughput and worst slowdown as observed (both
+    directions needed), or a failure when it was marked harmful (evicted over a
+    cap, or out of memory where that is recorded). Built once per ``Knowledge``;
+    ``with_live`` adds the verdicts of trials still running.
 
     A trial is worth its cost only if the pair may turn out admissible. Pairs of
     the same families behave alike (in Gavel's measured table, 14 of the 15 LM
@@ -300,7 +291,7 @@ class Outcomes:
     fail."""
 
     def __init__(self, knowledge: Knowledge) -> None:
-        pairs, short = knowledge.pairs, knowledge.short
+        pairs = knowledge.pairs
         # (families sorted, relation "same"/"different", gain, worst slowdown)
         self.tried: list[tuple[tuple[str, str], bool, float, float]] = []
         self.seen: set[frozenset[str]] = set(knowledge.harmful)
@@ -308,13 +299,12 @@ class Outcomes:
             a, b = (*key, *key)[:2]
             if a and b:
                 self._add(a, b, 0.0, math.inf)
-        for a, b in (*pairs, *short):
+        for (a, b), ab in pairs.items():
             key = frozenset((a, b))
             if key in self.seen or not a or not b:
                 continue
-            ab = _measured(pairs, short, a, b)
-            ba = _measured(pairs, short, b, a)
-            if ab is None or ba is None:
+            ba = pairs.get((b, a))
+            if ab.n <= 0 or ba is None or ba.n <= 0:
                 continue
             self.seen.add(key)
             r_ab, r_ba = ab.slowdown, ba.slowdown
@@ -374,21 +364,6 @@ class Outcomes:
         p = (w + ODDS_STRENGTH * p) / (n + ODDS_STRENGTH)
         got = self._cache[key] = Odds(p, w, n, (fa, fb))
         return got
-
-
-def _measured(
-    pairs: Mapping[tuple[str, str], Observations],
-    short: Mapping[tuple[str, str], Observations],
-    a: str,
-    b: str,
-) -> Observations | None:
-    """A's measured log slowdowns beside B: its observations, else its short
-    episodes' (None: neither)."""
-    for source in (pairs, short):
-        got = source.get((a, b))
-        if got is not None and got.n > 0:
-            return got
-    return None
 
 
 _last: list[tuple[Knowledge, Model]] = []

@@ -14,9 +14,6 @@ lines: ``Attempt.progress_*`` and a ``ProgressSample`` a minute). From it:
   both rates known, one **observation** per direction goes into ``InterferencePair``
   (log slowdown, merged with Welford's update under the row's lock), in the
   transaction that ends the attempt: an episode is observed once, never twice;
-  a shorter episode whose rates are known (reports ``MIN_WINDOW_S`` apart) goes
-  into the row's short evidence (``short_*``) the same way: a trial whose job
-  ended within minutes still tells the trial odds whether its pair shared well;
 - for a running shared attempt, the snapshot computes the measured slowdown so far
   (``measured``), which the policy's eviction rule reads.
 
@@ -181,9 +178,8 @@ def _keep_solo_busy(attempt: Attempt, gpu_ids: list[int], ended: datetime) -> No
 
 def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
     """``attempt`` ends at ``ended``: keep its solo rate, and observe each sharing
-    episode it was part of that lasted ``MIN_EPISODE`` (a shorter one whose rates
-    are known: its short evidence). Runs in the transaction that ends the
-    attempt. Returns the observations written (short ones included)."""
+    episode it was part of that lasted ``MIN_EPISODE``. Runs in the transaction
+    that ends the attempt. Returns the observations written."""
     gpu_ids = list(
         Allocation.objects.filter(attempt=attempt).values_list("gpu_id", flat=True)
     )
@@ -221,7 +217,8 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
     for other in partners:
         start = max(attempt.created_at, other.created_at)
         end = min(ended, other.ended_at or ended)
-        short = end - start < MIN_EPISODE
+        if end - start < MIN_EPISODE:
+            continue
         for a, b in ((attempt, other), (other, attempt)):
             wa, wb = a.job.workload, b.job.workload
             if not wa or not wb:
@@ -229,11 +226,9 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
             shared = rate(pts[a.pk], start, end)
             solo = solos.get(wa)
             if shared is not None and shared > 0 and solo is not None:
-                observe(wa, wb, math.log(solo / shared), short=short)
+                observe(wa, wb, math.log(solo / shared))
                 written += 1
                 continue
-            if short:
-                continue  # utilisation over minutes is too weak to keep
             # no progress to go by: what its processes' utilisation showed
             if busies is None:
                 busies = solo_busies(workloads)
@@ -246,27 +241,12 @@ def record_episode_ends(attempt: Attempt, ended: datetime) -> int:
 
 
 def observe(
-    workload_a: str,
-    workload_b: str,
-    log_slowdown: float,
-    *,
-    weak: bool = False,
-    short: bool = False,
+    workload_a: str, workload_b: str, log_slowdown: float, *, weak: bool = False
 ) -> None:
     """Merge one observation of A's log slowdown beside B into its row (Welford's
     update, ``Observations.add``, under the row's lock: two episodes may end at
-    once); ``weak``: one read from utilisation, into the row's weak evidence;
-    ``short``: one from an episode under ``MIN_EPISODE``, into its short
-    evidence."""
-    if weak and short:
-        raise ValueError("an observation is weak or short, not both")
-    fields = (
-        ("util_n", "util_mean_log", "util_m2")
-        if weak
-        else ("short_n", "short_mean_log", "short_m2")
-        if short
-        else ("n", "mean_log", "m2")
-    )
+    once); ``weak``: one read from utilisation, into the row's weak evidence."""
+    fields = ("util_n", "util_mean_log", "util_m2") if weak else ("n", "mean_log", "m2")
     with transaction.atomic():
         InterferencePair.objects.get_or_create(
             workload_a=workload_a, workload_b=workload_b
@@ -337,9 +317,6 @@ def reset_interference_pairs(pks: Iterable[int], user_id: int | None) -> int:
         util_n=0,
         util_mean_log=0.0,
         util_m2=0.0,
-        short_n=0,
-        short_mean_log=0.0,
-        short_m2=0.0,
         harmful=False,
         harmful_reason="",
         reset_at=timezone.now(),

@@ -462,9 +462,8 @@ def load_knowledge(
     workload pair (the attempts whose admission was a trial, one query)."""
     pairs: dict[tuple[str, str], policy.Observations] = {}
     weak: dict[tuple[str, str], policy.Observations] = {}
-    short: dict[tuple[str, str], policy.Observations] = {}
     harmful: set[frozenset[str]] = set()
-    for row in InterferencePair.objects.values_list(
+    for a, b, n, mean, m2, un, umean, um2, bad in InterferencePair.objects.values_list(
         "workload_a",
         "workload_b",
         "n",
@@ -473,18 +472,12 @@ def load_knowledge(
         "util_n",
         "util_mean_log",
         "util_m2",
-        "short_n",
-        "short_mean_log",
-        "short_m2",
         "harmful",
     ):
-        a, b, n, mean, m2, un, umean, um2, sn, smean, sm2, bad = row
         if n:
             pairs[a, b] = policy.Observations(n, mean, m2)
         if un:
             weak[a, b] = policy.Observations(un, umean, um2)
-        if sn:
-            short[a, b] = policy.Observations(sn, smean, sm2)
         if bad:
             harmful.add(frozenset((a, b)))
     busy = interference.solo_busies(
@@ -499,12 +492,6 @@ def load_knowledge(
             key = frozenset((workloads[0], other))
             trials[key] = trials.get(key, 0) + 1
     return (
-        policy.Knowledge(
-            pairs=pairs,
-            busy=busy,
-            weak=weak,
-            harmful=frozenset(harmful),
-            short=short,
-        ),
+        policy.Knowledge(pairs=pairs, busy=busy, weak=weak, harmful=frozenset(harmful)),
         trials,
     )

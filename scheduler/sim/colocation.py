@@ -31,9 +31,7 @@ solo rate over its measured shared rate (None until 2 reports of each are in). W
 a sharing episode with one partner ends after at least ``MIN_EPISODE_S`` of reports,
 its measured log slowdown becomes one observation of the ordered pair (the job's
 workload, its partner's) in ``Knowledge.pairs`` (if its workload's solo rate is
-not known yet, the episode waits for it: the observation is made once it is); a
-shorter one with ``MIN_REPORTS`` reports and the solo rate known goes to
-``Knowledge.short`` (what only the trial odds read). A pair whose later job was evicted
+not known yet, the episode waits for it: the observation is made once it is). A pair whose later job was evicted
 goes to ``Knowledge.harmful`` (never admitted again), as the production writer will;
 so does a pair whose joiner failed out of memory (the simulator's choice).
 """
@@ -171,8 +169,6 @@ class Meter:
     # (workload, model) -> [reports, sum of their logs] while running alone
     solo: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     pairs: dict[tuple[str, str], Observations] = field(default_factory=dict)
-    # short episodes' log slowdowns (``Knowledge.short``)
-    short: dict[tuple[str, str], Observations] = field(default_factory=dict)
     harmful: set[frozenset[str]] = field(default_factory=set)
     observed: int = 0  # observations made
     # episodes ended before their workload's solo rate was known: solo key ->
@@ -227,18 +223,11 @@ class Meter:
     ) -> None:
         """A sharing episode with one partner ended (``seg`` has drawn its
         reports): one observation of (its workload, ``partner``), now or once the
-        workload's solo rate is known; one shorter but measured (``MIN_REPORTS``
-        reports, its solo rate known) goes to ``short``, as in production."""
-        if seg.n < MIN_REPORTS:
+        workload's solo rate is known."""
+        if seg.measured_s < MIN_EPISODE_S or seg.n < MIN_REPORTS:
             return
         shared = seg.sum_log / seg.n
         solo = self.solo_log_rate(solo_key)
-        if seg.measured_s < MIN_EPISODE_S:
-            if solo is not None and solo_key[0] and partner:
-                key = (solo_key[0], partner)
-                self.short[key] = self.short.get(key, Observations()).add(solo - shared)
-                self.version += 1
-            return
         if solo is None:
             self.waiting.setdefault(solo_key, []).append((partner, shared))
         else:
@@ -262,7 +251,6 @@ class Meter:
         if self._knowledge_version != self.version:
             self._knowledge = Knowledge(
                 pairs=MappingProxyType(dict(self.pairs)),
-                short=MappingProxyType(dict(self.short)),
                 harmful=frozenset(self.harmful),
             )
             self._knowledge_version = self.version

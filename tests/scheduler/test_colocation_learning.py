@@ -12,7 +12,6 @@ from django.utils import timezone
 
 from scheduler import pass_runner, services
 from scheduler.models import Attempt, InterferencePair, Job, ProgressSample
-from scheduler.policy.interference import Outcomes
 from scheduler.services import interference
 from tests.conftest import make_node
 from tests.factories import JobFactory, exited_data, shared_start, start_job
@@ -139,31 +138,6 @@ def test_the_end_of_an_episode_is_observed_once_each_way(
     # the snapshot's knowledge carries them to the policy
     knowledge, _ = services.load_knowledge(timezone.now())
     assert knowledge.pairs["rn18", "lm"].mean == pytest.approx(math.log(2.0))
-
-
-def test_an_episode_too_short_to_observe_is_kept_as_short_evidence(
-    sharing: tuple[Attempt, Attempt, Any, Any], alice: User
-) -> None:
-    # rn18 ends 3 min into the episode: under MIN_EPISODE, but each rate has
-    # reports 3 min apart, so the trial odds learn that rn18 ran 2x slower
-    a, _b, node, t0 = sharing
-
-    services.finish_attempt(node.pk, exited_data(a, 0, at=(t0 + 3 * MIN).timestamp()))
-
-    rows = {(p.workload_a, p.workload_b): p for p in InterferencePair.objects.all()}
-    assert [rows[k].n for k in (("rn18", "lm"), ("lm", "rn18"))] == [0, 0]
-    assert [rows[k].short_n for k in (("rn18", "lm"), ("lm", "rn18"))] == [1, 1]
-    assert math.exp(rows["rn18", "lm"].short_mean_log) == pytest.approx(2.0)
-    assert math.exp(rows["lm", "rn18"].short_mean_log) == pytest.approx(1.25)
-    knowledge, _ = services.load_knowledge(timezone.now())
-    assert knowledge.pairs == {}
-    odds = Outcomes(knowledge).odds("a3c", "resnet", cap=1.5, need_gain=1.05,
-                                    cap_margin=0.02)  # fmt: skip
-    assert (odds.wins, odds.tried) == (0, 0)
-    assert odds.p == pytest.approx(1 / 3)  # one pair of two families tried, lost
-    # an admin's reset forgets it too
-    services.reset_interference_pairs([r.pk for r in rows.values()], alice.pk)
-    assert set(InterferencePair.objects.values_list("short_n", flat=True)) == {0}
 
 
 def test_observations_merge_as_mean_and_variance() -> None:

@@ -394,23 +394,6 @@ def test_a_harmful_pair_counts_as_a_failure_and_nothing_new_is_tried_after_many(
     assert "of 0 tried pair(s) of x1 and x2, 0 could share" in refused.message
 
 
-def test_short_episodes_count_for_the_odds_where_nothing_was_observed():
-    # two pairs of two families ended within minutes: one within the caps (1.2x
-    # each), one over (1.7x); a third pair's short 1.7x is overruled by its
-    # observations (1.2x)
-    k = Knowledge(
-        short=tried(("A3C", "CycleGAN", 1.2), ("LM (batch size 5)", "A3C", 1.7),
-                    ("ResNet-18 (batch size 16)", "A3C", 1.7)),
-        pairs=tried(("ResNet-18 (batch size 16)", "A3C", 1.2)),
-    )  # fmt: skip
-    got = Outcomes(k).odds("Transformer (batch size 16)", "CycleGAN", **ODDS)
-    assert (got.wins, got.tried) == (0, 0)
-    assert got.p == pytest.approx((2 + 1) / (3 + 2))
-    # one direction measured is not a tried pair
-    one_way = {("A3C", "CycleGAN"): Observations.of([math.log(1.2)])}
-    assert Outcomes(Knowledge(short=one_way)).tried == []
-
-
 def test_a_running_trial_counts_at_once_and_never_over_what_is_recorded():
     # K80-like: eight pairs of two families were evicted, so a new one has odds
     # 1/10; two trials running within the caps count as wins now, not hours

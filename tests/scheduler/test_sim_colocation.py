@@ -718,27 +718,3 @@ def test_what_exploration_trials_cost_is_counted_apart(table):
     out = summarize(result)
     assert out["trial_lost_gpu_hours"] == 0 and out["trial_over_cap_s"] == 0
     assert out["over_cap_beyond_window"] == 0 and a.over_cap_s == pytest.approx(200)
-
-
-def test_an_episode_too_short_to_observe_is_kept_as_short_evidence():
-    # B's solo rate is known (an hour alone); A joins and B leaves after 3
-    # reports: not an observation (under MIN_EPISODE_S), but the odds' evidence
-    meter = Meter(seed=3)
-    solo = Segment(0.0, 1.0, partners=())
-    meter.advance(solo, 3600.0, ("B", "p100"))
-    seg = Segment(3600.0, 0.5, partners=(2,))
-    meter.advance(seg, 3600.0 + 3 * REPORT_S + 10, ("B", "p100"))
-    meter.episode_ended(seg, ("B", "p100"), "A")
-    k = meter.knowledge()
-    assert k.pairs == {} and meter.observed == 0
-    assert k.short[("B", "A")].n == 1
-    tol = 4 * NOISE_SIGMA * math.sqrt(1 / 60 + 1 / 3)
-    assert math.log(k.short[("B", "A")].slowdown) == pytest.approx(math.log(2), abs=tol)
-    # one report is no measurement; nor is a partner's side whose solo rate is unknown
-    one = Segment(7200.0, 0.5, partners=(2,))
-    meter.advance(one, 7200.0 + REPORT_S + 10, ("B", "p100"))
-    meter.episode_ended(one, ("B", "p100"), "C")
-    other = Segment(3600.0, 0.5, partners=(1,))
-    meter.advance(other, 3600.0 + 3 * REPORT_S + 10, ("A", "p100"))
-    meter.episode_ended(other, ("A", "p100"), "B")
-    assert set(meter.knowledge().short) == {("B", "A")}
