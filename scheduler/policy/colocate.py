@@ -424,6 +424,8 @@ class Sharing:
         self.model = model
         self.rules = rules
         self.outcomes = outcomes_for(state.knowledge)
+        if cfg.colo_trial_min_odds > 0:
+            self.outcomes = self.outcomes.with_live(live_trials(state))
         used = dict(state.trials_last_hour)
         self.budget = Budget(
             cfg.colo_trials_per_pair_hour,
@@ -593,6 +595,35 @@ class Sharing:
         ]
         self.free[gid] = gpu.slots - 1
         self._file(gid)
+
+
+def live_trials(state: ClusterState) -> dict[frozenset[str], tuple[float, float]]:
+    """The verdict so far of each exploration trial still running: per unordered
+    workload pair of a GPU shared by two jobs whose later one joined as a trial,
+    once both were measured for half of ``colo_detect_window_s`` (when the
+    eviction rule would have ended it over a cap), (combined normalised
+    throughput, worst slowdown) as measured. What the trial odds read beside
+    the pairs' records (``interference.Outcomes.with_live``)."""
+    by_gpu: dict[int, list[RunningJob]] = {}
+    for r in state.running:
+        if len(r.gpu_ids) == 1 and r.shareable and not r.stopping:
+            by_gpu.setdefault(r.gpu_ids[0], []).append(r)
+    need = state.config.colo_detect_window_s / 2
+    out: dict[frozenset[str], tuple[float, float]] = {}
+    for rs in by_gpu.values():
+        if len(rs) != 2 or not rs[0].workload or not rs[1].workload:
+            continue
+        later = max(rs, key=lambda r: (r.joined_at or 0.0, r.id))
+        if later.joined_at is None or not later.trial:
+            continue
+        a, b = rs
+        if a.measured_slowdown is None or b.measured_slowdown is None:
+            continue
+        if min(a.measured_for_s, b.measured_for_s) < need:
+            continue
+        r_a, r_b = a.measured_slowdown, b.measured_slowdown
+        out[frozenset((a.workload, b.workload))] = (gain(r_a, r_b), max(r_a, r_b))
+    return out
 
 
 def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:

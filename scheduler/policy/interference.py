@@ -39,6 +39,7 @@ loader's job in production and the simulator's. Pure: no Django, no I/O.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -275,7 +276,8 @@ class Outcomes:
     """What became of the workload pairs tried so far: per unordered pair, its
     combined normalised throughput and worst slowdown as observed (both
     directions needed), or a failure when it was marked harmful (evicted over a
-    cap, or out of memory where that is recorded). Built once per ``Knowledge``.
+    cap, or out of memory where that is recorded). Built once per ``Knowledge``;
+    ``with_live`` adds the verdicts of trials still running.
 
     A trial is worth its cost only if the pair may turn out admissible. Pairs of
     the same families behave alike (in Gavel's measured table, 14 of the 15 LM
@@ -292,26 +294,48 @@ class Outcomes:
         pairs = knowledge.pairs
         # (families sorted, relation "same"/"different", gain, worst slowdown)
         self.tried: list[tuple[tuple[str, str], bool, float, float]] = []
-        seen: set[frozenset[str]] = set()
-        for (a, b), ab in pairs.items():
-            key = frozenset((a, b))
-            if key in seen or not a or not b or key in knowledge.harmful:
-                continue
-            ba = pairs.get((b, a))
-            if ab.n <= 0 or ba is None or ba.n <= 0:
-                continue
-            seen.add(key)
-            r_ab, r_ba = ab.slowdown, ba.slowdown
-            self._add(a, b, gain(r_ab, r_ba), max(r_ab, r_ba))
+        self.seen: set[frozenset[str]] = set(knowledge.harmful)
         for key in knowledge.harmful:
             a, b = (*key, *key)[:2]
             if a and b:
                 self._add(a, b, 0.0, math.inf)
+        for (a, b), ab in pairs.items():
+            key = frozenset((a, b))
+            if key in self.seen or not a or not b:
+                continue
+            ba = pairs.get((b, a))
+            if ab.n <= 0 or ba is None or ba.n <= 0:
+                continue
+            self.seen.add(key)
+            r_ab, r_ba = ab.slowdown, ba.slowdown
+            self._add(a, b, gain(r_ab, r_ba), max(r_ab, r_ba))
         self._cache: dict[tuple[object, ...], Odds] = {}
 
     def _add(self, a: str, b: str, g: float, worst: float) -> None:
         fa, fb = sorted((parse_label(a)[0], parse_label(b)[0]))
         self.tried.append(((fa, fb), fa == fb, g, worst))
+
+    def with_live(self, live: Mapping[frozenset[str], tuple[float, float]]) -> Outcomes:
+        """These outcomes and those of trials still running (unordered pair ->
+        (gain, worst slowdown) as measured so far, ``colocate.live_trials``),
+        for pairs nothing else is known of. A failing trial is evicted within
+        minutes and becomes harmful, while a good one runs for hours before its
+        episode is observed: without its running verdict the odds would count
+        every failure at once and every success hours later."""
+        extra = [
+            (key, v) for key, v in live.items() if key not in self.seen and all(key)
+        ]
+        if not extra:
+            return self
+        got = copy.copy(self)
+        got.tried = list(self.tried)
+        got.seen = set(self.seen)
+        got._cache = {}
+        for key, (g, worst) in extra:
+            a, b = (*key, *key)[:2]
+            got.seen.add(key)
+            got._add(a, b, g, worst)
+        return got
 
     def odds(
         self, a: str, b: str, *, cap: float | None, need_gain: float, cap_margin: float

@@ -392,3 +392,24 @@ def test_a_harmful_pair_counts_as_a_failure_and_nothing_new_is_tried_after_many(
     )  # fmt: skip
     assert (refused.admitted, refused.rule) == (False, "odds")
     assert "of 0 tried pair(s) of x1 and x2, 0 could share" in refused.message
+
+
+def test_a_running_trial_counts_at_once_and_never_over_what_is_recorded():
+    # K80-like: eight pairs of two families were evicted, so a new one has odds
+    # 1/10; two trials running within the caps count as wins now, not hours
+    # later when their episodes end
+    names = [f"W{i}" for i in range(9)]
+    k = Knowledge(harmful=frozenset(frozenset(p) for p in pairwise(names)))
+    out = Outcomes(k)
+    assert out.odds("X1", "X2", **ODDS).p == pytest.approx(1 / 10)
+    live = {
+        frozenset(("Y1", "Y2")): (gain(1.2, 1.3), 1.3),
+        frozenset(("Y3", "Y4")): (gain(1.1, 1.2), 1.2),
+        # a pair already recorded harmful keeps its record
+        frozenset(("W0", "W1")): (gain(1.1, 1.1), 1.1),
+    }
+    more = out.with_live(live)
+    assert more.odds("X1", "X2", **ODDS).p == pytest.approx(3 / 12)
+    # the outcomes of the knowledge itself are left as they were
+    assert out.odds("X1", "X2", **ODDS).p == pytest.approx(1 / 10)
+    assert out.with_live({}) is out

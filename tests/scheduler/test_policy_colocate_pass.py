@@ -337,3 +337,40 @@ def test_a_trial_of_families_whose_tried_pairs_lost_waits_with_the_odds():
     adm = starts(decide(state(*other, knowledge=k, colo_trial_min_odds=0.04)))[1]
     adm = adm.admission
     assert adm is not None and adm.trial
+
+
+def test_a_running_trial_within_its_caps_lifts_the_odds_of_its_families():
+    # the LM x Recommendation pairs tried so far were evicted; one such trial has
+    # now run 6 min within the caps: its family pair's odds count it at once
+    lm = [f"LM (batch size {b})" for b in (5, 10, 20, 40)]
+    rec = [f"Recommendation (batch size {b})" for b in (512, 1024, 2048, 4096)]
+    k = Knowledge(
+        harmful=frozenset(frozenset((lm[i], rec[i])) for i in range(3)),
+    )
+    trial = [
+        over(8, 101, rec[3], slowdown=1.2, for_s=360.0),
+        over(9, 101, lm[3], slowdown=1.3, for_s=360.0, joined=NOW - 420, trial=True),
+    ]
+    base = (
+        gpus(1, 2, busy={0: 1, 1: 2}),
+        [sharer(1, lm[0])],
+        [resident(7, 100, rec[1])],
+    )
+    odds = {"colo_trial_min_odds": 0.25}
+    ds = decide(state(*base[:2], [*base[2], *trial], knowledge=k, **odds))
+    adm = starts(ds)[1].admission
+    assert adm is not None and adm.trial
+    # measured for less than half the window, it does not count yet
+    young = [replace(r, measured_for_s=240.0) for r in trial]
+    ds = decide(state(*base[:2], [*base[2], *young], knowledge=k, **odds))
+    assert 1 not in starts(ds)
+    assert (
+        "of 3 tried pair(s) of lm and recommendation, 0 could" in waits(ds)[1].message
+    )
+    # nor does a pair admitted as known, or one running over a cap
+    for run in (
+        [replace(trial[0]), replace(trial[1], trial=False)],
+        [replace(trial[0], measured_slowdown=1.6), trial[1]],
+    ):
+        ds = decide(state(*base[:2], [*base[2], *run], knowledge=k, **odds))
+        assert 1 not in starts(ds)
