@@ -233,8 +233,16 @@ class Stack:
 
 
 @pytest.fixture
-def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
-    """The ASGI server (uvicorn) and a Celery worker on this run's test database."""
+def stack(
+    transactional_db: None, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Stack]:
+    """The ASGI server (uvicorn) and a Celery worker on this run's test database.
+
+    A test marked ``@pytest.mark.web_env(NAME="value", ...)`` gets its web process
+    started with those variables added: one process, where a ``restart_web`` at
+    the test's start would start and stop another first."""
+    marker = request.node.get_closest_marker("web_env")
+    web_env = {k: str(v) for k, v in marker.kwargs.items()} if marker else {}
     port = free_port()
     env = {
         **os.environ,
@@ -249,7 +257,7 @@ def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
     env.pop("DJANGO_DEBUG", None)
     s = Stack(f"http://127.0.0.1:{port}", port, env, {}, tmp_path)
     try:
-        web = s.start_web()
+        web = s.start_web(**web_env)
         worker = s.start(
             "worker",
             sys.executable,
