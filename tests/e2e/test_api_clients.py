@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from tests.e2e.conftest import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120), pytest.mark.web_only]
 
 
 @pytest.mark.web_env(GPULAB_WEB_API_CONCURRENCY=1, GPULAB_WEB_API_PER_CLIENT=1)

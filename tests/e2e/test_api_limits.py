@@ -28,6 +28,7 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(120),
     pytest.mark.web_env(GPULAB_API_MAX_BODY_BYTES=LIMIT),
+    pytest.mark.web_only,
 ]
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from tests.e2e.conftest import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120), pytest.mark.web_only]
 
 APP = "gpulab-web-under-test"
 POOL_MAX = 3
