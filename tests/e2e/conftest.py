@@ -233,8 +233,20 @@ class Stack:
 
 
 @pytest.fixture
-def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
-    """The ASGI server (uvicorn) and a Celery worker on this run's test database."""
+def stack(
+    transactional_db: None, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Stack]:
+    """The ASGI server (uvicorn) and a Celery worker on this run's test database.
+
+    A test marked ``@pytest.mark.web_env(NAME="value", ...)`` gets its web process
+    started with those variables added: one process, where a ``restart_web`` at
+    the test's start would start and stop another first. One marked
+    ``@pytest.mark.web_only`` (no job runs: sign-ins, the API's limits) gets no
+    worker, a Django process less to start; the tasks its web process queued
+    are removed at its end, so the next test's worker never runs them."""
+    marker = request.node.get_closest_marker("web_env")
+    web_env = {k: str(v) for k, v in marker.kwargs.items()} if marker else {}
+    web_only = request.node.get_closest_marker("web_only") is not None
     port = free_port()
     env = {
         **os.environ,
@@ -249,30 +261,26 @@ def stack(transactional_db: None, tmp_path: Path) -> Iterator[Stack]:
     env.pop("DJANGO_DEBUG", None)
     s = Stack(f"http://127.0.0.1:{port}", port, env, {}, tmp_path)
     try:
-        web = s.start_web()
-        worker = s.start(
-            "worker",
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "portal",
-            "worker",
-            "--loglevel",
-            "INFO",
-            "--concurrency",
-            "1",
-            "--pool",
-            "solo",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        )
+        web = s.start_web(**web_env)
+        if not web_only:
+            s.start(
+                "worker",
+                sys.executable, "-m", "celery", "-A", "portal", "worker",
+                "--loglevel", "INFO", "--concurrency", "1", "--pool", "solo",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            )  # fmt: skip
         web.wait_for(r"Uvicorn running on")
-        worker.wait_for(r"\bready\.")
+        if not web_only:
+            s.procs["worker"].wait_for(r"\bready\.")
         yield s
     finally:
         stop_all(list(s.procs.values()))
+        if web_only:
+            from tests.capture import Broker
+
+            broker = Broker()
+            broker.purge()
+            broker.close()
         # The worker and server hold connections to the test database: they are
         # gone now, so pytest-django can flush it.
         kill_leftover_jobs(tmp_path)

@@ -19,15 +19,13 @@ if TYPE_CHECKING:
 
     from tests.e2e.conftest import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120), pytest.mark.web_only]
 
 
+@pytest.mark.web_env(GPULAB_WEB_API_CONCURRENCY=1, GPULAB_WEB_API_PER_CLIENT=1)
 def test_a_client_with_its_call_in_gets_429_and_another_is_answered(
     stack: Stack, alice: User, bob: User
 ) -> None:
-    stack.restart_web(
-        "web-per-client", GPULAB_WEB_API_CONCURRENCY="1", GPULAB_WEB_API_PER_CLIENT="1"
-    )
     me = f"{stack.base_url}/api/v1/me/"
     held = hold_a_call(me, alice, "script")  # Alice's call: the one running place
     bobs = new_bearer(bob, "cli")

@@ -21,16 +21,15 @@ if TYPE_CHECKING:
     from scheduler.models import Node
     from tests.e2e.conftest import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-
 LIMIT = 4096
 
-
-@pytest.fixture
-def small_limit_stack(stack: Stack) -> Stack:
-    """The stack's web process again, with a small body limit."""
-    stack.restart_web("web-small", GPULAB_API_MAX_BODY_BYTES=str(LIMIT))
-    return stack
+# The stack's web process has a small body limit.
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(120),
+    pytest.mark.web_env(GPULAB_API_MAX_BODY_BYTES=LIMIT),
+    pytest.mark.web_only,
+]
 
 
 def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -51,12 +50,12 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_an_announced_large_body_is_refused_before_it_is_sent(
-    small_limit_stack: Stack, alice: User
+    stack: Stack, alice: User
 ) -> None:
     from portal.api import tokens
 
     secret = tokens.create_token(alice, "t", None)[1]
-    with socket.create_connection(("127.0.0.1", small_limit_stack.port)) as sock:
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
         sock.settimeout(30)  # the failure this test looks for is a server waiting
         # 1 GB announced, one byte sent: the answer must not wait for the rest
         sock.sendall(
@@ -76,7 +75,7 @@ def test_an_announced_large_body_is_refused_before_it_is_sent(
 
 
 def test_a_chunked_body_over_the_limit_is_refused(
-    small_limit_stack: Stack, alice: User, cluster: list[Node]
+    stack: Stack, alice: User, cluster: list[Node]
 ) -> None:
     from portal.api import tokens
     from scheduler.models import Job
@@ -90,7 +89,7 @@ def test_a_chunked_body_over_the_limit_is_refused(
             yield payload[i : i + 1000]
 
     got = httpx.post(
-        f"{small_limit_stack.base_url}/api/v1/jobs/",
+        f"{stack.base_url}/api/v1/jobs/",
         content=chunks(),
         headers={
             "Authorization": f"Bearer {secret}",
@@ -104,7 +103,7 @@ def test_a_chunked_body_over_the_limit_is_refused(
     # and a chunked body under the limit is read whole (not taken as empty)
     small = json.dumps({**job, "command": "echo hi"}).encode()
     ok = httpx.post(
-        f"{small_limit_stack.base_url}/api/v1/jobs/",
+        f"{stack.base_url}/api/v1/jobs/",
         content=iter([small[:10], small[10:]]),
         headers={
             "Authorization": f"Bearer {secret}",

@@ -215,15 +215,14 @@ def test_logs_follow_a_running_job_to_its_end_and_an_array_is_cancelled(
     )
 
 
+# One API call at a time and none waiting: a second is refused with 503 "busy"
+@pytest.mark.web_env(GPULAB_WEB_API_CONCURRENCY=1, GPULAB_WEB_QUEUE=0)
+@pytest.mark.web_only
 def test_a_server_too_busy_is_waited_out(
     stack: Stack, shell: Shell, alice: User
 ) -> None:
     import httpx
 
-    # One API call at a time and none waiting: a second is refused with 503 "busy"
-    stack.restart_web(
-        "web-narrow", GPULAB_WEB_API_CONCURRENCY="1", GPULAB_WEB_QUEUE="0"
-    )
     me = f"{stack.base_url}/api/v1/me/"
     held = hold_a_call(me, alice, "holder")  # the one slot
     probe = new_bearer(alice, "probe")

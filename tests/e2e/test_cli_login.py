@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from tests.e2e.conftest import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.web_only]
 
 GPULAB = str(Path(sys.executable).parent / "gpulab")
 WAIT_MS = 60_000

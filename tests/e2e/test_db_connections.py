@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from tests.e2e.conftest import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120), pytest.mark.web_only]
 
 APP = "gpulab-web-under-test"
 POOL_MAX = 3
@@ -47,19 +47,18 @@ async def burst(base_url: str, secret: str, n: int) -> list[int]:
     return [r.status_code for r in got]
 
 
+@pytest.mark.web_env(
+    PGAPPNAME=APP,
+    GPULAB_DB_POOL_MAX=POOL_MAX,
+    # the burst is about connections, not the per-token rate limit nor the caps
+    # on one client's calls at once
+    GPULAB_API_RATE_LIMIT=1000,
+    GPULAB_WEB_API_PER_CLIENT=0,
+    GPULAB_WEB_RUNNING_PER_CLIENT=0,
+)
 def test_a_burst_of_requests_holds_at_most_the_pools_connections(
     stack: Stack, alice: User
 ) -> None:
-    stack.restart_web(
-        "web-pooled",
-        PGAPPNAME=APP,
-        GPULAB_DB_POOL_MAX=str(POOL_MAX),
-        # the burst is about connections, not the per-token rate limit nor the
-        # caps on one client's calls at once
-        GPULAB_API_RATE_LIMIT="1000",
-        GPULAB_WEB_API_PER_CLIENT="0",
-        GPULAB_WEB_RUNNING_PER_CLIENT="0",
-    )
     _token, secret = create_token(alice, "burst", None)
 
     codes = asyncio.run(burst(stack.base_url, secret, 200))

@@ -75,11 +75,12 @@ def serving_pid(agent_pid: int, port: int, workers: list[int]) -> int | None:
     return holders[0] if len(holders) == 1 else None
 
 
+@pytest.mark.web_env(WEB_CONCURRENCY=2)
 def test_jobs_run_through_two_web_processes(stack: Stack, alice: User) -> None:
     from scheduler import services
     from scheduler.models import Allocation, Gpu, Job, Node
 
-    web = stack.restart_web("web-two", WEB_CONCURRENCY="2")
+    web = stack.procs["web"]
     started = [web.wait_for(r"Started server process \[(\d+)\]")]
     started.append(
         web.wait_for(

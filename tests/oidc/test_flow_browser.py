@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tests.e2e.conftest import Stack
     from tests.oidc.conftest import Provider
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.web_only]
 
 WAIT_MS = 60_000
 

@@ -52,6 +52,11 @@ def receiver() -> Iterator[str]:
     server.shutdown()
 
 
+# The web server logs at debug level: websockets then logs every header. Webhooks
+# to loopback are refused unless allowed (the receiver is local).
+@pytest.mark.web_env(
+    UVICORN_LOG_LEVEL="debug", GPULAB_WEBHOOK_ALLOWED_NETWORKS="127.0.0.0/8"
+)
 def test_no_secret_is_logged_through_the_main_flows(
     stack: Stack, receiver: str, django_user_model: Any
 ) -> None:
@@ -61,12 +66,8 @@ def test_no_secret_is_logged_through_the_main_flows(
     password = "pw-" + secrets.token_urlsafe(16)
     webhook_secret = "hook-" + secrets.token_urlsafe(24)
     django_user_model.objects.create_user("sam", "s@lab.example", password)
-    # Webhooks to loopback are refused unless allowed (the receiver is local).
-    stack.env["GPULAB_WEBHOOK_ALLOWED_NETWORKS"] = "127.0.0.0/8"
-    # The web server logs at debug level: websockets then logs every header.
-    stack.procs.pop("web").stop()
-    web = stack.start_web(UVICORN_LOG_LEVEL="debug")
-    web.wait_for(r"Uvicorn running on")
+    web = stack.procs["web"]
+    stack.env["GPULAB_WEBHOOK_ALLOWED_NETWORKS"] = "127.0.0.0/8"  # the notifier's
     stack.start_notifier()
     node, old_token = services.create_node("quiet-node")
     agent = stack.start_agent("quiet-node", old_token, "1xA100-80GB", "--verbose")
