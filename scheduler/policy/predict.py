@@ -15,7 +15,7 @@ Two rules, chosen by ``PolicyConfig.prediction`` (``GPULAB_PREDICTION``):
   limit, user x label, user). The time limit a user sets says more about the run
   than who the user is (on the benchmark traces the pools' order, by rank
   correlation with the true run time, is 0.70 against 0.56 on (b) and 0.44
-  against 0.20 on (a): docs/policy.md, "Run-time prediction"), and a median is the
+  against 0.20 on (a): docs/policy.md, "Predictions by pools"), and a median is the
   central estimate the run-time factor orders by, where the longest is a bound.
 
 Only what a job declares at submit time keys a pool (owner, workload label, GPUs,
