@@ -532,6 +532,8 @@ GPULAB_POLICY: dict[str, Any] = {
     "backfill_plan": envchoice(
         "GPULAB_BACKFILL_PLAN", "limit", ("limit", "prediction")
     ),
+    # how a waiting job's run time is predicted (scheduler.policy.predict)
+    "prediction": envchoice("GPULAB_PREDICTION", "longest", ("longest", "pools")),
     "preempt_max_per_hour": envint("GPULAB_PREEMPT_MAX_PER_HOUR", 2, minimum=0),
     # Co-location (docs/colocation.md): the admission rule's knobs.
     "colocation": envbool("GPULAB_COLOCATION", default=True),

@@ -81,6 +81,11 @@ class PolicyConfig:
     # does) or "prediction" (min(limit, predicted run time)); ``slurm`` always
     # plans with limits. The run-time factor reads the prediction either way.
     backfill_plan: str = "limit"
+    # How a waiting job's run time is predicted from history (``policy.predict``,
+    # at submit in production, in the simulator's views): "longest" (the longest
+    # of the owner's last runs) or "pools" (the median of the most specific pool
+    # of similar jobs, time limit included). The pass itself reads ``planned_s``.
+    prediction: str = "longest"
     backfill_max_tested: int = 500
     # Preemption: a job is preempted at most this many times per hour.
     preempt_max_per_hour: int = 2

@@ -128,7 +128,9 @@ def submit_array(owner: User, req: JobRequest, spec: str) -> JobArray:
                 f" {settings.GPULAB_MAX_ARRAY_SIZE * 10}."
             }
         )
-    predicted = predict_runtime(owner.pk, fields["workload"])
+    predicted = predict_runtime(
+        owner.pk, fields["workload"], fields["gpus"], fields["time_limit_s"]
+    )
     who = owner.get_username()
     after = format_dependencies([(k, i) for i, k in deps.items()])
     now = timezone.now()

@@ -294,9 +294,9 @@ def change_job_request(job_id: int, changes: Mapping[str, Any], *, by: User) -> 
     2. Lock the job; it must be PENDING (``JobStateError`` else: a job that left
        the queue keeps the request it was started with).
     3. Validate the request as it would become (``validate_request_change``);
-       write the fields that change (a new workload label predicts the run time
-       again, as at submission), one event naming them and who; browsers told
-       on commit, and a pass asked for.
+       write the fields that change (a new workload label, GPU count or time
+       limit predicts the run time again, as at submission), one event naming
+       them and who; browsers told on commit, and a pass asked for.
     """
     if not by.has_perm("scheduler.change_job"):
         raise PermissionDenied("Changing a job's request needs change_job.")
@@ -314,8 +314,10 @@ def change_job_request(job_id: int, changes: Mapping[str, Any], *, by: User) -> 
         for field, value in changed.items():
             setattr(job, field, value)
         update = list(changed)
-        if "workload" in changed:
-            job.predicted_runtime_s = predict_runtime(job.owner_id, job.workload)
+        if {"workload", "gpus", "time_limit_s"} & changed.keys():
+            job.predicted_runtime_s = predict_runtime(
+                job.owner_id, job.workload, job.gpus, job.time_limit_s
+            )
             update.append("predicted_runtime_s")
         job.save(update_fields=update)
         _event(

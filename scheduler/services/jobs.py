@@ -13,7 +13,8 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, F, Q, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from agents import jobtext
@@ -29,7 +30,7 @@ from scheduler.models import (
     Membership,
     Profile,
 )
-from scheduler.policy.predict import HISTORY, predict
+from scheduler.policy.predict import HISTORY, History, Request, predict
 from scheduler.services.common import (
     JobStateError,
     _event,
@@ -421,11 +422,21 @@ def validate_job_request(req: JobRequest, username: str = "") -> dict[str, Any]:
 PREDICTION_HISTORY = HISTORY
 
 
-def predict_runtime(user_id: int, workload: str) -> int | None:
-    """Run time predicted from the user's last completed jobs by the shared rule
-    (``scheduler.policy.predict``: the longest of the last ``PREDICTION_HISTORY``)
-    with the same workload label, else with any label; None without history (the
-    class default then plans as the limit). One query."""
+def predict_runtime(
+    user_id: int, workload: str, gpus: int, time_limit_s: float
+) -> int | None:
+    """A waiting job's run time predicted from completed jobs by the shared rule
+    that ``GPULAB_PREDICTION`` names (``scheduler.policy.predict``); None without
+    history (the job then plans with its limit). One query.
+
+    ``longest``: the longest of the user's last ``PREDICTION_HISTORY`` runs with
+    the same workload label, else with any label. ``pools``: the median of the
+    most specific pool (``predict.POOLS``) that holds enough runs; the query reads
+    the last ``HISTORY`` runs of each (owner, label, GPUs, limit) among the user's
+    jobs and the jobs of any owner with the same limit, which hold the last
+    ``HISTORY`` runs of every pool of the job."""
+    if settings.GPULAB_POLICY.get("prediction", "longest") == "pools":
+        return _predict_pools(user_id, workload, gpus, time_limit_s)
     rows = list(
         Attempt.objects.filter(
             job__owner_id=user_id,
@@ -440,6 +451,53 @@ def predict_runtime(user_id: int, workload: str) -> int | None:
     runs = [(w, (e - s).total_seconds()) for w, s, e in rows if s and e]
     same = [d for w, d in runs if workload and w == workload]
     got = predict(same[:HISTORY] or [d for _, d in runs[:HISTORY]])
+    return None if got is None else max(1, round(got))
+
+
+def _predict_pools(
+    user_id: int, workload: str, gpus: int, time_limit_s: float
+) -> int | None:
+    """``pools`` (``predict_runtime``): the candidate runs in one query, then the
+    pure rule over them, fed oldest first."""
+    rows = (
+        Attempt.objects.filter(
+            Q(job__owner_id=user_id) | Q(job__time_limit_s=time_limit_s),
+            job__status=Job.Status.COMPLETED,
+            started_at__isnull=False,
+            ended_at__isnull=False,
+            outcome=Attempt.Outcome.EXITED,
+        )
+        .annotate(
+            recent=Window(
+                RowNumber(),
+                partition_by=[
+                    F("job__owner_id"),
+                    F("job__workload"),
+                    F("job__gpus"),
+                    F("job__time_limit_s"),
+                ],
+                order_by=[F("ended_at").desc(), F("id").desc()],
+            )
+        )
+        .filter(recent__lte=HISTORY)
+        .order_by("ended_at", "id")
+        .values_list(
+            "job__owner_id",
+            "job__workload",
+            "job__gpus",
+            "job__time_limit_s",
+            "started_at",
+            "ended_at",
+        )
+    )
+    history = History(HISTORY)
+    for owner, label, n, limit, started, ended in rows:
+        if started and ended:
+            history.add(
+                Request(str(owner), label, n, float(limit)),
+                (ended - started).total_seconds(),
+            )
+    got, _ = history.predict(Request(str(user_id), workload, gpus, float(time_limit_s)))
     return None if got is None else max(1, round(got))
 
 
@@ -522,7 +580,9 @@ def submit_job(owner: User, req: JobRequest) -> Job:
     ask for a scheduling pass. An interactive job (``interactive_request``) is
     also held to the per-user cap and given its server's secret token."""
     fields, deps = validated_submission(owner, req)
-    predicted = predict_runtime(owner.pk, fields["workload"])
+    predicted = predict_runtime(
+        owner.pk, fields["workload"], fields["gpus"], fields["time_limit_s"]
+    )
     with transaction.atomic():
         if req.interactive:
             get_user_model().objects.select_for_update().filter(pk=owner.pk).first()

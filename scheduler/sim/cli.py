@@ -26,7 +26,7 @@ from scheduler.policy import (
     PolicyConfig,
     run_pass,
 )
-from scheduler.policy.predict import HISTORY
+from scheduler.policy.predict import HISTORY, PREDICTIONS
 from scheduler.sim import oracle, tiresias
 from scheduler.sim.colocation import NOISE_SIGMA, REPORT_S, read_colocation
 from scheduler.sim.engine import (
@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKFILL_PLANS,
         default=PolicyConfig.backfill_plan,
         help="gpulab: backfill plans with time limits or min(limit, prediction)",
+    )
+    p.add_argument(
+        "--prediction",
+        choices=PREDICTIONS,
+        default=PolicyConfig.prediction,
+        help="how a waiting job's run time is predicted: the longest of the owner's "
+        "last runs, or the median of the most specific pool of similar jobs "
+        "(GPULAB_PREDICTION; scheduler.policy.predict)",
     )
     p.add_argument(
         "--colo-packing",
@@ -338,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         PolicyConfig(
             name=args.policy,
             backfill_plan=args.backfill_plan,
+            prediction=args.prediction,
             colo_packing=args.colo_packing,
             colo_trial_min_odds=args.colo_trial_min_odds,
             colo_trial_evict_margin=args.colo_trial_evict_margin,
@@ -398,6 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "options": {
                 "vc": args.vc,
                 "backfill_plan": args.backfill_plan,
+                "prediction": args.prediction,
                 "colo_packing": args.colo_packing,
                 "colo_trial_min_odds": args.colo_trial_min_odds,
                 "colo_trial_evict_margin": args.colo_trial_evict_margin,

@@ -20,6 +20,7 @@ from scheduler.policy import (
     RunningJob,
     run_pass,
 )
+from scheduler.policy.predict import History, Request
 from scheduler.sim.colocation import Meter
 from scheduler.sim.progress import ProgressModel, ProgressTracker
 from scheduler.sim.results import SimOptions, SimResult
@@ -134,6 +135,12 @@ class SimCluster:
         self.hist_user: dict[str, deque[float]] = {}
         self.user_version: dict[str, int] = {}
         self.stale_users: set[str] = set()
+        # ``--prediction pools``: every pool's last runs, the pending jobs by what
+        # keys their pools, and each such request's last prediction
+        self.pools = History(self.opts.history_n)
+        self.pending_by_request: dict[Request, set[int]] = {}
+        self.request_prediction: dict[Request, tuple[float | None, str]] = {}
+        self.pools_changed = False
         self.usage = DecayedUsage(self.opts.half_life_s)
         self.groups = sorted({j.group for j in self.jobs})
         self.users = sorted({(j.group, j.user) for j in self.jobs})

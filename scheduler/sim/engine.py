@@ -141,6 +141,7 @@ class Simulator(PolicyViews):
     def _enqueue(self, job: SimJob) -> None:
         self.pending[job.id] = job
         self.pending_by_user.setdefault(job.user, set()).add(job.id)
+        self.pending_by_request.setdefault(self._request(job), set()).add(job.id)
         self.pending_views[job.id] = self._pending_view(job)
 
     def _true_duration(self, job: SimJob, start: Start) -> float:
@@ -221,6 +222,7 @@ class Simulator(PolicyViews):
         del self.pending[job.id]
         del self.pending_views[job.id]
         self.pending_by_user[job.user].discard(job.id)
+        self.pending_by_request[self._request(job)].discard(job.id)
         job.state = "running"
         job.attempt += 1
         job.started_at = now
@@ -321,6 +323,8 @@ class Simulator(PolicyViews):
                     (job.user, job.label), deque(maxlen=n)
                 ).append(ran)
             self.hist_user.setdefault(job.user, deque(maxlen=n)).append(ran)
+            self.pools.add(self._request(job), ran)
+            self.pools_changed = True
             self.user_version[job.user] = self.user_version.get(job.user, 0) + 1
             self.stale_users.add(job.user)
 

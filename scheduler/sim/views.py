@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.policy import ClusterState, PendingJob, RunningJob, Usage
 from scheduler.policy.interference import Knowledge
-from scheduler.policy.predict import planned_runtime, predict
+from scheduler.policy.predict import Request, planned_runtime, predict
 from scheduler.sim.gpus import GpuPhysics
 from scheduler.sim.results import CLASSES
 
@@ -25,9 +25,20 @@ TRIAL_WINDOW_S = 3600.0  # ClusterState.trials_last_hour
 
 
 class PolicyViews(GpuPhysics):
+    @staticmethod
+    def _request(job: SimJob) -> Request:
+        """What keys ``job``'s pools (``policy.predict.Request``)."""
+        return Request(job.user, job.label, job.gpus, job.time_limit)
+
     def _predict(self, job: SimJob) -> tuple[float | None, str]:
-        """``policy.predict.predict`` over the user's completed runs with the same
-        label, else over all of the user's: the production rule."""
+        """The production rule: under ``prediction = "pools"``,
+        ``policy.predict.predict_pools`` over the pools' completed runs; else
+        ``policy.predict.predict`` over the user's completed runs with the same
+        label, else over all of the user's."""
+        if self.config.prediction == "pools":
+            req = self._request(job)
+            got = self.request_prediction[req] = self.pools.predict(req)
+            return got
         if job.label:
             hist = self.hist_label.get((job.user, job.label))
             if hist:
@@ -167,12 +178,26 @@ class PolicyViews(GpuPhysics):
         )
 
     def _state(self, now: float) -> ClusterState:
-        for user in self.stale_users:
-            version = self.user_version.get(user, 0)
-            for job_id in self.pending_by_user.get(user, ()):
-                job = self.pending[job_id]
-                if job.pred_version != version:
-                    self.pending_views[job_id] = self._pending_view(job)
+        if self.config.prediction == "pools":
+            if self.pools_changed:
+                # a completed run may change the prediction of any request sharing
+                # one of its pools: each pending request is predicted again
+                self.pools_changed = False
+                for req, ids in self.pending_by_request.items():
+                    if ids and self.pools.predict(req) != self.request_prediction.get(
+                        req
+                    ):
+                        for job_id in ids:
+                            self.pending_views[job_id] = self._pending_view(
+                                self.pending[job_id]
+                            )
+        else:
+            for user in self.stale_users:
+                version = self.user_version.get(user, 0)
+                for job_id in self.pending_by_user.get(user, ()):
+                    job = self.pending[job_id]
+                    if job.pred_version != version:
+                        self.pending_views[job_id] = self._pending_view(job)
         self.stale_users.clear()
         refresh = self.recently_preempted | self.stale_views
         self.stale_views.clear()

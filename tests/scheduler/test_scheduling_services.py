@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import time_machine
 from django.core.exceptions import ValidationError
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from agents import protocol
@@ -236,12 +238,20 @@ def test_the_job_page_says_why_and_behind_whom(
 # ------------------------------------------------------------------ predictions
 
 
-def _completed(user: User, node: Node, workload: str, seconds: float) -> Job:
-    job = JobFactory(owner=user, workload=workload)
-    attempt = running(job, node, at=1_800_000_000.0)
-    services.finish_attempt(
-        node.pk, exited(attempt, 1_800_000_000.0 + seconds, 0, reason="exited")
-    )
+def _completed(
+    user: User,
+    node: Node,
+    workload: str,
+    seconds: float,
+    *,
+    gpus: int = 1,
+    limit: int = 3600,
+    at: float = 1_800_000_000.0,
+    code: int = 0,
+) -> Job:
+    job = JobFactory(owner=user, workload=workload, gpus=gpus, time_limit_s=limit)
+    attempt = running(job, node, at=at)
+    services.finish_attempt(node.pk, exited(attempt, at + seconds, code, "exited"))
     return job
 
 
@@ -254,9 +264,49 @@ def test_it_predicts_run_time_from_the_same_workload_then_any(
     _completed(alice, node, "bert", 5000)
 
     # the longest of the pool (scheduler.policy.predict)
-    assert services.predict_runtime(alice.pk, "resnet") == 300
-    assert services.predict_runtime(alice.pk, "unknown-label") == 5000  # all 4
-    assert services.predict_runtime(alice.pk + 1000, "resnet") is None
+    assert services.predict_runtime(alice.pk, "resnet", 1, 3600) == 300
+    assert services.predict_runtime(alice.pk, "unknown-label", 1, 3600) == 5000
+    assert services.predict_runtime(alice.pk + 1000, "resnet", 1, 3600) is None
+
+
+def test_pools_predict_from_the_most_specific_pool_of_anyones_runs(
+    alice: User, bob: User, cluster: list[Node], sent: AgentFrames, settings: Any
+) -> None:
+    """``GPULAB_PREDICTION=pools``: the median of the most specific pool that
+    holds enough runs, read in one query from the user's and the same limit's
+    runs (``policy.predict.POOLS``)."""
+    settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "prediction": "pools"}
+    node = cluster[0]
+    at = 1_800_000_000.0
+    # bob's resnet runs on 2 GPUs with a 2 h limit: 12 of them, the first two
+    # long (older than the last ten each pool keeps)
+    for i, seconds in enumerate([6000, 6000, *[600] * 5, *[900] * 5]):
+        _completed(bob, node, "resnet", seconds, gpus=2, limit=7200, at=at + i * 1e4)
+    # alice's own: two short ones of that request (under the pool's minimum of
+    # three), and a long bert job with another limit
+    for i in range(2):
+        _completed(alice, node, "resnet", 60, gpus=2, limit=7200, at=at + 2e5 + i)
+    _completed(alice, node, "bert", 40_000, limit=86_400, at=at + 3e5)
+    # a run that failed is not history
+    _completed(bob, node, "resnet", 10, gpus=2, limit=7200, at=at + 4e5, code=1)
+
+    # label x GPUs x limit: bob's last ten (the two 6000 s runs dropped out) and
+    # alice's two: 60, 60, 600 x 5, 900 x 5 -> the median is 750
+    assert services.predict_runtime(alice.pk, "resnet", 2, 7200) == 750
+    # one more of her own: her pool holds three (median 60)
+    _completed(alice, node, "resnet", 60, gpus=2, limit=7200, at=at + 5e5)
+    assert services.predict_runtime(alice.pk, "resnet", 2, 7200) == 60
+    # another label and GPU count, same limit: the limit's pool, the last ten of
+    # everyone's 2 h runs (600 x 2, 900 x 5, 60 x 3)
+    assert services.predict_runtime(alice.pk, "vit", 4, 7200) == 750
+    # a limit nobody used: her runs of the label, then any of hers
+    assert services.predict_runtime(alice.pk, "bert", 1, 3600) == 40_000
+    assert services.predict_runtime(alice.pk, "gpt", 1, 3600) == 60
+    assert services.predict_runtime(bob.pk + 1000, "gpt", 1, 3600) is None
+    # the query: one, whatever the history
+    with CaptureQueriesContext(connection) as queries:
+        services.predict_runtime(alice.pk, "resnet", 2, 7200)
+    assert len(queries) == 1
 
 
 def test_backfill_plans_with_the_smaller_of_limit_and_prediction(

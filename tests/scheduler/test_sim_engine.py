@@ -330,3 +330,29 @@ def test_the_replay_runs_the_staged_pass_and_sums_its_stats():
     _, bare = simulate(jobs, cluster="1x2:p100")
     assert summarize(bare)["passes_by_stop_reason"] == {}
     assert summarize(bare)["stage_mean_ms"] == {}
+
+
+def test_pools_prediction_reads_other_users_runs_and_refreshes_waiting_jobs():
+    """``--prediction pools``: a waiting job of one user is planned from another
+    user's completed run with the same label, GPUs and limit, and planned again
+    when that run ends while it waits."""
+    jobs = [
+        job(1, 0, 100, user="a", label="r", limit=3600.0),
+        job(2, 1, 500, user="b", label="r", limit=3600.0),
+        job(3, 2, 50, user="c", label="r", limit=3600.0),
+        job(4, 3, 50, user="d", label="x", limit=7200.0),
+    ]
+    sim = Simulator(
+        jobs,
+        parse_cluster_spec("1x1:p100"),
+        PolicyConfig(name="gpulab", prediction="pools"),
+        SimOptions(period_s=1e9),
+    )
+    sim.run()
+    # job 2 waited behind job 1 and was planned again from job 1's run: one
+    # run is under the label x GPUs x limit pool's minimum, so the limit's pool;
+    # job 3 from the median of jobs 1 and 2; job 4 (another limit) has none
+    assert (jobs[1].pred_source, jobs[1].planned_s) == ("limit", 100)
+    assert (jobs[2].pred_source, jobs[2].planned_s) == ("limit", 300)
+    assert (jobs[3].pred_source, jobs[3].planned_s) == ("default", 7200.0)
+    assert jobs[2].end < jobs[3].end  # planned shorter, it went first
