@@ -113,8 +113,10 @@ def test_jupyterlab_runs_as_the_account_with_its_gpus_and_a_hidden_token(
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 cwd = Path(f"/proc/{pid}/cwd").readlink()
-            except FileNotFoundError:
-                continue  # a short-lived helper of JupyterLab's, gone meanwhile
+            except (FileNotFoundError, ProcessLookupError):
+                # a short-lived helper of JupyterLab's, gone meanwhile (a process
+                # that exits between two reads answers ESRCH, not ENOENT)
+                continue
             uid_line = next(ln for ln in status.splitlines() if ln.startswith("Uid:"))
             assert uid_line.split()[1:] == [str(account.pw_uid)] * 4
             assert TOKEN.encode() not in cmdline

@@ -420,10 +420,7 @@ def test_the_check_catches_a_broken_physics(table):
         decide_fn=packer(),
     )
     for j in sim.jobs:
-        j.state = "pending"
-    sim.pending = {j.id: j for j in sim.jobs}
-    sim.pending_views = {j.id: sim._pending_view(j) for j in sim.jobs}
-    sim.pending_by_user = {"u": {1, 2}}
+        sim._arrive(j, 0.0)
     sim._start(Start.on(1, 1, (1,)), 0.0)
     sim._check()
     # break the books on purpose: an exclusive job on the shared GPU
