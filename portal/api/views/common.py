@@ -123,6 +123,26 @@ def dependencies_out() -> Prefetch[Any, Any]:
     )
 
 
+# An attempt's columns that ``serializers.latest_nodes``, ``Job.restarts`` and
+# the expected end (``portal.expected_end.of``) read, by their attribute names:
+# what the list's rows (``views.listing``) and ``attempts_for_nodes`` load.
+ATTEMPT_COLUMNS = (
+    "job_id",
+    "number",
+    "node_id",
+    "ranks",
+    "created_at",
+    "started_at",
+    "ended_at",
+    "progress_step",
+    "progress_total",
+    "progress_at",
+    "progress_first_step",
+    "progress_first_at",
+    "lost_work_gpu_s",
+)
+
+
 def attempts_for_nodes() -> Prefetch[Any, Any]:
     """The attempts' fields ``serializers.latest_nodes``, ``JobSerializer``'s
     expected end and ``Job.restarts`` read, in ``attempt_list``."""
@@ -130,25 +150,11 @@ def attempts_for_nodes() -> Prefetch[Any, Any]:
         "attempt_set",
         queryset=Attempt.objects.only(
             "id",
-            "job_id",
-            "number",
-            "node_id",
-            "ranks",
-            # ``serializers.JobSerializer.expected_end``
-            "created_at",
-            "started_at",
-            "ended_at",
-            "progress_step",
-            "progress_total",
-            "progress_at",
-            "progress_first_step",
-            "progress_first_at",
+            *ATTEMPT_COLUMNS,
             # ``portal.preemption``: a running job chosen as a preemption's victim
             "kill_reason",
             "kill_sent_at",
             "preempted_for",
-            # ``Job.restarts``
-            "lost_work_gpu_s",
         ).order_by("number"),
         to_attr="attempt_list",
     )

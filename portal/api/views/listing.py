@@ -31,7 +31,7 @@ from rest_framework import serializers as drf
 from rest_framework.settings import api_settings
 
 from portal.api import serializers as s
-from portal.api.views.common import node_names, page_of
+from portal.api.views.common import ATTEMPT_COLUMNS, node_names, page_of
 from scheduler.models import Attempt, Job, JobDependency, queue_places, restarts_of
 
 if TYPE_CHECKING:
@@ -54,23 +54,6 @@ JOB_COMPUTED = (
     "expected_end",
 )
 JOB_EXTRA = ("queue_order", "preemptions", "cancel_requested_at", "held_by__username")
-# An attempt's columns: what ``latest_nodes``, ``Job.restarts`` and the expected
-# end (``portal.expected_end.of``) read, by their attribute names.
-ATTEMPT_COLUMNS = (
-    "job_id",
-    "number",
-    "node_id",
-    "ranks",
-    "created_at",
-    "started_at",
-    "ended_at",
-    "progress_step",
-    "progress_total",
-    "progress_at",
-    "progress_first_step",
-    "progress_first_at",
-    "lost_work_gpu_s",
-)
 _NUMBER, _NODE, _RANKS, _STARTED, _LOST = (
     ATTEMPT_COLUMNS.index(c)
     for c in ("number", "node_id", "ranks", "started_at", "lost_work_gpu_s")
