@@ -37,8 +37,12 @@ if 0 < GPULAB_MAX_WAIT < 3600:
 # Waiting jobs after the top blocked one that may each get a preemption plan by
 # attained service in one pass (0: only the top blocked job preempts).
 GPULAB_LAS_EXTRA_PLANS = envint("GPULAB_LAS_EXTRA_PLANS", 0, minimum=0)
-# The order victims are tried in: "attained" (the most attained service first) or
-# "checkpoint" (the least work lost since the last GPULAB_CHECKPOINT first).
+# The order victims are tried in: "attained" (the most attained service first),
+# "checkpoint" (the least work lost since the last GPULAB_CHECKPOINT first) or
+# "remaining" (the most time left by progress or prediction first).
 GPULAB_LAS_VICTIMS = envchoice(
-    "GPULAB_LAS_VICTIMS", "attained", ("attained", "checkpoint")
+    "GPULAB_LAS_VICTIMS", "attained", ("attained", "checkpoint", "remaining")
 )
+# Victims by attained service only among the jobs with more time left (by
+# progress or prediction) than the waiting job is planned to run.
+GPULAB_LAS_SHORTER = envbool("GPULAB_LAS_SHORTER", default=False)

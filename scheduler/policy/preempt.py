@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from scheduler.policy.ledger import Ledger
 from scheduler.policy.place import _fitting, is_gang, place
 from scheduler.policy.priority import class_factor
+from scheduler.policy.remaining import expected_end
 from scheduler.policy.state import is_interactive
 from scheduler.policy.wait_bound import overdue_running
 
@@ -95,7 +96,13 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     the system at most ``las_max_slowdown`` times its service time (attained /
     GPUs; ``RunningJob.las_slowdown``): the wait bound. With ``las_victims``
     "checkpoint" the least work lost first (``lost_gpu_s``: since the last
-    checkpoint), then the most attained. A victim
+    checkpoint), then the most attained; with "remaining" the most time left
+    first (``remaining_s``: a job about to end frees its GPUs soon anyway, so
+    stopping it gains ``job`` little and costs its owner the restart), then the
+    most attained. With ``las_shorter`` a victim must have more
+    time left (``remaining_s``) than ``job`` is planned to run (``planned_s``):
+    stopping a job for a longer one delays it more than it saves ``job``, the
+    exchange argument of shortest-remaining-first. A victim
     waits in the lower queue, behind ``job`` (``las_order``), so it cannot take
     the GPUs straight back: no job is started only to be preempted at once.
 
@@ -115,6 +122,9 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
     own = classes.get(job.priority_class)
     weight = own.weight if own is not None else 0.0
     by_loss = cfg.las_victims == "checkpoint"
+    by_left = cfg.las_victims == "remaining"
+    # ``las_shorter``: only victims with more time left than ``job`` needs
+    shorter = cfg.las_shorter and not interactive
     out: list[tuple[float, float, float, int, RunningJob]] = []
     for r in state.running:
         if (
@@ -127,6 +137,8 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         spec = classes.get(r.priority_class)
         if spec is not None and spec.interactive:
             continue
+        if shorter and remaining_s(idx, r) <= job.planned_s:
+            continue  # it ends before ``job`` would: stopping it gains nothing
         if r.las_slowdown(now) > cfg.las_max_slowdown:
             continue  # the wait bound: it has waited as long as it may
         if overdue_running(r, now, cfg.max_wait_s):
@@ -137,7 +149,11 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         ):
             out.append(
                 (
-                    lost_gpu_s(r, now) if by_loss else 0.0,
+                    lost_gpu_s(r, now)
+                    if by_loss
+                    else -remaining_s(idx, r)
+                    if by_left
+                    else 0.0,
                     -attained,
                     -r.started_at,
                     -r.id,
@@ -156,6 +172,23 @@ def lost_gpu_s(r: RunningJob, now: float) -> float:
         r.started_at if r.checkpoint_at is None else max(r.checkpoint_at, r.started_at)
     )
     return len(r.gpu_ids) * max(now - since, 0.0)
+
+
+def remaining_s(idx: PassIndex, r: RunningJob) -> float:
+    """The time ``r`` is expected to run still: its expected end - now, the end
+    from its reported progress where the policy reads progress, else from its
+    prediction (``remaining.expected_end`` with predictions, even where backfill
+    plans with limits: an estimate to rank victims by, not a promise)."""
+    now = idx.state.now
+    end = expected_end(
+        r.started_at,
+        r.planned_s,
+        r.time_limit_s,
+        now,
+        r.progress if idx.progress else None,
+        predictions=True,
+    )
+    return max(end - now, 0.0)
 
 
 def las_order(p: Pass, base: list[PendingJob]) -> list[PendingJob]:

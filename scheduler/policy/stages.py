@@ -139,13 +139,14 @@ class Pass:
         self.reservation: Reservation | None = None
         # preemption plans by attained service beyond the top blocked job's
         # (``las_extra``): how many are left, the victims and GPUs plans of this
-        # pass took, the candidates per (interactive, class weight), and per
-        # (constraint, candidates) the fewest GPUs no plan could free
+        # pass took, the candidates per (interactive, class weight, the job's plan
+        # under ``las_shorter``), and per (constraint, candidates) the fewest GPUs
+        # no plan could free
         self.las_left = cfg.las_extra_plans if preemption and cfg.las_preemption else 0
         self.las_victims: set[int] = set()
         self.held: set[int] = set()
-        self.las_pool: dict[tuple[bool, float], list[RunningJob]] = {}
-        self.las_failed: dict[tuple[Constraint, bool, float], int] = {}
+        self.las_pool: dict[tuple[bool, float, float], list[RunningJob]] = {}
+        self.las_failed: dict[tuple[Constraint, bool, float, float], int] = {}
         self.reserved = 0
         self.tested = 0
         self.stop_reason = STOP_QUEUE_EXHAUSTED
@@ -498,7 +499,12 @@ def las_extra(p: Pass, job: PendingJob, c: Constraint) -> bool:
     interactive = spec is not None and spec.interactive
     if not interactive and not preempt.top_queue(job, p.cfg):
         return False
-    pool_key = (interactive, spec.weight if spec is not None else 0.0)
+    pool_key = (
+        interactive,
+        spec.weight if spec is not None else 0.0,
+        # ``las_shorter``: the candidates depend on the job's plan too
+        job.planned_s if p.cfg.las_shorter and not interactive else 0.0,
+    )
     cands = p.las_pool.get(pool_key)
     if cands is None:
         cands = p.las_pool[pool_key] = preempt.las_candidates(p.idx, job)

@@ -109,8 +109,12 @@ class PolicyConfig:
     # by attained service in one pass (``stages.las_extra``; 0: the top one only)
     las_extra_plans: int = 0
     # the order LAS victims are tried in: "attained" (the most attained service
-    # first) or "checkpoint" (the least work lost since the last checkpoint first)
+    # first), "checkpoint" (the least work lost since the last checkpoint first)
+    # or "remaining" (the most time left first, ``preempt.remaining_s``)
     las_victims: str = "attained"
+    # LAS victims only among the jobs with more time left than the waiting job
+    # is planned to run (``preempt.las_candidates``)
+    las_shorter: bool = False
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.

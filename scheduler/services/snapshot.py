@@ -44,6 +44,7 @@ def policy_config() -> policy.PolicyConfig:
         max_wait_s=settings.GPULAB_MAX_WAIT,
         las_extra_plans=settings.GPULAB_LAS_EXTRA_PLANS,
         las_victims=settings.GPULAB_LAS_VICTIMS,
+        las_shorter=settings.GPULAB_LAS_SHORTER,
     )
 
 

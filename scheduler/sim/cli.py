@@ -226,10 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--las-victims",
-        choices=("attained", "checkpoint"),
+        choices=("attained", "checkpoint", "remaining"),
         default=PolicyConfig.las_victims,
-        help="gpulab: LAS victims tried most attained first, or least work lost "
-        "since their last checkpoint first (GPULAB_LAS_VICTIMS)",
+        help="gpulab: LAS victims tried most attained first, least work lost "
+        "since their last checkpoint first, or most time left first "
+        "(GPULAB_LAS_VICTIMS)",
+    )
+    p.add_argument(
+        "--las-shorter",
+        action="store_true",
+        help="gpulab: a LAS victim must have more time left than the waiting "
+        "job is planned to run (GPULAB_LAS_SHORTER)",
     )
     p.add_argument(
         "--no-las",
@@ -357,6 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_wait_s=args.max_wait,
             las_extra_plans=args.las_extra_plans,
             las_victims=args.las_victims,
+            las_shorter=args.las_shorter,
             weight_runtime=args.weight_runtime,
             runtime_ref_s=args.runtime_ref * 3600.0,
         ),
@@ -439,6 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_wait_s": args.max_wait,
                 "las_extra_plans": args.las_extra_plans,
                 "las_victims": args.las_victims,
+                "las_shorter": args.las_shorter,
                 "oracle_runtime": args.oracle_runtime,
                 "weight_runtime": args.weight_runtime,
                 "runtime_ref_h": args.runtime_ref,

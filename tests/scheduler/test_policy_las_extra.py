@@ -11,6 +11,7 @@ import pytest
 
 from agents.spec import parse_cluster_spec
 from scheduler.policy import PolicyConfig, Preempt, Reason, decide
+from scheduler.policy.remaining import Progress
 from scheduler.sim.engine import SimOptions, Simulator
 from tests.scheduler.test_policy_las import HOUR, ckpt, cluster
 from tests.scheduler.test_policy_support import (
@@ -143,3 +144,70 @@ def test_the_oracle_tells_the_policy_the_true_run_times():
     _, b, c = _oracle_replay(oracle=True)
     assert c.first_start == 5000 and b.first_start == 5500  # shortest first
     assert c.planned_s == pytest.approx(500.0)
+
+
+def left(r, seconds):
+    """``r`` with its plan ending ``seconds`` from now."""
+    return replace(r, planned_s=NOW - r.started_at + seconds)
+
+
+def test_victims_by_the_time_they_have_left():
+    # 10: the most attained (5 h run), ends in 10 min; 11: 2 h run, 3 h left.
+    # "attained" stops 10, which would have freed its GPU soon anyway;
+    # "remaining" stops 11
+    run = [
+        left(ckpt(10, (100,), ran=5 * HOUR), 600.0),
+        left(ckpt(11, (101,), ran=2 * HOUR), 3 * HOUR),
+    ]
+    state = cluster(node_gpus(1, 2), [pending(1, 1)], run=run)
+    assert [p.victim_id for p in preempts(decide(state))] == [10]
+    by_left = cluster(
+        node_gpus(1, 2), [pending(1, 1)], run=run, las_victims="remaining"
+    )
+    assert [p.victim_id for p in preempts(decide(by_left))] == [11]
+
+
+def test_time_left_from_progress_over_the_plan():
+    # 10's plan says 3 h left, its progress says 5 min: it is not the victim
+    run = [
+        replace(
+            left(ckpt(10, (100,), ran=5 * HOUR), 3 * HOUR),
+            progress=Progress(step=95.0, total=100.0, at=NOW, rate=1 / 60.0),
+        ),
+        left(ckpt(11, (101,), ran=2 * HOUR), HOUR),
+    ]
+    state = cluster(node_gpus(1, 2), [pending(1, 1)], run=run, las_victims="remaining")
+    assert [p.victim_id for p in preempts(decide(state))] == [11]
+
+
+def test_no_victim_that_ends_before_the_waiting_job_would():
+    # job 1 is planned 1 h: 10 (20 min left) is no victim under ``las_shorter``,
+    # 11 (2 h left) is
+    run = [
+        left(ckpt(10, (100,), ran=5 * HOUR), 1200.0),
+        left(ckpt(11, (101,), ran=2 * HOUR), 2 * HOUR),
+    ]
+    job = pending(1, 1, planned=HOUR)
+    assert [
+        p.victim_id for p in preempts(decide(cluster(node_gpus(1, 2), [job], run=run)))
+    ] == [10]
+    state = cluster(node_gpus(1, 2), [job], run=run, las_shorter=True)
+    assert [p.victim_id for p in preempts(decide(state))] == [11]
+    # a job planned longer than any victim has left preempts nothing: it waits
+    long = pending(1, 1, planned=3 * HOUR)
+    ds = decide(cluster(node_gpus(1, 2), [long], run=run, las_shorter=True))
+    assert not preempts(ds)
+    assert waits(ds)[1].reason is not Reason.WAITING_FOR_PREEMPTION
+
+
+def test_extra_plans_test_each_jobs_own_plan_against_the_victims():
+    # the top job (3 h) finds no victim that ends after it would; job 2 (30 min)
+    # does (11, 2 h left), though both are of the same class
+    run = [
+        left(ckpt(10, (100,), ran=5 * HOUR), 1200.0),
+        left(ckpt(11, (101,), ran=2 * HOUR), 2 * HOUR),
+    ]
+    jobs = [pending(1, 1, age=HOUR, planned=3 * HOUR), pending(2, 1, planned=1800.0)]
+    state = cluster(node_gpus(1, 2), jobs, run=run, las_shorter=True, las_extra_plans=1)
+    ds = decide(state)
+    assert [(p.victim_id, p.for_job_id) for p in preempts(ds)] == [(11, 2)]
