@@ -15,6 +15,7 @@ import time_machine
 from agents import protocol
 from scheduler import policy, services
 from scheduler.models import Job
+from scheduler.services.snapshot import policy_config
 from tests.factories import JobFactory
 from tests.scheduler.test_checkpointable_services import T0, exit_at, kills, running
 
@@ -121,3 +122,12 @@ def test_the_snapshot_says_when_a_running_attempt_last_checkpointed(
     state = services.cluster_state(at(3600))
     [r] = [r for r in state.running if r.id == job.pk]
     assert r.checkpoint_at == pytest.approx(T0 + 1800)
+
+
+def test_the_victim_rules_reach_the_policy_from_the_settings(settings: Any) -> None:
+    assert policy_config().las_victims == "attained"
+    assert policy_config().las_shorter is False
+    settings.GPULAB_LAS_VICTIMS = "remaining"
+    settings.GPULAB_LAS_SHORTER = True
+    config = policy_config()
+    assert (config.las_victims, config.las_shorter) == ("remaining", True)
