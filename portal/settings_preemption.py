@@ -26,9 +26,9 @@ GPULAB_LAS_MAX_SLOWDOWN = envfloat("GPULAB_LAS_MAX_SLOWDOWN", 2.0, minimum=1.0)
 # The absolute wait bound (``scheduler.policy.wait_bound``, gpulab): a batch job
 # that has waited (time in the system not running) more than this many seconds
 # goes ahead of every job of its class and below, whatever its priority, and is
-# not preempted by attained service (6 days: docs/policy.md, "The wait bound").
-# 0: no bound.
-GPULAB_MAX_WAIT = envfloat("GPULAB_MAX_WAIT", 144 * 3600.0, minimum=0)
+# not preempted by attained service (4 days: docs/policy.md, "The wait bound" and
+# "The (b) tail with predictions by pools, job by job"). 0: no bound.
+GPULAB_MAX_WAIT = envfloat("GPULAB_MAX_WAIT", 96 * 3600.0, minimum=0)
 if 0 < GPULAB_MAX_WAIT < 3600:
     raise ImproperlyConfigured(
         f"GPULAB_MAX_WAIT={GPULAB_MAX_WAIT} must be 0 (no bound) or at least 3600"

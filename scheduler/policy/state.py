@@ -103,8 +103,10 @@ class PolicyConfig:
     las_max_slowdown: float = 2.0
     # ``gpulab``: the wait bound (``wait_bound``): a batch job that has waited
     # (time in the system not running) longer than this goes ahead of every job
-    # of its class and below and is not preempted by attained service; 0: none
-    max_wait_s: float = 144 * 3600.0
+    # of its class and below and is not preempted by attained service; 0: none.
+    # 4 days: a queue of overdue wide jobs then starts two days sooner than at 6
+    # (docs/policy.md, "The (b) tail with predictions by pools, job by job")
+    max_wait_s: float = 96 * 3600.0
     # waiting jobs after the top blocked job that may each get a preemption plan
     # by attained service in one pass (``stages.las_extra``; 0: the top one only)
     las_extra_plans: int = 0

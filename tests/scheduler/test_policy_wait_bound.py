@@ -28,7 +28,7 @@ from tests.scheduler.test_policy_support import (
 )
 
 HOUR = 3600.0
-BOUND = 48 * HOUR  # the tests' bound (the default is 144 h)
+BOUND = 48 * HOUR  # the tests' bound (the default is 96 h)
 ROOT = Path(__file__).resolve().parents[2]
 # the heavy user has used nearly everything: its fair-share factor is near 0
 USAGE = Usage(
@@ -72,6 +72,15 @@ def test_a_job_over_the_bound_goes_first_whatever_its_fair_share_and_run_time():
         cluster(node_gpus(1, 1), jobs, usage=USAGE, config=SLURM, max_wait_s=BOUND)
     )
     assert set(starts(ds)) == {2}
+
+
+def test_the_default_bound_is_four_days():
+    # with the default config (no ``max_wait_s`` given) the heavy user's long job
+    # passes the new short one once it has waited over 96 h, and not before
+    for waited, first in ((97 * HOUR, 1), (95 * HOUR, 2)):
+        jobs = [heavy(1, age=waited), light(2)]
+        ds = decide(cluster(node_gpus(1, 1), jobs, usage=USAGE))
+        assert set(starts(ds)) == {first}
 
 
 def test_overdue_jobs_go_oldest_first_and_a_younger_one_never_passes():
