@@ -627,17 +627,18 @@ def live_trials(state: ClusterState) -> dict[frozenset[str], tuple[float, float]
 
 
 def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
-    """``r`` was measured over its cap long enough to act: for half of the
-    detection window, or, in an exploration trial, at its first measurement when
-    it is over the cap by more than ``colo_trial_evict_margin`` when set (noise on a few
-    reports is a few per cent; a trial's pair was never seen, so nothing
+    """``r`` was measured too slow long enough to act: for half of the detection
+    window, over its cap less ``colo_cap_margin`` (the margin admission keeps a
+    prediction under the cap by: a job truly a hair over its cap is measured about
+    as often under it as over, so "not measured over" would leave it over its cap
+    past the window); or, in an exploration trial, at its first measurement when
+    it is over the cap by more than ``colo_trial_evict_margin`` when set (noise on
+    a few reports is a few per cent; a trial's pair was never seen, so nothing
     predicted it within the cap)."""
     if r.measured_slowdown is None or r.slowdown_cap is None:
         return False
-    if r.measured_slowdown <= r.slowdown_cap:
-        return False
     if r.measured_for_s >= config.colo_detect_window_s / 2:
-        return True
+        return r.measured_slowdown * (1.0 + config.colo_cap_margin) > r.slowdown_cap
     margin = config.colo_trial_evict_margin
     if not trial or margin is None:
         return False
@@ -645,8 +646,10 @@ def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
 
 
 def evictions(state: ClusterState) -> list[Evict]:
-    """The later job of each shared GPU on which a job was measured over its cap
-    for half of ``colo_detect_window_s`` or more, or, when the later job was
+    """The later job of each shared GPU on which a job was measured over its cap,
+    less the admission's margin, for half of ``colo_detect_window_s`` or more
+    (the pair is marked harmful only when measured over the cap itself), or,
+    when the later job was
     admitted as an exploration trial, as soon as a job is measured clearly over
     its cap (``_over_cap``); if its owner allows it to be requeued (an
     interactive job is never evicted: when it is the later job, its earliest
@@ -676,20 +679,40 @@ def evictions(state: ClusterState) -> list[Evict]:
             later = min(batch, key=lambda r: (r.joined_at or 0.0, r.id))
         if not later.evictable:
             continue
-        hurt = next((r for r in over if r.id != later.id), over[0])
+        hurt = max(
+            over,
+            key=lambda r: (
+                (r.measured_slowdown or 0.0) / (r.slowdown_cap or 1.0),
+                r.id != later.id,
+            ),
+        )
         partner = hurt if hurt.id != later.id else next(r for r in rs if r is not later)
         assert hurt.measured_slowdown is not None
         who = "it" if hurt.id == later.id else f"job {hurt.id}"
+        # measured over a cap: the pair is refused from now on; only too close to
+        # it: its measured episode decides whether it is admitted later
+        harmful = any(
+            r.measured_slowdown is not None
+            and r.slowdown_cap is not None
+            and r.measured_slowdown > r.slowdown_cap
+            for r in over
+        )
+        where = "over its cap of" if harmful else "too close to its cap of"
+        then = (
+            "this pair is not admitted again"
+            if harmful
+            else "this pair is admitted again only as a known pair within the caps"
+        )
         out.append(
             Evict(
                 later.id,
                 partner.id,
                 f"sharing a GPU with job {partner.id}: {who} ran"
                 f" {hurt.measured_slowdown:.2f}x slower than alone for"
-                f" {hurt.measured_for_s / 60:.0f} min, over its cap of"
-                f" {hurt.slowdown_cap:g}x; sent back to the queue, and this pair is"
-                " not admitted again",
+                f" {hurt.measured_for_s / 60:.0f} min, {where}"
+                f" {hurt.slowdown_cap:g}x; sent back to the queue, and {then}",
                 (later.workload, partner.workload),
+                harmful=harmful,
             )
         )
     return out

@@ -449,12 +449,15 @@ class Preempt:
 class Evict:
     """Stop ``job_id``, the later job of a shared GPU whose measured slowdown is
     over a cap for the detection window, and return it to the queue (age kept);
-    ``pair`` (its workload, its partner's) is refused from then on."""
+    ``pair`` (its workload, its partner's) is refused from then on when
+    ``harmful`` (a trial ended for running too close to a cap, not over it, is
+    not: its measured episode says whether the pair is admitted later)."""
 
     job_id: int
     partner_id: int
     reason: str
     pair: tuple[str, str] = ("", "")
+    harmful: bool = True
 
 
 @dataclass(frozen=True)
