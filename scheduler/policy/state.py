@@ -125,6 +125,12 @@ class PolicyConfig:
     # Off by default: at 0.04 and 0.1 it stopped exploration on (b) before any
     # pair was found admissible (docs/policy.md, "Cheaper exploration")
     colo_trial_min_odds: float = 0.0
+    # k > 0: trials are ranked by their odds (among the GPUs a job may join, the
+    # partner whose family pair has the best record first), and a trial of a
+    # family pair that failed k times with no win is refused; the relation (one
+    # family, or two) only orders, it never refuses (``interference.Outcomes``).
+    # 0: off
+    colo_trial_max_failures: int = 0
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
     colo_packing: str = "exclusive-first"

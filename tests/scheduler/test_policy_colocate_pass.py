@@ -409,3 +409,70 @@ def test_a_running_trial_within_its_caps_lifts_the_odds_of_its_families():
     ):
         ds = decide(state(*base[:2], [*base[2], *run], knowledge=k, **odds))
         assert 1 not in starts(ds)
+
+
+REC = [f"Recommendation (batch size {b})" for b in (512, 1024, 2048, 4096)]
+RES = [f"ResNet-18 (batch size {b})" for b in (16, 32, 64, 128)]
+TRF = [f"Transformer (batch size {b})" for b in (16, 32)]
+
+
+def test_trials_go_to_the_partner_whose_family_pair_has_the_best_record():
+    # Recommendation x Transformer shared once within the caps (1.45x each: a
+    # win, gain 1.38); Recommendation x ResNet-18 was evicted twice. The ResNet-18
+    # workload barely keeps its GPU busy, so the prior predicts the better gain
+    # beside it (1.85): by gain alone the trial goes there, by the record to the
+    # Transformer
+    won = Observations.of([math.log(1.45)])
+    k = Knowledge(
+        pairs={(REC[1], TRF[0]): won, (TRF[0], REC[1]): won},
+        busy={RES[0]: 0.1},
+        harmful=frozenset({frozenset((REC[2], RES[1])), frozenset((REC[3], RES[2]))}),
+    )
+    base = (
+        gpus(1, 2, busy={0: 1, 1: 1}),
+        [sharer(1, REC[0])],
+        [resident(7, 100, TRF[1]), resident(8, 101, RES[0])],
+    )
+    adm = starts(decide(state(*base, knowledge=k))).get(1)
+    assert adm is not None and adm.admission is not None and adm.admission.trial
+    assert adm.gpu_ids == (101,)
+    adm = starts(decide(state(*base, knowledge=k, colo_trial_max_failures=3)))[1]
+    assert adm.gpu_ids == (100,)
+    assert adm.admission is not None and adm.admission.trial
+    assert adm.admission.odds is not None and adm.admission.odds > 0.5
+    assert "odds 0.60" in adm.admission.message
+
+
+def test_a_family_pair_is_refused_trials_after_k_failures_with_no_win():
+    three = frozenset(frozenset((REC[i], RES[i + 1])) for i in range(3))
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, REC[3])], [resident(8, 100, RES[0])])
+    knob = {"colo_trial_max_failures": 3}
+    ds = decide(state(*base, knowledge=Knowledge(harmful=three), **knob))
+    assert 1 not in starts(ds)
+    assert "3 tried pair(s) of recommendation and resnet-18 failed" in (
+        waits(ds)[1].message
+    )
+    # two failures: still tried; off (0), tried whatever the record
+    two = frozenset(list(three)[:2])
+    for k, cfg in ((Knowledge(harmful=two), knob), (Knowledge(harmful=three), {})):
+        adm = starts(decide(state(*base, knowledge=k, **cfg)))[1].admission
+        assert adm is not None and adm.trial
+    # one win among the family pair's tries keeps it open
+    won = Observations.of([math.log(1.3)])
+    k = Knowledge(pairs={(REC[0], RES[3]): won, (RES[3], REC[0]): won}, harmful=three)
+    adm = starts(decide(state(*base, knowledge=k, **knob)))[1].admission
+    assert adm is not None and adm.trial
+
+
+def test_the_relation_orders_trials_but_never_refuses_them():
+    # every tried pair of two families failed (Recommendation x ResNet-18 three
+    # times, so it is closed), but Recommendation x Transformer was never tried:
+    # its odds are low, and it is still tried
+    three = frozenset(frozenset((REC[i], RES[i + 1])) for i in range(3))
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, REC[3])], [resident(8, 100, TRF[0])])
+    ds = decide(
+        state(*base, knowledge=Knowledge(harmful=three), colo_trial_max_failures=3)
+    )
+    adm = starts(ds)[1].admission
+    assert adm is not None and adm.trial
+    assert adm.odds is not None and adm.odds < 0.25
