@@ -411,12 +411,18 @@ def _failures_refusal(
             cap=min(caps) if caps else None,
             need_gain=1.0 + config.colo_gain_margin,
             cap_margin=config.colo_cap_margin,
+            itself=True,
         )
         if got.wins == 0 and got.tried >= k:
             fa, fb = got.families
+            what = (
+                f"a workload of {fa or 'unlabelled'} with itself"
+                if job.profile.workload == r.profile.workload
+                else f"{fa or 'unlabelled'} and {fb or 'unlabelled'}"
+            )
             return (
                 f"pairs like this one did not share well: {got.tried} tried pair(s)"
-                f" of {fa or 'unlabelled'} and {fb or 'unlabelled'} failed, none"
+                f" of {what} failed, none"
                 f" could share within the caps (a family pair is tried until {k}"
                 " fail with no success)",
                 None,

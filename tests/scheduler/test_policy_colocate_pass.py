@@ -476,3 +476,28 @@ def test_the_relation_orders_trials_but_never_refuses_them():
     adm = starts(ds)[1].admission
     assert adm is not None and adm.trial
     assert adm.odds is not None and adm.odds < 0.25
+
+
+def test_a_workload_beside_itself_keeps_its_own_record_apart_from_its_family():
+    # three Transformer pairs at two batch sizes failed: that family pair is
+    # closed, but a Transformer beside the same workload (label and batch size)
+    # is a relation of its own (in Gavel's P100 table 2 of 26 such pairs share
+    # well, 0 of 46 of one family at two batch sizes) and is still tried
+    trf = [f"Transformer (batch size {b})" for b in (16, 32, 64, 128)]
+    failed = frozenset(frozenset((trf[i], trf[j])) for i, j in ((0, 1), (1, 2), (0, 2)))
+    knob = {"colo_trial_max_failures": 3}
+    k = Knowledge(harmful=failed)
+    other = (gpus(1, 1, busy={0: 1}), [sharer(1, trf[3])], [resident(8, 100, trf[1])])
+    ds = decide(state(*other, knowledge=k, **knob))
+    assert 1 not in starts(ds)
+    assert "3 tried pair(s) of transformer and transformer failed" in (
+        waits(ds)[1].message
+    )
+    itself = (gpus(1, 1, busy={0: 1}), [sharer(1, trf[0])], [resident(8, 100, trf[0])])
+    adm = starts(decide(state(*itself, knowledge=k, **knob)))[1].admission
+    assert adm is not None and adm.trial
+    # and its own record closes it in turn
+    k = Knowledge(harmful=failed | {frozenset((t,)) for t in trf[1:]})
+    ds = decide(state(*itself, knowledge=k, **knob))
+    assert 1 not in starts(ds)
+    assert "of a workload of transformer with itself failed" in waits(ds)[1].message
