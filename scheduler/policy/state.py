@@ -129,7 +129,9 @@ class PolicyConfig:
     # partner whose family pair has the best record first), and a trial of a
     # family pair that failed k times with no win is refused; the relation (one
     # family, or two) only orders, it never refuses (``interference.Outcomes``).
-    # 0: off
+    # 0: off. Off by default: at k = 2-5 it cut trial costs 2-4 times on (b) and
+    # K80 but lost the whole co-location gain on (b) (docs/policy.md, "No job left
+    # a hair over its cap; ranked trials with a per-family stop")
     colo_trial_max_failures: int = 0
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
