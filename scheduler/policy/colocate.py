@@ -19,7 +19,9 @@ first that fails is the refusal's rule, and an admission records its numbers:
   observed, rule 3 applies too;
 - ``odds`` (when ``colo_trial_min_odds`` is set): a trial's pair must have those
   odds of being admissible once seen, from the pairs tried so far
-  (``interference.Outcomes``);
+  (``interference.Outcomes``); when ``colo_trial_max_failures`` (k) is set, a
+  trial's family pair must not have failed k times with no win, and its odds
+  rank the trials;
 - ``gain`` (rule 2, P2): for every pair on the GPU, 1/r_AB + 1/r_BA > 1 +
   ``colo_gain_margin`` (at margin 0 exactly r_AB * r_BA < r_AB + r_BA: sharing beats
   taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more;
@@ -27,7 +29,8 @@ first that fails is the refusal's rule, and an admission records its numbers:
   slowdowns beside each partner), plus ``colo_cap_margin``, is within its cap
   (class cap, or the tighter one its owner asked for; None: unbounded).
 
-Among the GPUs that admit, the best gain wins, then the partner closest in size
+Among the GPUs that admit, known pairs come before trials, trials with the best
+odds first when ranked by them, then the best gain wins, then the partner closest in size
 (declared memory, P3's "similar size"), then the lowest GPU id: deterministic.
 Pure: no Django, no I/O.
 """
@@ -106,6 +109,9 @@ class Admission:
     partners: tuple[int, ...] = ()
     # the workload labels: the job's, then its partners' (in ``partners`` order)
     workloads: tuple[str, ...] = ()
+    # a trial's odds of its pair turning out admissible (the worst partner's),
+    # when ``colo_trial_max_failures`` ranks trials by them
+    odds: float | None = None
 
 
 @dataclass
@@ -172,7 +178,7 @@ def admit(
             workloads=workloads,
         )
     p = _Prediction.of(job, residents, model, config)
-    rule, message = _judge(job, p, config, budget, outcomes)
+    rule, message, odds = _judge(job, p, config, budget, outcomes)
     return Admission(
         job.id,
         gpu_id,
@@ -185,6 +191,7 @@ def admit(
         gain=p.worst_gain,
         confidence=p.confidence,
         trial=p.trial,
+        odds=odds,
     )
 
 
@@ -292,12 +299,14 @@ def _judge(
     config: PolicyConfig,
     budget: Budget,
     outcomes: Outcomes | None = None,
-) -> tuple[str, str]:
+) -> tuple[str, str, float | None]:
     """The predicted rules, in order: ``budget`` and ``odds`` (a trial needs
-    both), ``gain``, ``protection``; (rule, message), the rule "ok" or "trial"
-    when admitted."""
+    both), ``gain``, ``protection``; (rule, message, a trial's odds when
+    ``colo_trial_max_failures`` ranks by them), the rule "ok" or "trial" when
+    admitted."""
     confidence, worst_gain, trial = p.confidence, p.worst_gain, p.trial
     need_gain = 1.0 + config.colo_gain_margin
+    odds: float | None = None
     if trial:
         pairs = {
             frozenset((job.profile.workload, r.profile.workload)) for r in p.residents
@@ -308,10 +317,13 @@ def _judge(
                 f"the pair is not known well enough (confidence {confidence:.2f},"
                 f" needs {config.colo_min_confidence:.2f}) and the exploration"
                 " budget for this hour is spent",
+                None,
             )
         refused = _odds_refusal(job, p.residents, config, outcomes)
+        if refused is None:
+            refused, odds = _failures_refusal(job, p.residents, config, outcomes)
         if refused is not None:
-            return "odds", refused
+            return "odds", refused, None
     a_id, b_id = p.worst_pair
     if worst_gain <= need_gain:
         return (
@@ -319,6 +331,7 @@ def _judge(
             f"jobs {a_id} and {b_id} together would do {worst_gain:.2f} GPUs' worth"
             f" of work, not over the {need_gain:.2f} that sharing must beat"
             + (" (prior, untried pair)" if trial else ""),
+            None,
         )
     # a trial is judged on gain alone only while its pair was never seen together:
     # once observed, the observation speaks for the caps
@@ -330,16 +343,19 @@ def _judge(
                     "protection",
                     f"job {s.id} would run {p.slowdowns[s.id]:.2f}x slower, over its"
                     f" cap of {s.cap:g}x",
+                    None,
                 )
     shown = ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
     if trial:
         return (
             "trial",
             f"exploration trial: the pair is new (confidence {confidence:.2f});"
-            f" predicted gain {worst_gain:.2f}, slowdowns {shown}; ended early if"
-            " a job runs slower than its cap",
+            f" predicted gain {worst_gain:.2f}, slowdowns {shown}"
+            + (f", odds {odds:.2f}" if odds is not None else "")
+            + "; ended early if a job runs slower than its cap",
+            odds,
         )
-    return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}"
+    return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}", None
 
 
 def _odds_refusal(
@@ -374,11 +390,53 @@ def _odds_refusal(
     return None
 
 
+def _failures_refusal(
+    job: Sharer,
+    residents: Sequence[Sharer],
+    config: PolicyConfig,
+    outcomes: Outcomes | None,
+) -> tuple[str | None, float | None]:
+    """(why a trial beside ``residents`` is refused: some partner's family pair
+    failed ``colo_trial_max_failures`` times with no win, else None; the worst
+    partner's odds, which rank the trials). Off (None, None) when the knob is 0."""
+    k = config.colo_trial_max_failures
+    if outcomes is None or k <= 0:
+        return None, None
+    worst: float | None = None
+    for r in residents:
+        caps = [c for c in (job.cap, r.cap) if c is not None]
+        got = outcomes.odds(
+            job.profile.workload,
+            r.profile.workload,
+            cap=min(caps) if caps else None,
+            need_gain=1.0 + config.colo_gain_margin,
+            cap_margin=config.colo_cap_margin,
+            itself=True,
+        )
+        if got.wins == 0 and got.tried >= k:
+            fa, fb = got.families
+            what = (
+                f"a workload of {fa or 'unlabelled'} with itself"
+                if job.profile.workload == r.profile.workload
+                else f"{fa or 'unlabelled'} and {fb or 'unlabelled'}"
+            )
+            return (
+                f"pairs like this one did not share well: {got.tried} tried pair(s)"
+                f" of {what} failed, none"
+                f" could share within the caps (a family pair is tried until {k}"
+                " fail with no success)",
+                None,
+            )
+        worst = got.p if worst is None else min(worst, got.p)
+    return None, worst
+
+
 def rank(
     admission: Admission, job: Sharer, residents: Sequence[Sharer]
-) -> tuple[bool, float, float, int]:
+) -> tuple[bool, float, float, float, int]:
     """Sort key among admitting GPUs (smaller first): known pairs before trials,
-    then the best gain, then the partner closest in size, then the GPU id."""
+    then a trial's best odds (when ranked by them), then the best gain, then the
+    partner closest in size, then the GPU id."""
     m = job.profile.memory_mib or 0
     closeness = min(
         (abs(math.log((r.profile.memory_mib or 1) / (m or 1))) for r in residents),
@@ -386,6 +444,7 @@ def rank(
     )
     return (
         admission.trial,
+        -(admission.odds or 0.0),
         -(admission.gain or 0.0),
         closeness,
         admission.gpu_id,
@@ -424,7 +483,7 @@ class Sharing:
         self.model = model
         self.rules = rules
         self.outcomes = outcomes_for(state.knowledge)
-        if cfg.colo_trial_min_odds > 0:
+        if cfg.colo_trial_min_odds > 0 or cfg.colo_trial_max_failures > 0:
             self.outcomes = self.outcomes.with_live(live_trials(state))
         used = dict(state.trials_last_hour)
         self.budget = Budget(
@@ -526,7 +585,7 @@ class Sharing:
         )
         jkey = (job.workload, job.gpu_memory_mib, job.shareable, job.slowdown_cap)
         matching = self.idx.view(c).matching
-        best: tuple[tuple[bool, float, float, int], int] | None = None
+        best: tuple[tuple[bool, float, float, float, int], int] | None = None
         refusal: Admission | None = None
         refused_on = -1  # the GPU of this pass the refusal was judged for
         for sig, gids in self.groups.items():
@@ -545,7 +604,7 @@ class Sharing:
                 got = replace(got, admitted=False, rule="budget", trial=False)
             if got.admitted:
                 k = rank(got, me, self.residents[gid])
-                k = (k[0], k[1], k[2], gid)
+                k = (*k[:4], gid)
                 if best is None or k < best[0]:
                     best = (k, gid)
             elif refusal is None or _RULE_RANK.get(got.rule, 0) > _RULE_RANK.get(
@@ -627,17 +686,18 @@ def live_trials(state: ClusterState) -> dict[frozenset[str], tuple[float, float]
 
 
 def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
-    """``r`` was measured over its cap long enough to act: for half of the
-    detection window, or, in an exploration trial, at its first measurement when
-    it is over the cap by more than ``colo_trial_evict_margin`` when set (noise on a few
-    reports is a few per cent; a trial's pair was never seen, so nothing
+    """``r`` was measured too slow long enough to act: for half of the detection
+    window, over its cap less ``colo_cap_margin`` (the margin admission keeps a
+    prediction under the cap by: a job truly a hair over its cap is measured about
+    as often under it as over, so "not measured over" would leave it over its cap
+    past the window); or, in an exploration trial, at its first measurement when
+    it is over the cap by more than ``colo_trial_evict_margin`` when set (noise on
+    a few reports is a few per cent; a trial's pair was never seen, so nothing
     predicted it within the cap)."""
     if r.measured_slowdown is None or r.slowdown_cap is None:
         return False
-    if r.measured_slowdown <= r.slowdown_cap:
-        return False
     if r.measured_for_s >= config.colo_detect_window_s / 2:
-        return True
+        return r.measured_slowdown * (1.0 + config.colo_cap_margin) > r.slowdown_cap
     margin = config.colo_trial_evict_margin
     if not trial or margin is None:
         return False
@@ -645,8 +705,10 @@ def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
 
 
 def evictions(state: ClusterState) -> list[Evict]:
-    """The later job of each shared GPU on which a job was measured over its cap
-    for half of ``colo_detect_window_s`` or more, or, when the later job was
+    """The later job of each shared GPU on which a job was measured over its cap,
+    less the admission's margin, for half of ``colo_detect_window_s`` or more
+    (the pair is marked harmful only when measured over the cap itself), or,
+    when the later job was
     admitted as an exploration trial, as soon as a job is measured clearly over
     its cap (``_over_cap``); if its owner allows it to be requeued (an
     interactive job is never evicted: when it is the later job, its earliest
@@ -676,20 +738,40 @@ def evictions(state: ClusterState) -> list[Evict]:
             later = min(batch, key=lambda r: (r.joined_at or 0.0, r.id))
         if not later.evictable:
             continue
-        hurt = next((r for r in over if r.id != later.id), over[0])
+        hurt = max(
+            over,
+            key=lambda r: (
+                (r.measured_slowdown or 0.0) / (r.slowdown_cap or 1.0),
+                r.id != later.id,
+            ),
+        )
         partner = hurt if hurt.id != later.id else next(r for r in rs if r is not later)
         assert hurt.measured_slowdown is not None
         who = "it" if hurt.id == later.id else f"job {hurt.id}"
+        # measured over a cap: the pair is refused from now on; only too close to
+        # it: its measured episode decides whether it is admitted later
+        harmful = any(
+            r.measured_slowdown is not None
+            and r.slowdown_cap is not None
+            and r.measured_slowdown > r.slowdown_cap
+            for r in over
+        )
+        where = "over its cap of" if harmful else "too close to its cap of"
+        then = (
+            "this pair is not admitted again"
+            if harmful
+            else "this pair is admitted again only as a known pair within the caps"
+        )
         out.append(
             Evict(
                 later.id,
                 partner.id,
                 f"sharing a GPU with job {partner.id}: {who} ran"
                 f" {hurt.measured_slowdown:.2f}x slower than alone for"
-                f" {hurt.measured_for_s / 60:.0f} min, over its cap of"
-                f" {hurt.slowdown_cap:g}x; sent back to the queue, and this pair is"
-                " not admitted again",
+                f" {hurt.measured_for_s / 60:.0f} min, {where}"
+                f" {hurt.slowdown_cap:g}x; sent back to the queue, and {then}",
                 (later.workload, partner.workload),
+                harmful=harmful,
             )
         )
     return out

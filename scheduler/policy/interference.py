@@ -292,8 +292,9 @@ class Outcomes:
 
     def __init__(self, knowledge: Knowledge) -> None:
         pairs = knowledge.pairs
-        # (families sorted, relation "same"/"different", gain, worst slowdown)
-        self.tried: list[tuple[tuple[str, str], bool, float, float]] = []
+        # (families sorted, one family?, a workload with itself?, gain, worst
+        # slowdown)
+        self.tried: list[tuple[tuple[str, str], bool, bool, float, float]] = []
         self.seen: set[frozenset[str]] = set(knowledge.harmful)
         for key in knowledge.harmful:
             a, b = (*key, *key)[:2]
@@ -313,7 +314,7 @@ class Outcomes:
 
     def _add(self, a: str, b: str, g: float, worst: float) -> None:
         fa, fb = sorted((parse_label(a)[0], parse_label(b)[0]))
-        self.tried.append(((fa, fb), fa == fb, g, worst))
+        self.tried.append(((fa, fb), fa == fb, a == b, g, worst))
 
     def with_live(self, live: Mapping[frozenset[str], tuple[float, float]]) -> Outcomes:
         """These outcomes and those of trials still running (unordered pair ->
@@ -338,20 +339,31 @@ class Outcomes:
         return got
 
     def odds(
-        self, a: str, b: str, *, cap: float | None, need_gain: float, cap_margin: float
+        self,
+        a: str,
+        b: str,
+        *,
+        cap: float | None,
+        need_gain: float,
+        cap_margin: float,
+        itself: bool = False,
     ) -> Odds:
         """The odds that the pair (``a``, ``b``) is admissible: its gain over
         ``need_gain`` and its worst slowdown, ``cap_margin`` added, within
-        ``cap`` (None: unbounded)."""
+        ``cap`` (None: unbounded). ``itself``: a workload with itself (same
+        label, batch size included) is a relation of its own, apart from the
+        other pairs of its family: in Gavel's P100 table 2 of 26 such pairs are
+        admissible, 0 of the 46 pairs of one family at two batch sizes."""
         fa, fb = sorted((parse_label(a)[0], parse_label(b)[0]))
-        key = (fa, fb, cap, need_gain, cap_margin)
+        ident = itself and a == b
+        key = (fa, fb, ident, itself, cap, need_gain, cap_margin)
         got = self._cache.get(key)
         if got is not None:
             return got
         same = fa == fb
         counts = {"relation": [0, 0], "families": [0, 0]}
-        for fams, rel, g, worst in self.tried:
-            if rel != same:
+        for fams, rel, idn, g, worst in self.tried:
+            if rel != same or (itself and idn != ident):
                 continue
             win = g > need_gain and (cap is None or worst * (1.0 + cap_margin) <= cap)
             levels = ("relation", "families") if fams == (fa, fb) else ("relation",)

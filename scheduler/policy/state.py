@@ -131,6 +131,14 @@ class PolicyConfig:
     # Off by default: at 0.04 and 0.1 it stopped exploration on (b) before any
     # pair was found admissible (docs/policy.md, "Cheaper exploration")
     colo_trial_min_odds: float = 0.0
+    # k > 0: trials are ranked by their odds (among the GPUs a job may join, the
+    # partner whose family pair has the best record first), and a trial of a
+    # family pair that failed k times with no win is refused; the relation (one
+    # family, or two) only orders, it never refuses (``interference.Outcomes``).
+    # 0: off. Off by default: at k = 2-5 it cut trial costs 2-4 times on (b) and
+    # K80 but lost the whole co-location gain on (b) (docs/policy.md, "No job left
+    # a hair over its cap; ranked trials with a per-family stop")
+    colo_trial_max_failures: int = 0
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
     colo_packing: str = "exclusive-first"
@@ -455,12 +463,15 @@ class Preempt:
 class Evict:
     """Stop ``job_id``, the later job of a shared GPU whose measured slowdown is
     over a cap for the detection window, and return it to the queue (age kept);
-    ``pair`` (its workload, its partner's) is refused from then on."""
+    ``pair`` (its workload, its partner's) is refused from then on when
+    ``harmful`` (a trial ended for running too close to a cap, not over it, is
+    not: its measured episode says whether the pair is admitted later)."""
 
     job_id: int
     partner_id: int
     reason: str
     pair: tuple[str, str] = ("", "")
+    harmful: bool = True
 
 
 @dataclass(frozen=True)

@@ -152,16 +152,17 @@ def _quota_stop(decision: policy.QuotaStop) -> bool:
 
 def _evict(decision: policy.Evict) -> bool:
     """Stop the later job of a pair measured over a cap and requeue it (its age
-    kept), if its owner allowed that (the policy checked ``evictable`` too); the
-    pair is marked harmful in the same transaction, so the next pass never admits
-    it again until an admin resets it."""
+    kept), if its owner allowed that (the policy checked ``evictable`` too); a
+    ``harmful`` pair is marked in the same transaction, so the next pass never
+    admits it again until an admin resets it."""
     with transaction.atomic():
         stopped = _stop_for_scheduler(
             Q(pk=decision.job_id, evictable=True), "evicted", decision.reason
         )
         if stopped is None:
             return False
-        mark_harmful(*decision.pair, reason=decision.reason)
+        if decision.harmful:
+            mark_harmful(*decision.pair, reason=decision.reason)
     return True
 
 

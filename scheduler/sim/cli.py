@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "that a trial's pair turns out admissible; 0: off (GPULAB_COLO_TRIAL_MIN_ODDS)",
     )
     p.add_argument(
+        "--colo-trial-max-failures",
+        type=int,
+        default=PolicyConfig.colo_trial_max_failures,
+        help="co-location: rank trials by their odds and refuse a family pair "
+        "after this many failed trials with no win; 0: off "
+        "(GPULAB_COLO_TRIAL_MAX_FAILURES)",
+    )
+    p.add_argument(
         "--colo-trial-evict-margin",
         type=_nonneg,
         default=PolicyConfig.colo_trial_evict_margin,
@@ -356,6 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prediction=args.prediction,
             colo_packing=args.colo_packing,
             colo_trial_min_odds=args.colo_trial_min_odds,
+            colo_trial_max_failures=args.colo_trial_max_failures,
             colo_trial_evict_margin=args.colo_trial_evict_margin,
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
@@ -418,6 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "prediction": args.prediction,
                 "colo_packing": args.colo_packing,
                 "colo_trial_min_odds": args.colo_trial_min_odds,
+                "colo_trial_max_failures": args.colo_trial_max_failures,
                 "colo_trial_evict_margin": args.colo_trial_evict_margin,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,

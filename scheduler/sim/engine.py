@@ -408,7 +408,7 @@ class Simulator(PolicyViews):
         self.result.evicted_work_s += job.done_work
         if trial:
             self.result.trial_lost_gpu_s += job.done_work
-        if self.meter is not None:
+        if self.meter is not None and decision.harmful:
             self.meter.refuse(job.label, partner.label)
         self._back_to_queue(job, ran, now)
 

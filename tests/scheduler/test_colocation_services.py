@@ -195,6 +195,22 @@ def test_an_eviction_stops_the_later_job_requeues_it_and_bans_the_pair(
     ).exists()
 
 
+def test_an_eviction_too_close_to_a_cap_requeues_without_banning_the_pair(
+    alice: User, bob: User
+) -> None:
+    # measured within the cap but not by the admission's margin: the job goes,
+    # the pair is judged again by what its episode measured
+    first, later, node = shared_pair(alice, bob)
+    services.mark_started(node.pk, started_data(Attempt.objects.get(job=later)))
+    evict = policy.Evict(
+        later.pk, first.pk, "too close to its cap", ("lm", "rn18"), harmful=False
+    )
+
+    assert services.apply_decisions([evict]).evicted == 1
+    knowledge, _ = services.load_knowledge(timezone.now())
+    assert not knowledge.harmful
+
+
 def test_a_job_that_may_not_be_requeued_is_not_evicted(alice: User, bob: User) -> None:
     first, later, _node = shared_pair(alice, bob, evictable=False)
 

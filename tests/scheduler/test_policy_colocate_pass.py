@@ -311,6 +311,41 @@ def test_a_known_pair_or_a_trial_within_the_margin_is_measured_longer(change):
     assert [d.job_id for d in ds if isinstance(d, Evict)] == [9]
 
 
+@pytest.mark.parametrize("trial", [True, False])
+def test_a_job_measured_a_hair_under_its_cap_is_not_left_there(trial):
+    # (b), seed 0: job 976 (LM, batch 20) runs truly 1.502x slower beside a
+    # Recommendation trial, and its reports say 1.49x: "not over the cap" kept it
+    # there past the window. By half the window a shared job must be measured
+    # within its cap by the margin admission asks of a prediction (2 %: 1.47x at
+    # the 1.5 cap), trial or known pair (a known pair so close to the cap was
+    # mispredicted: a run with the rule for trials only left a known pair at a
+    # true 1.52x, measured 1.49x, past the window)
+    run = [
+        over(976, 100, "LM (batch size 20)", slowdown=1.49, for_s=300.0),
+        over(1030, 100, "Recommendation (batch size 4096)", slowdown=1.1,
+             for_s=300.0, joined=NOW - 360, trial=trial),
+    ]  # fmt: skip
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    (ev,) = [d for d in ds if isinstance(d, Evict)]
+    assert (ev.job_id, ev.partner_id) == (1030, 976)
+    assert "job 976 ran 1.49x slower than alone for 5 min, too close" in ev.reason
+    # not over the cap as measured: the pair is not marked harmful (its measured
+    # episode, 1.49x, keeps it from being admitted as known)
+    assert not ev.harmful
+    # before half the window it is measured on; clearly within the cap it stays
+    for change in ({"measured_for_s": 240.0}, {"measured_slowdown": 1.46}):
+        ds = decide(
+            state(gpus(1, 1, busy={0: 2}), [], [replace(run[0], **change), run[1]])
+        )
+        assert not [d for d in ds if isinstance(d, Evict)]
+    # measured over the cap, the pair is harmful
+    ds = decide(
+        state(gpus(1, 1, busy={0: 2}), [], [replace(run[0], measured_slowdown=1.51),
+                                            run[1]])
+    )  # fmt: skip
+    assert [d.harmful for d in ds if isinstance(d, Evict)] == [True]
+
+
 def test_a_trial_of_families_whose_tried_pairs_lost_waits_with_the_odds():
     # six LM pairs were tried: three ran 1.6x slower each (over the 1.5 cap),
     # three were evicted. Another LM pair was never seen: its predicted gain
@@ -374,3 +409,95 @@ def test_a_running_trial_within_its_caps_lifts_the_odds_of_its_families():
     ):
         ds = decide(state(*base[:2], [*base[2], *run], knowledge=k, **odds))
         assert 1 not in starts(ds)
+
+
+REC = [f"Recommendation (batch size {b})" for b in (512, 1024, 2048, 4096)]
+RES = [f"ResNet-18 (batch size {b})" for b in (16, 32, 64, 128)]
+TRF = [f"Transformer (batch size {b})" for b in (16, 32)]
+
+
+def test_trials_go_to_the_partner_whose_family_pair_has_the_best_record():
+    # Recommendation x Transformer shared once within the caps (1.45x each: a
+    # win, gain 1.38); Recommendation x ResNet-18 was evicted twice. The ResNet-18
+    # workload barely keeps its GPU busy, so the prior predicts the better gain
+    # beside it (1.85): by gain alone the trial goes there, by the record to the
+    # Transformer
+    won = Observations.of([math.log(1.45)])
+    k = Knowledge(
+        pairs={(REC[1], TRF[0]): won, (TRF[0], REC[1]): won},
+        busy={RES[0]: 0.1},
+        harmful=frozenset({frozenset((REC[2], RES[1])), frozenset((REC[3], RES[2]))}),
+    )
+    base = (
+        gpus(1, 2, busy={0: 1, 1: 1}),
+        [sharer(1, REC[0])],
+        [resident(7, 100, TRF[1]), resident(8, 101, RES[0])],
+    )
+    adm = starts(decide(state(*base, knowledge=k))).get(1)
+    assert adm is not None and adm.admission is not None and adm.admission.trial
+    assert adm.gpu_ids == (101,)
+    adm = starts(decide(state(*base, knowledge=k, colo_trial_max_failures=3)))[1]
+    assert adm.gpu_ids == (100,)
+    assert adm.admission is not None and adm.admission.trial
+    assert adm.admission.odds is not None and adm.admission.odds > 0.5
+    assert "odds 0.60" in adm.admission.message
+
+
+def test_a_family_pair_is_refused_trials_after_k_failures_with_no_win():
+    three = frozenset(frozenset((REC[i], RES[i + 1])) for i in range(3))
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, REC[3])], [resident(8, 100, RES[0])])
+    knob = {"colo_trial_max_failures": 3}
+    ds = decide(state(*base, knowledge=Knowledge(harmful=three), **knob))
+    assert 1 not in starts(ds)
+    assert "3 tried pair(s) of recommendation and resnet-18 failed" in (
+        waits(ds)[1].message
+    )
+    # two failures: still tried; off (0), tried whatever the record
+    two = frozenset(list(three)[:2])
+    for k, cfg in ((Knowledge(harmful=two), knob), (Knowledge(harmful=three), {})):
+        adm = starts(decide(state(*base, knowledge=k, **cfg)))[1].admission
+        assert adm is not None and adm.trial
+    # one win among the family pair's tries keeps it open
+    won = Observations.of([math.log(1.3)])
+    k = Knowledge(pairs={(REC[0], RES[3]): won, (RES[3], REC[0]): won}, harmful=three)
+    adm = starts(decide(state(*base, knowledge=k, **knob)))[1].admission
+    assert adm is not None and adm.trial
+
+
+def test_the_relation_orders_trials_but_never_refuses_them():
+    # every tried pair of two families failed (Recommendation x ResNet-18 three
+    # times, so it is closed), but Recommendation x Transformer was never tried:
+    # its odds are low, and it is still tried
+    three = frozenset(frozenset((REC[i], RES[i + 1])) for i in range(3))
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, REC[3])], [resident(8, 100, TRF[0])])
+    ds = decide(
+        state(*base, knowledge=Knowledge(harmful=three), colo_trial_max_failures=3)
+    )
+    adm = starts(ds)[1].admission
+    assert adm is not None and adm.trial
+    assert adm.odds is not None and adm.odds < 0.25
+
+
+def test_a_workload_beside_itself_keeps_its_own_record_apart_from_its_family():
+    # three Transformer pairs at two batch sizes failed: that family pair is
+    # closed, but a Transformer beside the same workload (label and batch size)
+    # is a relation of its own (in Gavel's P100 table 2 of 26 such pairs share
+    # well, 0 of 46 of one family at two batch sizes) and is still tried
+    trf = [f"Transformer (batch size {b})" for b in (16, 32, 64, 128)]
+    failed = frozenset(frozenset((trf[i], trf[j])) for i, j in ((0, 1), (1, 2), (0, 2)))
+    knob = {"colo_trial_max_failures": 3}
+    k = Knowledge(harmful=failed)
+    other = (gpus(1, 1, busy={0: 1}), [sharer(1, trf[3])], [resident(8, 100, trf[1])])
+    ds = decide(state(*other, knowledge=k, **knob))
+    assert 1 not in starts(ds)
+    assert "3 tried pair(s) of transformer and transformer failed" in (
+        waits(ds)[1].message
+    )
+    itself = (gpus(1, 1, busy={0: 1}), [sharer(1, trf[0])], [resident(8, 100, trf[0])])
+    adm = starts(decide(state(*itself, knowledge=k, **knob)))[1].admission
+    assert adm is not None and adm.trial
+    # and its own record closes it in turn
+    k = Knowledge(harmful=failed | {frozenset((t,)) for t in trf[1:]})
+    ds = decide(state(*itself, knowledge=k, **knob))
+    assert 1 not in starts(ds)
+    assert "of a workload of transformer with itself failed" in waits(ds)[1].message
