@@ -5,9 +5,7 @@ interactive treatment; and ``bench/interactive_wait.py``'s trace (pure)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,8 +14,11 @@ from scheduler.policy import PolicyConfig
 from scheduler.sim.engine import SimOptions, Simulator
 from scheduler.sim.prepare import PrepareOptions, prepare
 from scheduler.sim.trace import read_trace
+from tests.bench_scripts import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+if TYPE_CHECKING:
+    from pathlib import Path
+
 HEADER = "job_id,submit_time,num_gpus,duration,user,priority,time_limit,checkpointable"
 
 
@@ -56,26 +57,12 @@ def test_without_a_checkpointable_job_or_under_slurm_it_waits(tmp_path, policy, 
     assert jobs["batch"].preemptions == 0
 
 
-def load_bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "interactive_wait", BENCH / "interactive_wait.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 ARGS = argparse.Namespace(load=1.2, students=3, gap_min=20.0, batch_users=6)
 POOL = [(1, 3600.0), (4, 36000.0), (2, 600.0)]
 
 
 def test_the_bench_s_batch_jobs_differ_between_fractions_only_in_checkpointable():
-    bench = load_bench()
+    bench = load_bench("interactive_wait")
     got = {f: bench.batch_rows(7, f, POOL, 8, ARGS) for f in (0.0, 0.5, 1.0)}
 
     def strip(rows):
@@ -92,7 +79,7 @@ def test_the_bench_s_batch_jobs_differ_between_fractions_only_in_checkpointable(
 
 
 def test_a_student_opens_the_next_session_a_gap_after_the_last_one_ended():
-    bench = load_bench()
+    bench = load_bench("interactive_wait")
     plans = {"s": [(100.0, 600.0), (50.0, 900.0), (70.0, 700.0)]}
     submits = bench.open_loop(plans)
     assert submits == {"s": [100.0, 750.0, 1720.0]}
@@ -113,7 +100,7 @@ def test_a_student_opens_the_next_session_a_gap_after_the_last_one_ended():
 
 
 def test_the_bench_settles_to_one_session_at_a_time(tmp_path):
-    bench = load_bench()
+    bench = load_bench("interactive_wait")
     args = argparse.Namespace(**vars(ARGS), cluster="1x2:A100-80GB", max_replays=30)
     # two students on 2 GPUs, one held by a 10-hour batch job
     batch = [
@@ -139,7 +126,7 @@ def test_the_bench_settles_to_one_session_at_a_time(tmp_path):
 
 
 def test_the_bench_rejects_bad_options(capsys):
-    bench = load_bench()
+    bench = load_bench("interactive_wait")
     assert bench.main(["--max-replays", "0"]) == 2
     assert "--max-replays" in capsys.readouterr().err
     assert bench.main(["--fractions", "0,2"]) == 2

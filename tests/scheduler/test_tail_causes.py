@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench_scripts import load_bench
 
-
-def load(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-tail = load("tail_causes")
-report = load("sim_report")
+tail = load_bench("tail_causes")
+report = load_bench("sim_report")
 
 
 def record(tmp_path: Path, policy: str) -> tuple[dict, dict]:
