@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy.interference import (
     Estimate,
+    Odds,
     Outcomes,
     Profile,
     gain,
@@ -358,6 +359,28 @@ def _judge(
     return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}", None
 
 
+def _pair_odds(
+    job: Sharer,
+    resident: Sharer,
+    config: PolicyConfig,
+    outcomes: Outcomes,
+    *,
+    itself: bool = False,
+) -> Odds:
+    """The odds that ``job`` beside ``resident`` turns out admissible once
+    observed (``Outcomes.odds``), under the tighter of their caps and the
+    admission's margins."""
+    caps = [c for c in (job.cap, resident.cap) if c is not None]
+    return outcomes.odds(
+        job.profile.workload,
+        resident.profile.workload,
+        cap=min(caps) if caps else None,
+        need_gain=1.0 + config.colo_gain_margin,
+        cap_margin=config.colo_cap_margin,
+        itself=itself,
+    )
+
+
 def _odds_refusal(
     job: Sharer,
     residents: Sequence[Sharer],
@@ -370,14 +393,7 @@ def _odds_refusal(
     if outcomes is None or config.colo_trial_min_odds <= 0:
         return None
     for r in residents:
-        caps = [c for c in (job.cap, r.cap) if c is not None]
-        got = outcomes.odds(
-            job.profile.workload,
-            r.profile.workload,
-            cap=min(caps) if caps else None,
-            need_gain=1.0 + config.colo_gain_margin,
-            cap_margin=config.colo_cap_margin,
-        )
+        got = _pair_odds(job, r, config, outcomes)
         if got.p < config.colo_trial_min_odds:
             fa, fb = got.families
             return (
@@ -404,15 +420,7 @@ def _failures_refusal(
         return None, None
     worst: float | None = None
     for r in residents:
-        caps = [c for c in (job.cap, r.cap) if c is not None]
-        got = outcomes.odds(
-            job.profile.workload,
-            r.profile.workload,
-            cap=min(caps) if caps else None,
-            need_gain=1.0 + config.colo_gain_margin,
-            cap_margin=config.colo_cap_margin,
-            itself=True,
-        )
+        got = _pair_odds(job, r, config, outcomes, itself=True)
         if got.wins == 0 and got.tried >= k:
             fa, fb = got.families
             what = (
