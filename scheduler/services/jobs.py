@@ -496,15 +496,17 @@ def _predict_pools(
         )[:HISTORY]
         for pool in POOLS
     ]
-    rows = {row[0]: row for row in per_pool[0].union(*per_pool[1:], all=True)}
-    history = History(HISTORY)
-    for _, owner, label, n, limit, started, ended in sorted(
-        rows.values(), key=lambda row: (row[6], row[0])
-    ):
-        history.add(
-            Request(str(owner), label, n, float(limit)),
-            (ended - started).total_seconds(),
+    runs = {
+        attempt: (ended, Request(str(owner), label, n, float(limit)), started)
+        for attempt, owner, label, n, limit, started, ended in per_pool[0].union(
+            *per_pool[1:], all=True
         )
+        if started and ended
+    }
+    history = History(HISTORY)
+    for attempt in sorted(runs, key=lambda a: (runs[a][0], a)):
+        ended, req, started = runs[attempt]
+        history.add(req, (ended - started).total_seconds())
     got, _ = history.predict(Request(str(user_id), workload, gpus, float(time_limit_s)))
     return None if got is None else max(1, round(got))
 
