@@ -312,8 +312,8 @@ def main() -> int:
     for s in STAGES:
         f = result["stages"][s]
         print(
-            f"  {s:20} p50 {f['p50_ms']:7} ms  p95 {f['p95_ms']:7} ms  "
-            f"p99 {f['p99_ms']:7} ms  mean {f['mean_ms']} ms  (n={f['n']})"
+            f"  {s:20} p50 {f['p50_ms']!s:>7} ms  p95 {f['p95_ms']!s:>7} ms  "
+            f"p99 {f['p99_ms']!s:>7} ms  mean {f['mean_ms']} ms  (n={f['n']})"
         )
     f = result["passes_that_started_ms"]
     print(f"  passes that started a job: {f['n']}, p50 {f['p50_ms']} ms (pass 'ms')")
