@@ -9,7 +9,8 @@ worker, notifier, beat and ``--cluster`` simulated agents, default
 ``date +%s.%N > <dir>/<n>``: the process's own clock says when it ran (same
 machine, same clock as the client's). The next job is submitted once the
 previous one has ended (the cluster is idle for each). ``--warmup`` jobs first
-are not counted.
+are not counted. ``--history N`` first fills the database with N completed
+jobs of other users (the history a run-time prediction reads at submit).
 
 Latency = the marker's time minus the time the POST was sent: p50 / p95 / p99 /
 max. Where the time goes, per job, from the processes' own timestamps:
@@ -67,6 +68,19 @@ def make_user() -> str:
 
     user = User.objects.create_user("bench-latency", password="bench-pw-1")
     return tokens.create_token(user, "bench", None)[1]
+
+
+def fill_history(jobs: int) -> None:
+    """``jobs`` completed jobs of other users (``bounded_cost.populate``), on
+    nodes marked lost with their GPUs absent, so that the passes place the
+    measured jobs on the stack's own agents only."""
+    from bounded_cost import populate
+
+    from scheduler.models import Gpu, Node
+
+    populate(jobs, 365)
+    Node.objects.update(status=Node.Status.LOST)
+    Gpu.objects.update(present=False)
 
 
 def wait_file(path: Path, timeout: float = 60.0) -> str:
@@ -225,6 +239,15 @@ def main() -> int:
         default=[],
         help="NAME=VALUE for the stack's processes (e.g. to try a setting)",
     )
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first fill the database with N completed jobs of 40 other users over"
+        " a year (bounded_cost.populate: 24 h limits, the default limit, so"
+        " GPULAB_PREDICTION=pools reads that pool's runs), on nodes left lost",
+    )
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -235,12 +258,20 @@ def main() -> int:
         "jobs": args.jobs,
         "cluster": args.cluster,
         "env": extra_env,
+        "history": args.history,
     }
     print(f"machine: {result['machine']}; load average at start: {loadavg()}")
     with (
         tempfile.TemporaryDirectory(prefix="gpl-lat-") as tmp,
         fresh_database("latency") as db_url,
     ):
+        if args.history:
+            t_fill = time.monotonic()
+            fill_history(args.history)
+            result["history_fill_s"] = round(time.monotonic() - t_fill, 1)
+            print(
+                f"filled {args.history} completed jobs in {result['history_fill_s']} s"
+            )
         token = make_user()
         state = Path(tmp)
         markers = state / "markers"
@@ -281,8 +312,8 @@ def main() -> int:
     for s in STAGES:
         f = result["stages"][s]
         print(
-            f"  {s:20} p50 {f['p50_ms']:7} ms  p95 {f['p95_ms']:7} ms  "
-            f"p99 {f['p99_ms']:7} ms  mean {f['mean_ms']} ms  (n={f['n']})"
+            f"  {s:20} p50 {f['p50_ms']!s:>7} ms  p95 {f['p95_ms']!s:>7} ms  "
+            f"p99 {f['p99_ms']!s:>7} ms  mean {f['mean_ms']} ms  (n={f['n']})"
         )
     f = result["passes_that_started_ms"]
     print(f"  passes that started a job: {f['n']}, p50 {f['p50_ms']} ms (pass 'ms')")

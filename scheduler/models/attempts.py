@@ -135,6 +135,16 @@ class Attempt(models.Model):
                 name="%(app_label)s_%(class)s_one_live_per_job",
             ),
         ]
+        indexes: ClassVar = [
+            # The most recent completed runs first: a run-time prediction's pool
+            # of many runs (GPULAB_PREDICTION=pools, a common time limit) reads
+            # its last few from here, not all of them.
+            models.Index(
+                fields=["-ended_at", "-id"],
+                condition=Q(outcome="exited"),
+                name="scheduler_attempt_exited_idx",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.number}"

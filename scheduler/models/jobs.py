@@ -327,6 +327,13 @@ class Job(models.Model):
                 condition=Q(status="pending"),
                 name="scheduler_job_queue_idx",
             ),
+            # The completed jobs of a run-time prediction's pool of few runs
+            # (GPULAB_PREDICTION=pools: a time limit, a label, a GPU count).
+            models.Index(
+                fields=["time_limit_s", "workload", "gpus"],
+                condition=Q(status="completed"),
+                name="scheduler_job_done_pool_idx",
+            ),
         ]
         # Per-action permissions of the admin console (superusers have them all).
         permissions: ClassVar = [

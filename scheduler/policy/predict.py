@@ -86,6 +86,19 @@ def pool_keys(req: Request) -> tuple[PoolKey, ...]:
 MIN_RUNS = {p.name: p.min_runs for p in POOLS}
 
 
+def deciding_keys(req: Request, source: str) -> tuple[PoolKey, ...]:
+    """The keys of the pools that decide ``req``'s prediction made from pool
+    ``source`` (``predict_pools``' name; "default": none held enough runs): that
+    pool and the more specific ones. Pools only gain runs, so only a run added
+    to one of these can change the prediction; a run added to a less specific
+    pool cannot."""
+    keys = pool_keys(req)
+    for i, pool in enumerate(POOLS):
+        if pool.name == source:
+            return keys[: i + 1]
+    return keys
+
+
 def predict(recent_runs_s: Iterable[float]) -> float | None:
     """``longest``: the prediction from the last ``HISTORY`` runs of the pool (the
     caller cuts it); None without history (the job then plans with its limit)."""
@@ -117,12 +130,16 @@ class History:
         self.n = n
         self.runs: dict[PoolKey, deque[float]] = {}
 
-    def add(self, req: Request, run_s: float) -> None:
-        for key in pool_keys(req):
+    def add(self, req: Request, run_s: float) -> tuple[PoolKey, ...]:
+        """Adds a completed run to each of ``req``'s pools; returns their keys
+        (only the predictions these pools decide can change)."""
+        keys = pool_keys(req)
+        for key in keys:
             got = self.runs.get(key)
             if got is None:
                 got = self.runs[key] = deque(maxlen=self.n)
             got.append(run_s)
+        return keys
 
     def predict(self, req: Request) -> tuple[float | None, str]:
         return predict_pools(self.runs, req)

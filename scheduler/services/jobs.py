@@ -13,8 +13,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Count, F, Q, Window
-from django.db.models.functions import RowNumber
+from django.db.models import Count
 from django.utils import timezone
 
 from agents import jobtext
@@ -30,7 +29,7 @@ from scheduler.models import (
     Membership,
     Profile,
 )
-from scheduler.policy.predict import HISTORY, History, Request, predict
+from scheduler.policy.predict import HISTORY, POOLS, History, Request, predict
 from scheduler.services.common import (
     JobStateError,
     _event,
@@ -432,9 +431,7 @@ def predict_runtime(
     ``longest``: the longest of the user's last ``PREDICTION_HISTORY`` runs with
     the same workload label, else with any label. ``pools``: the median of the
     most specific pool (``predict.POOLS``) that holds enough runs; the query reads
-    the last ``HISTORY`` runs of each (owner, label, GPUs, limit) among the user's
-    jobs and the jobs of any owner with the same limit, which hold the last
-    ``HISTORY`` runs of every pool of the job."""
+    the last ``HISTORY`` runs of each of the job's pools."""
     if settings.GPULAB_POLICY.get("prediction", "longest") == "pools":
         return _predict_pools(user_id, workload, gpus, time_limit_s)
     rows = list(
@@ -454,49 +451,62 @@ def predict_runtime(
     return None if got is None else max(1, round(got))
 
 
+# The job's fields that key a pool (``predict.Pool.fields``).
+_POOL_FIELDS = {
+    "user": "job__owner_id",
+    "workload": "job__workload",
+    "gpus": "job__gpus",
+    "limit": "job__time_limit_s",
+}
+
+
 def _predict_pools(
     user_id: int, workload: str, gpus: int, time_limit_s: float
 ) -> int | None:
-    """``pools`` (``predict_runtime``): the candidate runs in one query, then the
-    pure rule over them, fed oldest first."""
-    rows = (
+    """``pools`` (``predict_runtime``): the last ``HISTORY`` runs of each of the
+    job's pools in one query (a ``UNION ALL`` of one ``ORDER BY ended_at DESC
+    LIMIT HISTORY`` per pool, so a popular pool such as a common time limit costs
+    ``HISTORY`` rows, not all its runs), then the pure rule over them, fed oldest
+    first: a run fed for one pool that also belongs to another is either among
+    that pool's last runs or older than all of them, so each pool's history is
+    exactly its last ``HISTORY`` runs."""
+    values = {
+        "user": user_id,
+        "workload": workload,
+        "gpus": gpus,
+        "limit": time_limit_s,
+    }
+    per_pool = [
         Attempt.objects.filter(
-            Q(job__owner_id=user_id) | Q(job__time_limit_s=time_limit_s),
             job__status=Job.Status.COMPLETED,
             started_at__isnull=False,
             ended_at__isnull=False,
             outcome=Attempt.Outcome.EXITED,
+            **{_POOL_FIELDS[f]: values[f] for f in pool.fields},
         )
-        .annotate(
-            recent=Window(
-                RowNumber(),
-                partition_by=[
-                    F("job__owner_id"),
-                    F("job__workload"),
-                    F("job__gpus"),
-                    F("job__time_limit_s"),
-                ],
-                order_by=[F("ended_at").desc(), F("id").desc()],
-            )
-        )
-        .filter(recent__lte=HISTORY)
-        .order_by("ended_at", "id")
+        .order_by("-ended_at", "-id")
         .values_list(
+            "id",
             "job__owner_id",
             "job__workload",
             "job__gpus",
             "job__time_limit_s",
             "started_at",
             "ended_at",
+        )[:HISTORY]
+        for pool in POOLS
+    ]
+    runs = {
+        attempt: (ended, Request(str(owner), label, n, float(limit)), started)
+        for attempt, owner, label, n, limit, started, ended in per_pool[0].union(
+            *per_pool[1:], all=True
         )
-    )
+        if started and ended
+    }
     history = History(HISTORY)
-    for owner, label, n, limit, started, ended in rows:
-        if started and ended:
-            history.add(
-                Request(str(owner), label, n, float(limit)),
-                (ended - started).total_seconds(),
-            )
+    for attempt in sorted(runs, key=lambda a: (runs[a][0], a)):
+        ended, req, started = runs[attempt]
+        history.add(req, (ended - started).total_seconds())
     got, _ = history.predict(Request(str(user_id), workload, gpus, float(time_limit_s)))
     return None if got is None else max(1, round(got))
 

@@ -20,7 +20,7 @@ from scheduler.policy import (
     RunningJob,
     run_pass,
 )
-from scheduler.policy.predict import History, Request
+from scheduler.policy.predict import History, PoolKey, Request
 from scheduler.sim.colocation import Meter
 from scheduler.sim.progress import ProgressModel, ProgressTracker
 from scheduler.sim.results import SimOptions, SimResult
@@ -136,11 +136,17 @@ class SimCluster:
         self.user_version: dict[str, int] = {}
         self.stale_users: set[str] = set()
         # ``--prediction pools``: every pool's last runs, the pending jobs by what
-        # keys their pools, and each such request's last prediction
+        # keys their pools, each such request's last prediction, the requests
+        # whose prediction each pool decides (``predict.deciding_keys``) and
+        # the keys each request is watching, and the pools that gained a run
+        # since the last pass: a completion re-predicts only the requests
+        # watching one of its pools, not every waiting one
         self.pools = History(self.opts.history_n)
         self.pending_by_request: dict[Request, set[int]] = {}
         self.request_prediction: dict[Request, tuple[float | None, str]] = {}
-        self.pools_changed = False
+        self.pool_watchers: dict[PoolKey, set[Request]] = {}
+        self.request_watching: dict[Request, tuple[PoolKey, ...]] = {}
+        self.pools_changed: set[PoolKey] = set()
         self.usage = DecayedUsage(self.opts.half_life_s)
         self.groups = sorted({j.group for j in self.jobs})
         self.users = sorted({(j.group, j.user) for j in self.jobs})

@@ -323,8 +323,7 @@ class Simulator(PolicyViews):
                     (job.user, job.label), deque(maxlen=n)
                 ).append(ran)
             self.hist_user.setdefault(job.user, deque(maxlen=n)).append(ran)
-            self.pools.add(self._request(job), ran)
-            self.pools_changed = True
+            self.pools_changed.update(self.pools.add(self._request(job), ran))
             self.user_version[job.user] = self.user_version.get(job.user, 0) + 1
             self.stale_users.add(job.user)
 

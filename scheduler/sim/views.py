@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING
 
 from scheduler.policy import ClusterState, PendingJob, RunningJob, Usage
 from scheduler.policy.interference import Knowledge
-from scheduler.policy.predict import Request, planned_runtime, predict
+from scheduler.policy.predict import (
+    PoolKey,
+    Request,
+    deciding_keys,
+    planned_runtime,
+    predict,
+)
 from scheduler.sim.gpus import GpuPhysics
 from scheduler.sim.results import CLASSES
 
@@ -38,6 +44,7 @@ class PolicyViews(GpuPhysics):
         if self.config.prediction == "pools":
             req = self._request(job)
             got = self.request_prediction[req] = self.pools.predict(req)
+            self._watch(req, deciding_keys(req, got[1]))
             return got
         if job.label:
             hist = self.hist_label.get((job.user, job.label))
@@ -47,6 +54,44 @@ class PolicyViews(GpuPhysics):
         if hist_u:
             return predict(hist_u), "user"
         return None, "default"
+
+    def _watch(self, req: Request, keys: tuple[PoolKey, ...]) -> None:
+        """Notes that a run added to a pool of ``keys`` may change ``req``'s
+        prediction (none: ``req`` has no waiting job left to predict)."""
+        old = self.request_watching.get(req, ())
+        if old == keys:
+            return
+        for key in old:
+            if key not in keys:
+                self.pool_watchers[key].discard(req)
+        for key in keys:
+            self.pool_watchers.setdefault(key, set()).add(req)
+        if keys:
+            self.request_watching[req] = keys
+        else:
+            self.request_watching.pop(req, None)
+
+    def _repredict_pools(self) -> None:
+        """``--prediction pools``: the waiting jobs whose prediction the runs
+        completed since the last pass changed get a new view. Only requests
+        watching a pool that gained a run can change (``_watch``); the others
+        keep the prediction they have."""
+        changed = self.pools_changed
+        if not changed:
+            return
+        self.pools_changed = set()
+        stale: set[Request] = set()
+        for key in changed:
+            stale.update(self.pool_watchers.get(key, ()))
+        for req in stale:
+            ids = self.pending_by_request.get(req)
+            if not ids:
+                self._watch(req, ())
+            elif self.pools.predict(req) != self.request_prediction.get(req):
+                for job_id in ids:
+                    self.pending_views[job_id] = self._pending_view(
+                        self.pending[job_id]
+                    )
 
     def _oracle_left(self, job: SimJob) -> float:
         """``--oracle-runtime``: the true run time a waiting job has left (its
@@ -179,18 +224,7 @@ class PolicyViews(GpuPhysics):
 
     def _state(self, now: float) -> ClusterState:
         if self.config.prediction == "pools":
-            if self.pools_changed:
-                # a completed run may change the prediction of any request sharing
-                # one of its pools: each pending request is predicted again
-                self.pools_changed = False
-                for req, ids in self.pending_by_request.items():
-                    if ids and self.pools.predict(req) != self.request_prediction.get(
-                        req
-                    ):
-                        for job_id in ids:
-                            self.pending_views[job_id] = self._pending_view(
-                                self.pending[job_id]
-                            )
+            self._repredict_pools()
         else:
             for user in self.stale_users:
                 version = self.user_version.get(user, 0)

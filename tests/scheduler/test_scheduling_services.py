@@ -273,8 +273,8 @@ def test_pools_predict_from_the_most_specific_pool_of_anyones_runs(
     alice: User, bob: User, cluster: list[Node], sent: AgentFrames, settings: Any
 ) -> None:
     """``GPULAB_PREDICTION=pools``: the median of the most specific pool that
-    holds enough runs, read in one query from the user's and the same limit's
-    runs (``policy.predict.POOLS``)."""
+    holds enough runs, read in one query of each pool's last runs
+    (``policy.predict.POOLS``)."""
     settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "prediction": "pools"}
     node = cluster[0]
     at = 1_800_000_000.0

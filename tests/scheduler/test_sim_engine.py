@@ -356,3 +356,72 @@ def test_pools_prediction_reads_other_users_runs_and_refreshes_waiting_jobs():
     assert (jobs[2].pred_source, jobs[2].planned_s) == ("limit", 300)
     assert (jobs[3].pred_source, jobs[3].planned_s) == ("default", 7200.0)
     assert jobs[2].end < jobs[3].end  # planned shorter, it went first
+
+
+def test_pools_prediction_follows_a_more_specific_pool_than_the_one_it_used():
+    """``--prediction pools``: a waiting job planned from its owner's runs (the
+    least specific pool) is planned again when another user's run gives its time
+    limit's pool a run, though that run adds nothing to the pool it used."""
+    jobs = [
+        job(1, 0, 100, user="a", label="x", limit=7200.0),
+        job(2, 0, 200, user="b", label="y", limit=3600.0),
+        job(3, 1, 50, 2, user="a", label="r", limit=3600.0),
+    ]
+    sim = Simulator(
+        jobs,
+        parse_cluster_spec("1x2:p100"),
+        PolicyConfig(name="gpulab", prediction="pools"),
+        SimOptions(period_s=1e9),
+    )
+    sim.run()
+    # job 3 (2 GPUs) waits for both: from 100 planned from job 1 ("user"), at
+    # 200 from job 2's run of the same limit, the more specific pool
+    assert jobs[2].first_start == 200
+    assert (jobs[2].pred_source, jobs[2].planned_s) == ("limit", 200)
+
+
+def test_pools_prediction_of_every_waiting_job_is_current_at_every_pass():
+    """``--prediction pools``: at every pass each waiting job is planned from the
+    pools' runs completed so far, as if every waiting job were predicted again
+    (the simulator predicts again only those whose pools gained a run)."""
+    import random
+
+    from scheduler.policy.predict import Request, planned_runtime
+
+    rng = random.Random(7)
+    jobs = [
+        job(
+            i,
+            i * 20.0,
+            rng.choice((30.0, 60.0, 90.0, 400.0)) * rng.uniform(0.5, 1.5),
+            rng.choice((1, 1, 2)),
+            user=rng.choice("abcd"),
+            label=rng.choice(("r", "x", "y")),
+            limit=rng.choice((600.0, 3600.0, 7200.0)),
+        )
+        for i in range(1, 150)
+    ]
+    config = PolicyConfig(name="gpulab", prediction="pools")
+    checked = 0
+
+    def checking_decide(state: ClusterState) -> list[Decision]:
+        nonlocal checked
+        for p in state.pending:
+            req = Request(p.user, p.workload, p.gpus, p.time_limit_s)
+            want = planned_runtime(p.time_limit_s, sim.pools.predict(req)[0])
+            assert p.planned_s == want, (state.now, p.id)
+            checked += 1
+        return decide(state)
+
+    sim = Simulator(
+        jobs,
+        parse_cluster_spec("1x2:p100"),
+        config,
+        SimOptions(period_s=1e9),
+        decide_fn=checking_decide,
+    )
+    result = sim.run()
+    assert summarize(result)["jobs"] == len(jobs)
+    assert checked > 500  # jobs waited through many passes
+    sources = {j.pred_source for j in jobs}
+    assert {"user+label+gpus+limit", "limit", "default"} <= sources
