@@ -137,7 +137,8 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         spec = classes.get(r.priority_class)
         if spec is not None and spec.interactive:
             continue
-        if shorter and remaining_s(idx, r) <= job.planned_s:
+        left = remaining_s(idx, r) if shorter or by_left else 0.0
+        if shorter and left <= job.planned_s:
             continue  # it ends before ``job`` would: stopping it gains nothing
         if r.las_slowdown(now) > cfg.las_max_slowdown:
             continue  # the wait bound: it has waited as long as it may
@@ -149,11 +150,7 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
         ):
             out.append(
                 (
-                    lost_gpu_s(r, now)
-                    if by_loss
-                    else -remaining_s(idx, r)
-                    if by_left
-                    else 0.0,
+                    lost_gpu_s(r, now) if by_loss else -left,
                     -attained,
                     -r.started_at,
                     -r.id,
