@@ -526,6 +526,7 @@ GPULAB_POLICY: dict[str, Any] = {
     "weight_size": envfloat("GPULAB_WEIGHT_SIZE", 100.0, minimum=0),
     "weight_runtime": envfloat("GPULAB_WEIGHT_RUNTIME", 500.0, minimum=0),
     "runtime_ref_s": envfloat("GPULAB_RUNTIME_REF", 6 * 3600.0, minimum=3600),
+    "runtime_age_gpu_s": envfloat("GPULAB_RUNTIME_AGE", 0.0, minimum=0),
     "max_age_s": envfloat("GPULAB_MAX_AGE", 7 * 86400.0, minimum=60),
     "backfill": envbool("GPULAB_BACKFILL", default=True),
     # gpulab: plan backfill with time limits (default) or min(limit, prediction)

@@ -23,7 +23,11 @@ parts are kept as the breakdown ``sprio`` would show, and their sum is the prior
   the crossings above whatever the run times: with the defaults a max-aged job
   (age 500 + runtime 500) passes every newer job of its class and of the class
   just above (whose runtime part is below 500 unless it is planned to take no
-  time), and never one two classes up (``gpulab`` breaks exact ties by class);
+  time), and never one two classes up (``gpulab`` breaks exact ties by class).
+  With ``runtime_age_gpu_s`` set, a waiting job's runtime part is at least
+  ``weight_runtime`` x min(1, GPUs x time waited / ``runtime_age_gpu_s``): the
+  head start is earned by waiting too, faster for wider jobs, whose wait costs
+  more GPUs (``waited_head_start``);
 - size: ``gpus / all GPUs of the cluster`` (capped at 1). Like Slurm's default
   (PriorityFavorSmall=NO) it favours larger jobs: small jobs already win through
   backfill and best fit, large ones need the push so they are not starved by a
@@ -74,6 +78,17 @@ def runtime_factor(planned_s: float, ref_s: float) -> float:
     return clamp(1.0 - math.log1p(planned_s / 60.0) / math.log1p(ref_s / 60.0))
 
 
+def waited_head_start(
+    now: float, submitted_at: float, gpus: int, runtime_age_gpu_s: float
+) -> float:
+    """The run-time factor a job has earned by waiting: GPUs x seconds waited over
+    ``runtime_age_gpu_s``, capped at 1; 0 when the rule is off. An 8-GPU job earns
+    the shortest job's head start eight times sooner than a 1-GPU job."""
+    if runtime_age_gpu_s <= 0:
+        return 0.0
+    return clamp((now - submitted_at) * max(gpus, 1) / runtime_age_gpu_s)
+
+
 def breakdown(
     job: PendingJob,
     *,
@@ -95,8 +110,11 @@ def breakdown(
     }
     if runtime and config.weight_runtime:
         x = age_factor(now, job.submitted_at, config.max_age_s)
+        earned = waited_head_start(
+            now, job.submitted_at, job.gpus, config.runtime_age_gpu_s
+        )
         out["runtime"] = config.weight_runtime * (
-            runtime_factor(job.planned_s, config.runtime_ref_s) * (1.0 - x)
+            max(runtime_factor(job.planned_s, config.runtime_ref_s) * (1.0 - x), earned)
             if x < 1.0
             else 1.0
         )
@@ -119,6 +137,7 @@ def breakdowns(
     w_age = config.weight_age
     w_run = config.weight_runtime if runtime else 0.0
     ref = config.runtime_ref_s
+    age_gpu_s = config.runtime_age_gpu_s
     run_part: dict[float, float] = {}
     max_age = config.max_age_s
     cls_part: dict[tuple[str, float], float] = {}
@@ -151,6 +170,9 @@ def breakdowns(
                 r = run_part[job.planned_s] = w_run * runtime_factor(job.planned_s, ref)
             # a head start that age takes over; at max age, the shortest job's
             r = r * (1.0 - x) if x < 1.0 else w_run
+            if age_gpu_s > 0 and r < w_run:
+                e = w_run * waited_head_start(now, job.submitted_at, gpus, age_gpu_s)
+                r = e if e > r else r
             out[job.id] = {
                 "class": c, "age": a, "fairshare": f, "size": z, "runtime": r
             }  # fmt: skip

@@ -75,6 +75,10 @@ class PolicyConfig:
     # the planned run time whose factor is 0: shortest-first among jobs planned
     # under 6 h; longer jobs keep their age / fair-share order (docs/policy.md)
     runtime_ref_s: float = 6 * 3600.0
+    # the head start a waiting job earns by waiting, in GPU-seconds: its run-time
+    # part is at least ``weight_runtime`` x min(1, GPUs x seconds waited / this),
+    # so a wide job is not passed for days by short narrow ones; 0: off
+    runtime_age_gpu_s: float = 0.0
     max_age_s: float = 7 * 86400.0  # the age factor saturates here
     backfill: bool = True
     # ``gpulab``: how backfill plans a job's end: "limit" (its time limit, as Slurm

@@ -272,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(GPULAB_RUNTIME_REF)",
     )
     p.add_argument(
+        "--runtime-age",
+        type=_nonneg,
+        default=PolicyConfig.runtime_age_gpu_s / 3600.0,
+        help="gpulab: GPU-hours of waiting after which a job has the shortest "
+        "job's run-time head start (GPULAB_RUNTIME_AGE, in GPU-seconds); 0: off",
+    )
+    p.add_argument(
         "--tiresias-threshold",
         type=_positive,
         default=tiresias.DEFAULT_THRESHOLD_GPU_H,
@@ -376,6 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             las_shorter=args.las_shorter,
             weight_runtime=args.weight_runtime,
             runtime_ref_s=args.runtime_ref * 3600.0,
+            runtime_age_gpu_s=args.runtime_age * 3600.0,
         ),
         SimOptions(
             period_s=args.period,
@@ -461,6 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "oracle_runtime": args.oracle_runtime,
                 "weight_runtime": args.weight_runtime,
                 "runtime_ref_h": args.runtime_ref,
+                "runtime_age_gpu_h": args.runtime_age,
             },
             "assumptions": [
                 *prepared.assumptions,

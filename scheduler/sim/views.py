@@ -31,6 +31,10 @@ TRIAL_WINDOW_S = 3600.0  # ClusterState.trials_last_hour
 
 
 class PolicyViews(GpuPhysics):
+    # the prediction ``_repredict_pools`` just made for the request whose views it
+    # renews, so ``_predict`` does not make it again for each of its jobs
+    _known_prediction: tuple[Request, tuple[float | None, str]] | None = None
+
     @staticmethod
     def _request(job: SimJob) -> Request:
         """What keys ``job``'s pools (``policy.predict.Request``)."""
@@ -43,7 +47,11 @@ class PolicyViews(GpuPhysics):
         label, else over all of the user's."""
         if self.config.prediction == "pools":
             req = self._request(job)
-            got = self.request_prediction[req] = self.pools.predict(req)
+            known = self._known_prediction
+            got = known[1] if known is not None and known[0] == req else None
+            if got is None:
+                got = self.pools.predict(req)
+            self.request_prediction[req] = got
             self._watch(req, deciding_keys(req, got[1]))
             return got
         if job.label:
@@ -87,11 +95,18 @@ class PolicyViews(GpuPhysics):
             ids = self.pending_by_request.get(req)
             if not ids:
                 self._watch(req, ())
-            elif self.pools.predict(req) != self.request_prediction.get(req):
+                continue
+            got = self.pools.predict(req)
+            if got == self.request_prediction.get(req):
+                continue
+            self._known_prediction = (req, got)
+            try:
                 for job_id in ids:
                     self.pending_views[job_id] = self._pending_view(
                         self.pending[job_id]
                     )
+            finally:
+                self._known_prediction = None
 
     def _oracle_left(self, job: SimJob) -> float:
         """``--oracle-runtime``: the true run time a waiting job has left (its

@@ -15,7 +15,7 @@ import pytest
 from scheduler.policy import PolicyConfig, Reason, decide
 from scheduler.policy.fairshare import FairShare
 from scheduler.policy.predict import predict
-from scheduler.policy.priority import breakdown, runtime_factor
+from scheduler.policy.priority import breakdown, runtime_factor, waited_head_start
 from scheduler.policy.state import Usage
 from tests.scheduler.test_policy_support import (
     CLASSES,
@@ -250,3 +250,76 @@ def test_age_crosses_one_class_step_whatever_the_run_times(old, new, old_first):
             pending(2, cls=new_cls, planned=new_planned),
         ]
         assert (order_of(jobs)[0] == 1) is expected, (old, new, age)
+
+
+@pytest.mark.parametrize(
+    ("waited", "gpus", "age_gpu_s", "expected"),
+    [
+        (HOUR, 8, 48 * HOUR, 8 / 48),
+        (6 * HOUR, 8, 48 * HOUR, 1.0),  # 48 GPU-hours: the shortest job's start
+        (6 * HOUR, 1, 48 * HOUR, 6 / 48),  # eight times slower for one GPU
+        (DAY, 8, 48 * HOUR, 1.0),  # capped
+        (DAY, 8, 0.0, 0.0),  # off
+        (0.0, 0, 48 * HOUR, 0.0),
+    ],
+)
+def test_the_head_start_earned_by_waiting_grows_with_gpu_hours_waited(
+    waited, gpus, age_gpu_s, expected
+):
+    got = waited_head_start(NOW, NOW - waited, gpus, age_gpu_s)
+    assert got == pytest.approx(expected)
+
+
+def wide_and_short(wide_age: float, narrow_age: float = 0.0):
+    """An 8-GPU job planned 8 h (no run-time factor of its own) that has waited
+    ``wide_age`` and a 1-GPU job planned 1 h; 64 GPUs, all busy (so the size
+    factor, 8/64 of its weight, does not decide)."""
+    return [
+        pending(1, 8, planned=8 * HOUR, age=wide_age),
+        pending(2, 1, planned=HOUR, age=narrow_age),
+    ]
+
+
+def wide_order(jobs, config):
+    gpus = node_gpus(1, 8, busy=tuple(range(8))) + node_gpus(
+        2, 56, busy=tuple(range(56))
+    )
+    state = cluster(gpus, jobs, config=config)
+    ws = sorted(waits(decide(state)).values(), key=lambda w: w.position)
+    return [w.job_id for w in ws], {w.job_id: w.breakdown for w in ws}
+
+
+def test_a_wide_job_earns_the_short_jobs_head_start_by_gpu_hours_waited():
+    """The rule that keeps a stream of short 1-GPU jobs from passing a wide job for
+    days (docs/policy.md, "(d)'s wide jobs"): off by default, where the 1-hour job
+    goes first; with 48 GPU-hours, the 8-GPU job that waited 6 h has the whole
+    run-time weight and goes first, and one that waited 1 h does not yet."""
+    rule = PolicyConfig(name="gpulab", runtime_age_gpu_s=48 * HOUR)
+    assert wide_order(wide_and_short(6 * HOUR), GPULAB)[0] == [2, 1]
+    order, parts = wide_order(wide_and_short(6 * HOUR), rule)
+    assert order == [1, 2]
+    assert parts[1]["runtime"] == pytest.approx(500.0)
+    # the short job keeps its own head start: it has earned less by waiting
+    assert parts[2]["runtime"] == pytest.approx(500 * runtime_factor(HOUR, REF))
+    assert wide_order(wide_and_short(HOUR), rule)[0] == [2, 1]
+    # the same numbers as the one-job breakdown
+    one = breakdown(
+        pending(1, 8, planned=8 * HOUR, age=2 * HOUR),
+        now=NOW,
+        config=rule,
+        classes=CLASSES,
+        fairshare=FairShare(Usage(), {"g"}, {("g", "u")}),
+        total_gpus=8,
+        runtime=True,
+    )
+    assert one["runtime"] == pytest.approx(500 * 16 / 48)
+
+
+def test_a_narrow_job_earns_its_head_start_eight_times_slower():
+    """A 1-GPU job planned 8 h that waited 6 h (6 GPU-hours of 48) stays behind a
+    new 1-hour job; after 48 h it has the shortest job's start and goes first."""
+    rule = PolicyConfig(name="gpulab", runtime_age_gpu_s=48 * HOUR)
+    jobs = [pending(1, planned=8 * HOUR, age=6 * HOUR), pending(2, planned=HOUR)]
+    assert order_of(jobs, rule) == [2, 1]
+    jobs = [pending(1, planned=8 * HOUR, age=48 * HOUR), pending(2, planned=HOUR)]
+    assert order_of(jobs, rule) == [1, 2]

@@ -1,6 +1,8 @@
 """The wait bound in a replay (``policy.wait_bound``): a long job that a stream of
 short ones keeps passing (shortest first) starts once it has waited
-``max_wait_s``; ``slurm`` and ``gpulab`` without the bound keep it waiting."""
+``max_wait_s``; ``slurm`` and ``gpulab`` without the bound keep it waiting. And the
+head start earned by waiting (``runtime_age_gpu_s``): a wide job that short narrow
+ones keep passing starts once it has waited its GPU-hours."""
 
 from __future__ import annotations
 
@@ -44,3 +46,41 @@ def test_a_long_job_passed_by_short_ones_starts_once_it_has_waited_the_bound():
     assert replay("gpulab", 0.0) > 13 * HOUR
     # ``slurm`` (no run-time factor: the older job first) never reads the bound
     assert replay("slurm", 2 * HOUR) == replay("slurm", 0.0) < 60
+
+
+def replay_wide(runtime_age_gpu_s: float) -> float:
+    """The wide job's wait (s). One 2-GPU node, no wait bound. A 10-h 2-GPU job
+    labelled ``wide`` runs first (so the next is predicted at 10 h, no run-time
+    factor of its own); at its end the wide job W waits beside a stream of 1-GPU
+    500-s jobs (limit 600 s) arriving every 250 s for about 14 h, so a GPU is
+    always taken and a short job always waits."""
+    first = sim_job(1, 0, 10 * HOUR, gpus=2)
+    first.label = "wide"
+    wide = sim_job(2, 10 * HOUR - 1, HOUR, gpus=2)
+    wide.label = "wide"
+    shorts = []
+    for k in range(200):
+        s = sim_job(3 + k, 10 * HOUR - 1 + 250 * k, 500, limit=600)
+        s.label = "short"
+        shorts.append(s)
+    sim = Simulator(
+        [first, wide, *shorts],
+        parse_cluster_spec("1x2:p100"),
+        PolicyConfig(
+            name="gpulab", max_wait_s=0.0, runtime_age_gpu_s=runtime_age_gpu_s
+        ),
+        SimOptions(),
+    )
+    sim.run()
+    assert wide.state == "done"
+    return wide.first_start - wide.submit
+
+
+def test_a_wide_job_passed_by_short_narrow_ones_earns_its_head_start_by_waiting():
+    """With 4 GPU-hours, the 2-GPU job has a short job's head start (about 0.6
+    of the weight, for a 500-s plan) after about 1.1 h of waiting, then holds the
+    reservation the next short jobs cannot backfill around; at 8 GPU-hours it
+    takes twice as long; without the rule the whole stream goes first."""
+    assert HOUR < replay_wide(4 * HOUR) < 1.5 * HOUR
+    assert 2 * HOUR < replay_wide(8 * HOUR) < 2.5 * HOUR
+    assert replay_wide(0.0) > 13 * HOUR
