@@ -14,29 +14,36 @@ from tests.scheduler.test_sim_policies import sim_job
 HOUR = 3600.0
 
 
-def replay(policy: str, max_wait_s: float) -> float:
-    """The long job's wait (s). 1 GPU, one user. A 10-h job labelled ``long`` runs
-    first (its history: the next ``long`` job is predicted at 10 h); at its end
-    the long job L waits beside a stream of 500-s jobs (limit 600 s) arriving
-    every 500 s for about 14 h, so the GPU always has a short job to run."""
-    first = sim_job(1, 0, 10 * HOUR)
+def passed_job_wait(
+    gpus: int, every_s: float, count: int, spec: str, config: PolicyConfig
+) -> float:
+    """The wait (s) of a job that short ones keep passing. One user. A 10-h job of
+    ``gpus`` GPUs labelled ``long`` runs first (its history: the next ``long`` job
+    is predicted at 10 h); at its end the job L (``gpus`` GPUs) waits beside
+    ``count`` 1-GPU 500-s jobs (limit 600 s) arriving every ``every_s``, so the
+    cluster always has a short job to run."""
+    first = sim_job(1, 0, 10 * HOUR, gpus=gpus)
     first.label = "long"
-    long = sim_job(2, 10 * HOUR - 1, HOUR)
+    long = sim_job(2, 10 * HOUR - 1, HOUR, gpus=gpus)
     long.label = "long"
     shorts = []
-    for k in range(100):
-        s = sim_job(3 + k, 10 * HOUR - 1 + 500 * k, 500, limit=600)
+    for k in range(count):
+        s = sim_job(3 + k, 10 * HOUR - 1 + every_s * k, 500, limit=600)
         s.label = "short"
         shorts.append(s)
     sim = Simulator(
-        [first, long, *shorts],
-        parse_cluster_spec("1x1:p100"),
-        PolicyConfig(name=policy, max_wait_s=max_wait_s),
-        SimOptions(),
+        [first, long, *shorts], parse_cluster_spec(spec), config, SimOptions()
     )
     sim.run()
     assert long.state == "done"
     return long.first_start - long.submit
+
+
+def replay(policy: str, max_wait_s: float) -> float:
+    """The long job's wait on 1 GPU beside a job of 500 s every 500 s for about
+    14 h."""
+    config = PolicyConfig(name=policy, max_wait_s=max_wait_s)
+    return passed_job_wait(1, 500.0, 100, "1x1:p100", config)
 
 
 def test_a_long_job_passed_by_short_ones_starts_once_it_has_waited_the_bound():
@@ -49,31 +56,13 @@ def test_a_long_job_passed_by_short_ones_starts_once_it_has_waited_the_bound():
 
 
 def replay_wide(runtime_age_gpu_s: float) -> float:
-    """The wide job's wait (s). One 2-GPU node, no wait bound. A 10-h 2-GPU job
-    labelled ``wide`` runs first (so the next is predicted at 10 h, no run-time
-    factor of its own); at its end the wide job W waits beside a stream of 1-GPU
-    500-s jobs (limit 600 s) arriving every 250 s for about 14 h, so a GPU is
-    always taken and a short job always waits."""
-    first = sim_job(1, 0, 10 * HOUR, gpus=2)
-    first.label = "wide"
-    wide = sim_job(2, 10 * HOUR - 1, HOUR, gpus=2)
-    wide.label = "wide"
-    shorts = []
-    for k in range(200):
-        s = sim_job(3 + k, 10 * HOUR - 1 + 250 * k, 500, limit=600)
-        s.label = "short"
-        shorts.append(s)
-    sim = Simulator(
-        [first, wide, *shorts],
-        parse_cluster_spec("1x2:p100"),
-        PolicyConfig(
-            name="gpulab", max_wait_s=0.0, runtime_age_gpu_s=runtime_age_gpu_s
-        ),
-        SimOptions(),
+    """The wait of a 2-GPU job on one 2-GPU node, no wait bound, beside a 1-GPU job
+    of 500 s every 250 s for about 14 h: a GPU is always taken and a short job
+    always waits."""
+    config = PolicyConfig(
+        name="gpulab", max_wait_s=0.0, runtime_age_gpu_s=runtime_age_gpu_s
     )
-    sim.run()
-    assert wide.state == "done"
-    return wide.first_start - wide.submit
+    return passed_job_wait(2, 250.0, 200, "1x2:p100", config)
 
 
 def test_a_wide_job_passed_by_short_narrow_ones_earns_its_head_start_by_waiting():
