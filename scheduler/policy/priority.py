@@ -89,6 +89,16 @@ def waited_head_start(
     return clamp((now - submitted_at) * max(gpus, 1) / runtime_age_gpu_s)
 
 
+def runtime_share(factor: float, age_x: float, earned: float) -> float:
+    """The run-time part's share of ``weight_runtime``: the job's own
+    ``runtime_factor`` fading as age (``age_x``, the age factor) takes over, at
+    least what it ``earned`` by waiting; the whole weight at max age."""
+    if age_x >= 1.0:
+        return 1.0
+    own = factor * (1.0 - age_x)
+    return earned if earned > own else own
+
+
 def breakdown(
     job: PendingJob,
     *,
@@ -113,10 +123,8 @@ def breakdown(
         earned = waited_head_start(
             now, job.submitted_at, job.gpus, config.runtime_age_gpu_s
         )
-        out["runtime"] = config.weight_runtime * (
-            max(runtime_factor(job.planned_s, config.runtime_ref_s) * (1.0 - x), earned)
-            if x < 1.0
-            else 1.0
+        out["runtime"] = config.weight_runtime * runtime_share(
+            runtime_factor(job.planned_s, config.runtime_ref_s), x, earned
         )
     return out
 
@@ -165,14 +173,15 @@ def breakdowns(
             x = 1.0
         a = w_age * x
         if w_run:
-            r = run_part.get(job.planned_s)
-            if r is None:
-                r = run_part[job.planned_s] = w_run * runtime_factor(job.planned_s, ref)
-            # a head start that age takes over; at max age, the shortest job's
-            r = r * (1.0 - x) if x < 1.0 else w_run
-            if age_gpu_s > 0 and r < w_run:
-                e = w_run * waited_head_start(now, job.submitted_at, gpus, age_gpu_s)
-                r = e if e > r else r
+            rf = run_part.get(job.planned_s)
+            if rf is None:
+                rf = run_part[job.planned_s] = runtime_factor(job.planned_s, ref)
+            earned = (
+                waited_head_start(now, job.submitted_at, gpus, age_gpu_s)
+                if age_gpu_s > 0
+                else 0.0
+            )
+            r = w_run * runtime_share(rf, x, earned)
             out[job.id] = {
                 "class": c, "age": a, "fairshare": f, "size": z, "runtime": r
             }  # fmt: skip

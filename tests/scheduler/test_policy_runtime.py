@@ -196,6 +196,19 @@ def test_predict_is_the_longest_recent_run(runs, expected):
     assert predict(runs) == expected
 
 
+def one_breakdown(job, config=GPULAB, total_gpus=1):
+    """``priority.breakdown`` of one job, alone, with no past usage."""
+    return breakdown(
+        job,
+        now=NOW,
+        config=config,
+        classes=CLASSES,
+        fairshare=FairShare(Usage(), {"g"}, {("g", "u")}),
+        total_gpus=total_gpus,
+        runtime=True,
+    )
+
+
 @pytest.mark.parametrize(
     ("age", "share"),
     [
@@ -214,15 +227,7 @@ def test_the_runtime_part_fades_as_age_takes_over(age, share):
     expected = 500.0 if share is None else full * share
     assert ws[2].breakdown["runtime"] == pytest.approx(expected)
     # the same numbers as the one-job breakdown
-    one = breakdown(
-        job,
-        now=NOW,
-        config=GPULAB,
-        classes=CLASSES,
-        fairshare=FairShare(Usage(), {"g"}, {("g", "u")}),
-        total_gpus=1,
-        runtime=True,
-    )
+    one = one_breakdown(job)
     assert one == pytest.approx(dict(ws[2].breakdown))
 
 
@@ -303,15 +308,7 @@ def test_a_wide_job_earns_the_short_jobs_head_start_by_gpu_hours_waited():
     assert parts[2]["runtime"] == pytest.approx(500 * runtime_factor(HOUR, REF))
     assert wide_order(wide_and_short(HOUR), rule)[0] == [2, 1]
     # the same numbers as the one-job breakdown
-    one = breakdown(
-        pending(1, 8, planned=8 * HOUR, age=2 * HOUR),
-        now=NOW,
-        config=rule,
-        classes=CLASSES,
-        fairshare=FairShare(Usage(), {"g"}, {("g", "u")}),
-        total_gpus=8,
-        runtime=True,
-    )
+    one = one_breakdown(pending(1, 8, planned=8 * HOUR, age=2 * HOUR), rule, 8)
     assert one["runtime"] == pytest.approx(500 * 16 / 48)
 
 
