@@ -11,7 +11,10 @@ seed and on how many seeds the policy did better, for the average JCT, the p99 J
 and each size class. Per policy, too, the ratio of each job's wait (queue time: JCT
 less time run) to its wait under the baseline on the same seed, over the jobs that
 waited more than an hour under the baseline and finished under both: p50, p99 and
-max per seed and over all seeds pooled (``wait_ratios``).
+max per seed and over all seeds pooled (``wait_ratios``). And per policy and seed,
+user by user, the ratio of each user's mean bounded slowdown to the same user's
+under the baseline: how many users are better off, how many worse by more than
+10 %, the largest ratio, and the worst user's mean under each (``user_ratios``).
 
 ``python bench/sim_seeds.py [--only a,b] [--seeds 0-4] [--policies slurm,gpulab]
 [--baseline slurm] [--parallel 2] [--reuse] [--max-jobs N] [--out-dir DIR]
@@ -24,7 +27,8 @@ max per seed and over all seeds pooled (``wait_ratios``).
 
 Writes ``OUT/seeds_<scenario>_<policy>_<seed>.json`` (the simulator's output),
 ``OUT/sim_seeds.md`` and ``OUT/sim_seeds.json`` (per scenario, the ratio summaries
-under ``ratios`` and the wait ratios under ``wait_ratios``); prints the Markdown too. Bad options exit 2 naming the
+under ``ratios``, the wait ratios under ``wait_ratios``, the per-user ratios
+under ``user_ratios``); prints the Markdown too. Bad options exit 2 naming the
 problem; a failed replay is reported and left out, and the exit is 1.
 """
 
@@ -57,6 +61,9 @@ SIZE_KEYS = ("1", "2-4", "5-8", "9+")
 WAITED_OVER_S = (
     3600.0  # the jobs whose wait ratio is reported: over 1 h in the baseline
 )
+# a user counts as worse off when their mean slowdown is over the baseline's by
+# more than this
+USER_WORSE_BY = 0.10
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -201,6 +208,70 @@ def wait_ratios(
     }
 
 
+def user_ratios(
+    runs: dict[tuple[str, int], dict[str, Any]],
+    policy: str,
+    baseline: str,
+    seeds: list[int],
+    worse_by: float = USER_WORSE_BY,
+) -> dict[str, dict[str, Any]]:
+    """Per seed, each user's mean bounded slowdown (``user_slowdown``) under
+    ``policy`` over the same user's under ``baseline``: how many users both
+    replays finished jobs of, how many are better off (ratio under 1), how many
+    worse by more than ``worse_by``, the largest ratio and its user, and the
+    worst user's mean under each (the largest over users, whoever it is).
+
+    Jain's index over users ranks by how even the users' means are, so a
+    policy that slows every user alike scores well (docs/policy.md); this says
+    who gains and who loses against the baseline, user by user."""
+    out: dict[str, dict[str, Any]] = {}
+    for seed in seeds:
+        mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
+        if mine is None or base is None:
+            continue
+        mu, bu = mine.get("user_slowdown"), base.get("user_slowdown")
+        if not mu or not bu:
+            continue
+        ratios = {u: mu[u][1] / b[1] for u, b in bu.items() if u in mu and b[1] > 0}
+        largest = max(ratios, key=lambda u: (ratios[u], u), default=None)
+        out[str(seed)] = {
+            "users": len(ratios),
+            "better": sum(1 for r in ratios.values() if r < 1.0),
+            "worse": sum(1 for r in ratios.values() if r > 1.0 + worse_by),
+            "worse_by": worse_by,
+            "largest_ratio": None if largest is None else ratios[largest],
+            "largest_user": largest,
+            "worst_mean": max((v[1] for v in mu.values()), default=None),
+            "baseline_worst_mean": max((v[1] for v in bu.values()), default=None),
+        }
+    return out
+
+
+def user_markdown(policy: str, baseline: str, users: dict[str, Any]) -> list[str]:
+    """The per-user table of one policy (``user_ratios``)."""
+    worse_by = next(iter(users.values()))["worse_by"]
+    lines = [
+        f"Per user, mean bounded slowdown under `{policy}` / under `{baseline}`:",
+        "",
+        f"| seed | users | better off | worse by > {100 * worse_by:g} %"
+        " | largest ratio (user) | worst user's mean, "
+        f"`{policy}` / `{baseline}` |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for seed, u in users.items():
+        largest = (
+            "-"
+            if u["largest_user"] is None
+            else f"{u['largest_ratio']:.2f} ({u['largest_user']})"
+        )
+        lines.append(
+            f"| {seed} | {u['users']} | {u['better']} | {u['worse']} | {largest}"
+            f" | {u['worst_mean']:.1f} / {u['baseline_worst_mean']:.1f} |"
+        )
+    lines.append("")
+    return lines
+
+
 def pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f} %"
 
@@ -318,6 +389,9 @@ def markdown(
         waits = wait_ratios(runs, policy, baseline, seeds)
         if waits is not None:
             lines += wait_markdown(policy, baseline, waits)
+        users = user_ratios(runs, policy, baseline, seeds)
+        if users:
+            lines += user_markdown(policy, baseline, users)
     return "\n".join(lines)
 
 
@@ -459,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": compare(runs, policies, args.baseline, seeds),
             "wait_ratios": {
                 pol: wait_ratios(runs, pol, args.baseline, seeds)
+                for pol in policies
+                if pol != args.baseline
+            },
+            "user_ratios": {
+                pol: user_ratios(runs, pol, args.baseline, seeds)
                 for pol in policies
                 if pol != args.baseline
             },

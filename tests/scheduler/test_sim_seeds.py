@@ -104,6 +104,31 @@ def test_wait_ratios_are_per_job_over_the_jobs_that_waited_over_an_hour():
     assert "| all | 3 | 0.50 | 2.95 | 3.00 | 1 |" in table
 
 
+def test_user_ratios_say_who_is_better_and_who_is_worse_off_user_by_user():
+    def users(**means):
+        return {"user_slowdown": {f"g/{u}": [3, m] for u, m in means.items()}}
+
+    runs = {
+        # u1 better, u2 5 % worse (not counted worse), u3 50 % worse; u4 only
+        # under slurm is not compared
+        ("slurm", 0): users(u1=4.0, u2=2.0, u3=1.0, u4=9.0),
+        ("gpulab", 0): users(u1=2.0, u2=2.1, u3=1.5),
+        # seed 1: no per-user means (an old replay): left out
+        ("slurm", 1): {},
+        ("gpulab", 1): users(u1=1.0),
+    }
+    got = seeds_bench.user_ratios(runs, "gpulab", "slurm", [0, 1])
+    assert set(got) == {"0"}
+    s0 = got["0"]
+    assert (s0["users"], s0["better"], s0["worse"]) == (3, 1, 1)
+    assert (s0["largest_user"], s0["largest_ratio"]) == ("g/u3", pytest.approx(1.5))
+    # the worst user's mean is the largest under each, whoever it is
+    assert (s0["worst_mean"], s0["baseline_worst_mean"]) == (2.1, 9.0)
+    table = "\n".join(seeds_bench.user_markdown("gpulab", "slurm", got))
+    assert "| 0 | 3 | 1 | 1 | 1.50 (g/u3) | 2.1 / 9.0 |" in table
+    assert "worse by > 10 %" in table
+
+
 def test_it_replays_each_policy_on_each_seed_and_writes_the_table(tmp_path, capsys):
     code = seeds_bench.main(
         ["--only", "b", "--seeds", "0-1", "--max-jobs", "400",
@@ -147,6 +172,11 @@ def test_it_replays_each_policy_on_each_seed_and_writes_the_table(tmp_path, caps
     assert w["by_seed"]["0"]["jobs"] == len(over) > 0
     assert w["by_seed"]["0"]["max"] == pytest.approx(max(over))
     assert "Per-job waits, `gpulab` / `slurm`" in table
+    assert summary["user_ratios"]["gpulab"] == json.loads(
+        json.dumps(seeds_bench.user_ratios(runs, "gpulab", "slurm", [0, 1]))
+    )
+    assert summary["user_ratios"]["gpulab"]["0"]["users"] > 0
+    assert "Per user, mean bounded slowdown under `gpulab`" in table
 
 
 def test_a_colocation_scenario_or_a_missing_baseline_is_refused(capsys):
