@@ -34,7 +34,6 @@ from scheduler.services.common import (
     JobStateError,
     _event,
     _pass_after_commit,
-    _send_kill_on_commit,
     _send_kills_on_commit,
 )
 from scheduler.services.dependencies import (
@@ -52,6 +51,7 @@ from scheduler.services.lifecycle import (
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+    from datetime import datetime
 
     from django.contrib.auth.models import User
 
@@ -676,20 +676,36 @@ def _cancel_locked(job: Job, *, by: User | None, reason: str = "") -> None:
             pending_message="",
         )
         return
-    job.cancel_requested_at = now
-    job.save(update_fields=["cancel_requested_at"])
-    attempt = job.attempt_set.filter(ended_at__isnull=True).first()
-    _event(
-        job,
-        f"cancel requested by {who}; stopping the process",
-        source=source,
-        actor=by,
-    )
-    if attempt is not None:
-        attempt.kill_reason = "cancelled"
-        attempt.save(update_fields=["kill_reason"])
-        _send_kill_on_commit(attempt, "cancelled", job.kill_grace_s)
+    _stop_on_node([job], who=who, source=source, by=by, now=now)
     announce(job, "cancelling")
+
+
+def _stop_on_node(
+    jobs: Sequence[Job],
+    *,
+    who: str,
+    source: str,
+    by: User | None,
+    now: datetime,
+) -> None:
+    """The cancel request of running jobs: ``cancel_requested_at`` in one
+    UPDATE, their events in one insert, each live attempt's ``job.kill``
+    (SIGTERM and the job's grace, all sent in one go after commit). Each ends
+    CANCELLED when its exit is reported."""
+    ids = [j.pk for j in jobs]
+    Job.objects.filter(pk__in=ids).update(cancel_requested_at=now)
+    message = f"cancel requested by {who}; stopping the process"[:500]
+    JobEvent.objects.bulk_create(
+        [
+            JobEvent(job=job, message=message, source=source, actor=by, at=now)
+            for job in jobs
+        ]
+    )
+    grace = {job.pk: job.kill_grace_s for job in jobs}
+    for job in jobs:
+        job.cancel_requested_at = now
+    live_attempts = Attempt.objects.filter(job_id__in=ids, ended_at__isnull=True)
+    _send_kills_on_commit([(a, grace[a.job_id]) for a in live_attempts], "cancelled")
 
 
 def _cancel_many_locked(
@@ -729,18 +745,5 @@ def _cancel_many_locked(
     )
     if not on_node:
         return
-    ids = [j.pk for j in on_node]
-    Job.objects.filter(pk__in=ids).update(cancel_requested_at=now)
-    message = f"cancel requested by {who}; stopping the process"[:500]
-    JobEvent.objects.bulk_create(
-        [
-            JobEvent(job=job, message=message, source=source, actor=by, at=now)
-            for job in on_node
-        ]
-    )
-    grace = {job.pk: job.kill_grace_s for job in on_node}
-    for job in on_node:
-        job.cancel_requested_at = now
-    live_attempts = Attempt.objects.filter(job_id__in=ids, ended_at__isnull=True)
-    _send_kills_on_commit([(a, grace[a.job_id]) for a in live_attempts], "cancelled")
+    _stop_on_node(on_node, who=who, source=source, by=by, now=now)
     announce_many(on_node, "cancelling", summary=summary)
