@@ -501,3 +501,52 @@ def test_a_workload_beside_itself_keeps_its_own_record_apart_from_its_family():
     ds = decide(state(*itself, knowledge=k, **knob))
     assert 1 not in starts(ds)
     assert "of a workload of transformer with itself failed" in waits(ds)[1].message
+
+
+def test_trials_stop_once_the_first_n_pairs_tried_of_any_families_all_failed():
+    # three pairs of three different family pairs were evicted over a cap: at
+    # n = 3 these GPUs share nothing well, so not even a new family pair is tried
+    failed = frozenset(
+        {frozenset((REC[0], RES[1])), frozenset((TRF[0], RES[2])), frozenset((REC[1], TRF[1]))}
+    )  # fmt: skip
+    lm = "LM (batch size 5)"
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, lm)], [resident(8, 100, RES[0])])
+    knob = {"colo_trials_without_win": 3}
+    ds = decide(state(*base, knowledge=Knowledge(harmful=failed), **knob))
+    assert 1 not in starts(ds)
+    assert "none of the 3 workload pairs tried so far" in waits(ds)[1].message
+    # two failures, or the knob off: still a trial
+    two = frozenset(list(failed)[:2])
+    for k, cfg in ((Knowledge(harmful=two), knob), (Knowledge(harmful=failed), {})):
+        adm = starts(decide(state(*base, knowledge=k, **cfg)))[1].admission
+        assert adm is not None and adm.trial
+    # one pair that shared within the caps (1.3x each), of any families, keeps
+    # exploration open however many others failed
+    won = Observations.of([math.log(1.3)])
+    k = Knowledge(pairs={(TRF[0], TRF[0]): won}, harmful=failed)
+    adm = starts(decide(state(*base, knowledge=k, **knob)))[1].admission
+    assert adm is not None and adm.trial
+    # a win is judged under the tightest cap on the GPU: 1.3x is no win for a
+    # job capped at 1.25x
+    tight = (gpus(1, 1, busy={0: 1}), [replace(sharer(1, lm), slowdown_cap=1.25)],
+             [resident(8, 100, RES[0])])  # fmt: skip
+    assert 1 not in starts(decide(state(*tight, knowledge=k, **knob)))
+
+
+def test_a_running_trial_within_its_caps_keeps_exploration_open():
+    failed = frozenset(frozenset((REC[i], RES[i + 1])) for i in range(3))
+    trial = [
+        over(8, 101, REC[3], slowdown=1.2, for_s=360.0),
+        over(9, 101, TRF[0], slowdown=1.3, for_s=360.0, joined=NOW - 420, trial=True),
+    ]
+    base = (gpus(1, 2, busy={0: 1, 1: 2}), [sharer(1, "LM (batch size 5)")])
+    knob = {"colo_trials_without_win": 3}
+    ds = decide(state(*base, [resident(7, 100, RES[0]), *trial],
+                      knowledge=Knowledge(harmful=failed), **knob))  # fmt: skip
+    adm = starts(ds)[1].admission
+    assert adm is not None and adm.trial and starts(ds)[1].gpu_ids == (100,)
+    # while it has not run half the detection window it is no verdict yet
+    young = [replace(r, measured_for_s=240.0) for r in trial]
+    ds = decide(state(*base, [resident(7, 100, RES[0]), *young],
+                      knowledge=Knowledge(harmful=failed), **knob))  # fmt: skip
+    assert 1 not in starts(ds)
