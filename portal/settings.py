@@ -549,7 +549,6 @@ GPULAB_POLICY: dict[str, Any] = {
         "GPULAB_COLO_TRIAL_MIN_ODDS", 0.0, minimum=0, maximum=1
     ),
     "colo_trial_max_failures": envint("GPULAB_COLO_TRIAL_MAX_FAILURES", 0, minimum=0),
-    "colo_trials_without_win": envint("GPULAB_COLO_TRIALS_WITHOUT_WIN", 0, minimum=0),
     # unset: off (a trial is measured for half the window like any pair)
     "colo_trial_evict_margin": envfloat_or_none(
         "GPULAB_COLO_TRIAL_EVICT_MARGIN", minimum=0

@@ -17,9 +17,7 @@ first that fails is the refusal's rule, and an admission records its numbers:
   together; the cap is enforced by watching it (the pass ends a trial at its first
   measurement clearly over a cap, else within ``colo_detect_window_s``), and once
   observed, rule 3 applies too;
-- ``odds``: when ``colo_trials_without_win`` (n) is set, no trial once the first n
-  pairs tried, of any families, all failed (GPUs where nothing shares well, as
-  Gavel's K80); when ``colo_trial_min_odds`` is set, a trial's pair must have those
+- ``odds`` (when ``colo_trial_min_odds`` is set): a trial's pair must have those
   odds of being admissible once seen, from the pairs tried so far
   (``interference.Outcomes``); when ``colo_trial_max_failures`` (k) is set, a
   trial's family pair must not have failed k times with no win, and its odds
@@ -322,9 +320,7 @@ def _judge(
                 " budget for this hour is spent",
                 None,
             )
-        refused = _barren_refusal(job, p.residents, config, outcomes)
-        if refused is None:
-            refused = _odds_refusal(job, p.residents, config, outcomes)
+        refused = _odds_refusal(job, p.residents, config, outcomes)
         if refused is None:
             refused, odds = _failures_refusal(job, p.residents, config, outcomes)
         if refused is not None:
@@ -382,35 +378,6 @@ def _pair_odds(
         need_gain=1.0 + config.colo_gain_margin,
         cap_margin=config.colo_cap_margin,
         itself=itself,
-    )
-
-
-def _barren_refusal(
-    job: Sharer,
-    residents: Sequence[Sharer],
-    config: PolicyConfig,
-    outcomes: Outcomes | None,
-) -> str | None:
-    """Why no trial is worth its cost on these GPUs at all: the first
-    ``colo_trials_without_win`` pairs tried, whatever their families, all
-    failed (under the tightest cap on the GPU); None otherwise, or when the knob
-    is 0. A single win reopens exploration for good: some pairs share here."""
-    n = config.colo_trials_without_win
-    if outcomes is None or n <= 0:
-        return None
-    caps = [s.cap for s in (job, *residents) if s.cap is not None]
-    wins, tried = outcomes.record(
-        cap=min(caps) if caps else None,
-        need_gain=1.0 + config.colo_gain_margin,
-        cap_margin=config.colo_cap_margin,
-    )
-    if wins or tried < n:
-        return None
-    return (
-        f"exploration is paused: none of the {tried} workload pairs tried so far"
-        " could share a GPU within the caps, so these GPUs do not share well"
-        f" (trials stop after {n} with no success; an admin reopens them by"
-        " resetting harmful pairs)"
     )
 
 
@@ -524,11 +491,7 @@ class Sharing:
         self.model = model
         self.rules = rules
         self.outcomes = outcomes_for(state.knowledge)
-        if (
-            cfg.colo_trial_min_odds > 0
-            or cfg.colo_trial_max_failures > 0
-            or cfg.colo_trials_without_win > 0
-        ):
+        if cfg.colo_trial_min_odds > 0 or cfg.colo_trial_max_failures > 0:
             self.outcomes = self.outcomes.with_live(live_trials(state))
         used = dict(state.trials_last_hour)
         self.budget = Budget(

@@ -311,7 +311,6 @@ class Outcomes:
             r_ab, r_ba = ab.slowdown, ba.slowdown
             self._add(a, b, gain(r_ab, r_ba), max(r_ab, r_ba))
         self._cache: dict[tuple[object, ...], Odds] = {}
-        self._records: dict[tuple[float | None, float, float], tuple[int, int]] = {}
 
     def _add(self, a: str, b: str, g: float, worst: float) -> None:
         fa, fb = sorted((parse_label(a)[0], parse_label(b)[0]))
@@ -333,7 +332,6 @@ class Outcomes:
         got.tried = list(self.tried)
         got.seen = set(self.seen)
         got._cache = {}
-        got._records = {}
         for key, (g, worst) in extra:
             a, b = (*key, *key)[:2]
             got.seen.add(key)
@@ -377,23 +375,6 @@ class Outcomes:
         w, n = counts["families"]
         p = (w + ODDS_STRENGTH * p) / (n + ODDS_STRENGTH)
         got = self._cache[key] = Odds(p, w, n, (fa, fb))
-        return got
-
-    def record(
-        self, *, cap: float | None, need_gain: float, cap_margin: float
-    ) -> tuple[int, int]:
-        """(wins, tried) over every pair tried so far, whatever its families:
-        a win is a pair admissible under ``cap`` (None: unbounded) with these
-        margins, as in ``odds``. Where no tried pair is a win after many, the
-        GPUs do not share well at all (Gavel's K80 table: 0 of 351 pairs)."""
-        key = (cap, need_gain, cap_margin)
-        got = self._records.get(key)
-        if got is None:
-            wins = sum(
-                g > need_gain and (cap is None or worst * (1.0 + cap_margin) <= cap)
-                for _fams, _rel, _idn, g, worst in self.tried
-            )
-            got = self._records[key] = (wins, len(self.tried))
         return got
 
 

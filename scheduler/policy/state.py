@@ -143,12 +143,6 @@ class PolicyConfig:
     # K80 but lost the whole co-location gain on (b) (docs/policy.md, "No job left
     # a hair over its cap; ranked trials with a per-family stop")
     colo_trial_max_failures: int = 0
-    # n > 0: no trial at all once n workload pairs were tried (observed both
-    # ways, or evicted over a cap) and none could share within the caps: GPUs
-    # where nothing shares well stop paying for trials; a single win keeps
-    # exploration open as without the knob (docs/policy.md, "Trials stop where
-    # nothing shares"). 0: off
-    colo_trials_without_win: int = 0
     # "exclusive-first": share only when no free GPU fits; "pack": share first,
     # leaving whole GPUs free for large jobs
     colo_packing: str = "exclusive-first"

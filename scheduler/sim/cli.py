@@ -145,13 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(GPULAB_COLO_TRIAL_MAX_FAILURES)",
     )
     p.add_argument(
-        "--colo-trials-without-win",
-        type=int,
-        default=PolicyConfig.colo_trials_without_win,
-        help="co-location: no more trials once this many tried pairs, of any "
-        "families, all failed; 0: off (GPULAB_COLO_TRIALS_WITHOUT_WIN)",
-    )
-    p.add_argument(
         "--colo-trial-evict-margin",
         type=_nonneg,
         default=PolicyConfig.colo_trial_evict_margin,
@@ -379,7 +372,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             colo_packing=args.colo_packing,
             colo_trial_min_odds=args.colo_trial_min_odds,
             colo_trial_max_failures=args.colo_trial_max_failures,
-            colo_trials_without_win=args.colo_trials_without_win,
             colo_trial_evict_margin=args.colo_trial_evict_margin,
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
@@ -444,7 +436,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "colo_packing": args.colo_packing,
                 "colo_trial_min_odds": args.colo_trial_min_odds,
                 "colo_trial_max_failures": args.colo_trial_max_failures,
-                "colo_trials_without_win": args.colo_trials_without_win,
                 "colo_trial_evict_margin": args.colo_trial_evict_margin,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,
