@@ -41,7 +41,10 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_report import (
@@ -125,6 +128,19 @@ def max_wait(result: dict[str, Any]) -> float | None:
     return max(waits, default=None)
 
 
+def both_ran(
+    runs: dict[tuple[str, int], dict[str, Any]],
+    policy: str,
+    baseline: str,
+    seeds: list[int],
+) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """(seed, ``policy``'s result, ``baseline``'s) for each seed where both ran."""
+    for seed in seeds:
+        mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
+        if mine is not None and base is not None:
+            yield seed, mine, base
+
+
 def compare(
     runs: dict[tuple[str, int], dict[str, Any]],
     policies: list[str],
@@ -140,12 +156,10 @@ def compare(
             continue
         out[policy] = {}
         for key in keys:
-            values = []
-            for seed in seeds:
-                mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
-                if mine is None or base is None:
-                    continue
-                values.append(ratio(metric(mine, key), metric(base, key)))
+            values = [
+                ratio(metric(mine, key), metric(base, key))
+                for _seed, mine, base in both_ran(runs, policy, baseline, seeds)
+            ]
             out[policy][key] = summarise(values)
     return out
 
@@ -179,10 +193,7 @@ def wait_ratios(
     pooled: list[float] = []
     pooled_unfinished = 0
     by_seed: dict[str, dict[str, Any]] = {}
-    for seed in seeds:
-        mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
-        if mine is None or base is None:
-            continue
+    for seed, mine, base in both_ran(runs, policy, baseline, seeds):
         mq, bq = mine.get("queue_s_by_job"), base.get("queue_s_by_job")
         if mq is None or bq is None:
             continue
@@ -225,10 +236,7 @@ def user_ratios(
     policy that slows every user alike scores well (docs/policy.md); this says
     who gains and who loses against the baseline, user by user."""
     out: dict[str, dict[str, Any]] = {}
-    for seed in seeds:
-        mine, base = runs.get((policy, seed)), runs.get((baseline, seed))
-        if mine is None or base is None:
-            continue
+    for seed, mine, base in both_ran(runs, policy, baseline, seeds):
         mu, bu = mine.get("user_slowdown"), base.get("user_slowdown")
         if not mu or not bu:
             continue
