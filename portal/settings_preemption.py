@@ -46,3 +46,10 @@ GPULAB_LAS_VICTIMS = envchoice(
 # Victims by attained service only among the jobs with more time left (by
 # progress or prediction) than the waiting job is planned to run.
 GPULAB_LAS_SHORTER = envbool("GPULAB_LAS_SHORTER", default=False)
+# Guests: a checkpointable job that fits now only on GPUs reserved for the first
+# job waiting, and would run past that job's planned start, starts there as a
+# guest and is preempted when that job can start ("on"); "predicted": only when
+# its prediction ends by then (its limit alone would keep it out); "off".
+GPULAB_GUEST_BACKFILL = envchoice(
+    "GPULAB_GUEST_BACKFILL", "off", ("off", "on", "predicted")
+)

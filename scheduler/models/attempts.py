@@ -114,6 +114,10 @@ class Attempt(models.Model):
     preempted_for = models.ForeignKey(
         Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # Started as a guest (``GPULAB_GUEST_BACKFILL``): on GPUs reserved for the
+    # first job waiting, past its planned start; it yields them (preempted, its
+    # work kept to its last checkpoint) when that job can start.
+    guest = models.BooleanField(default=False)
     # An interactive attempt's server on its node (as the agent reported it in
     # job.started): where the portal's proxy forwards, and the command that ran.
     interactive_host = models.CharField(max_length=255, blank=True)

@@ -1,9 +1,10 @@
 """The reservation stage (gpulab only): a preemption plan for the top blocked job.
 
-Two kinds of victims, tried in this order: by class (below), then by least
-attained service (``las_candidates``: checkpointable jobs, the most attained
-first; docs/policy.md "Preemption by attained service"). Both use the same
-minimal-set search (``plan``).
+Three kinds of victims, tried in this order: by class (below), guests
+(``guests``: checkpointable jobs started on GPUs a reservation held, which yield
+them; docs/policy.md "Guests on reserved GPUs"), then by least attained service
+(``las_candidates``: checkpointable jobs, the most attained first; docs/policy.md
+"Preemption by attained service"). All use the same minimal-set search (``plan``).
 
 Class preemption is only for a job of a non-preemptible class; victims are running jobs marked
 ``preemptible`` that were preempted fewer than ``preempt_max_per_hour`` times in the
@@ -159,6 +160,55 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
             )
     out.sort(key=lambda t: t[:4])
     return [t[4] for t in out]
+
+
+def guests(idx: PassIndex) -> list[RunningJob]:
+    """The guests the top blocked job may preempt (``PolicyConfig.guest_backfill``):
+    running jobs started as guests on GPUs a reservation held (``yields``) that
+    have run at least ``preempt_min_run_s`` (so no guest is started only to be
+    stopped at once); the latest started first (the least work done). A guest
+    consented to yield by starting as one, so the LAS queues and wait bound do
+    not apply; an interactive job is never a guest."""
+    state = idx.state
+    now = state.now
+    min_run = state.config.preempt_min_run_s
+    out = [
+        r
+        for r in state.running
+        if yields(r, state.config) and now - r.started_at >= min_run
+    ]
+    out.sort(key=lambda r: (-r.started_at, -r.id))
+    return out
+
+
+def yields(r: RunningJob, cfg: PolicyConfig) -> bool:
+    """``r`` is a guest that may still be preempted: not already being stopped,
+    and preempted fewer than ``preempt_max_per_hour`` times in the last hour (a
+    guest over the hourly bound runs on, and the top blocked job plans around
+    its end like any other job's)."""
+    return (
+        r.guest
+        and not r.stopping
+        and r.preemptions_last_hour < cfg.preempt_max_per_hour
+    )
+
+
+def guest_end(idx: PassIndex) -> Callable[[RunningJob], float]:
+    """A running job's planned end for the reservation: a guest's GPUs free when
+    it may first be preempted (its minimum run), if that is before its planned
+    end; every other job's at ``PassIndex.planned_end``."""
+    planned_end = idx.planned_end
+    cfg = idx.state.config
+    min_run = cfg.preempt_min_run_s
+    now = idx.state.now
+
+    def end_of(r: RunningJob) -> float:
+        end = planned_end(r)
+        if yields(r, cfg):
+            return min(end, max(now, r.started_at + min_run))
+        return end
+
+    return end_of
 
 
 def lost_gpu_s(r: RunningJob, now: float) -> float:

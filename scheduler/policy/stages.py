@@ -14,14 +14,17 @@
   job;
 - ``reservation``: ``reserve_top``: for the top blocked job, in ``gpulab`` and a
   non-preemptible class, a preemption plan if one exists (``preempt_for``):
-  victims by class first, else checkpointable jobs by least attained service
-  (``preempt.las_candidates``); else the EASY shadow-time reservation
-  (``reserve_shadow``);
+  victims by class first, then guests (``preempt.guests``), else checkpointable
+  jobs by least attained service (``preempt.las_candidates``); else the EASY
+  shadow-time reservation (``reserve_shadow``; a guest's GPUs count as freeing
+  when its minimum run ends);
 - ``backfill``: ``backfill``: each later job, at most ``backfill_max_tested`` of
   them, starts if it fits now and either ends by the shadow time or avoids the
   reserved GPUs, else (``gpulab``, up to ``las_extra_plans`` a pass) may get a
-  preemption plan by attained service of its own (``las_extra``); without
-  backfill later jobs wait ``PRIORITY``;
+  preemption plan by attained service of its own (``las_extra``), else (with
+  ``guest_backfill``, a checkpointable job) starts on the reserved GPUs as a
+  guest (``Start.guest``), which the top blocked job preempts when it can start;
+  without backfill later jobs wait ``PRIORITY``;
 - ``reasons``: ``render_waits``: exactly one ``Wait`` per job not started, in
   scheduling order, against the final ledger.
 
@@ -360,7 +363,9 @@ def try_place(
 def _record_start(p: Pass, job: PendingJob, start: Start) -> None:
     gpu_ids = start.gpu_ids
     p.started.append(
-        RunningJob(job.id, gpu_ids, p.now, job.planned_s, job.time_limit_s)
+        RunningJob(
+            job.id, gpu_ids, p.now, job.planned_s, job.time_limit_s, guest=start.guest
+        )
     )
     p.decisions.append(start)
     if p.has_quotas:
@@ -369,12 +374,17 @@ def _record_start(p: Pass, job: PendingJob, start: Start) -> None:
 
 
 def start(
-    p: Pass, job: PendingJob, placements: tuple[Placement, ...], *, bf: bool
+    p: Pass,
+    job: PendingJob,
+    placements: tuple[Placement, ...],
+    *,
+    bf: bool,
+    guest: bool = False,
 ) -> None:
     """Start ``job`` on ``placements`` (whole GPUs) and take them from the ledger;
     a shareable single-GPU job's GPU becomes one a later job may join."""
     place.take(p.ledger, placements)
-    _record_start(p, job, Start(job.id, placements, backfilled=bf))
+    _record_start(p, job, Start(job.id, placements, backfilled=bf, guest=guest))
     gpu_ids = tuple(g for pl in placements for g in pl.gpu_ids)
     if p.sharing is not None and job.shareable and len(gpu_ids) == 1:
         p.sharing.started_alone(job, gpu_ids[0])
@@ -459,6 +469,10 @@ def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
     spec = p.state.classes.get(job.priority_class)
     if p.preemption and not (spec is not None and spec.preemptible):
         plan = _plan(p, job, c)
+        if plan is None and p.cfg.guest_backfill != "off":
+            cands = preempt.guests(p.idx)
+            if cands:
+                plan = _plan(p, job, c, cands=cands)
         if plan is None and p.cfg.las_preemption:
             plan = _plan(p, job, c, cands=preempt.las_candidates(p.idx, job))
         if plan is not None:
@@ -546,6 +560,11 @@ def _apply_plan(p: Pass, job: PendingJob, plan: preempt.Plan) -> None:
                 f"preempted (class {v.priority_class!r}) so that job"
                 f" {job.id} (class {job.priority_class!r}) can start"
             )
+        elif v.guest:
+            why = (
+                f"preempted (checkpointable, started as a guest on GPUs held for"
+                f" the first job waiting) so that job {job.id} can start"
+            )
         else:
             why = (
                 f"preempted (checkpointable, {_gpu_h(v.attained_gpu_s(p.now))}"
@@ -587,6 +606,15 @@ def _gpu_h(gpu_s: float) -> str:
     return f"{gpu_s / 3600.0:.1f} GPU-h"
 
 
+def _guests_yield(p: Pass, job: PendingJob) -> bool:
+    """Guests are on and ``job``, the top blocked job, may preempt them (the
+    ``gpulab`` policy, a job of a non-preemptible class: ``reserve_top``)."""
+    if p.cfg.guest_backfill == "off" or not p.preemption:
+        return False
+    spec = p.state.classes.get(job.priority_class)
+    return not (spec is not None and spec.preemptible)
+
+
 def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:
     """The EASY reservation (``backfill.reserve``): ``job`` waits ``RESOURCES``
     with its planned start, if the running jobs' planned ends give one.
@@ -598,6 +626,8 @@ def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:
     ``planned_end`` shadow time."""
     idx = p.idx
     running = [*idx.running_by_end, *p.started]
+    # with guests, the GPUs a guest holds free when it may first be preempted
+    end_of = preempt.guest_end(idx) if _guests_yield(p, job) else None
     r = p.reservation = easy.reserve(
         job.id,
         c,
@@ -607,6 +637,7 @@ def reserve_shadow(p: Pass, job: PendingJob, c: Constraint) -> None:
         running,
         spread=p.spread,
         topology=p.topology,
+        end_of=end_of,
     )
     shown, behind = r.shadow, r.behind
     if shown is None:
@@ -710,8 +741,18 @@ def backfill_one(p: Pass, job: PendingJob, c: Constraint) -> None:
         start(p, job, got, bf=True)  # nothing can be protected: no planned start
         return
     if shadow is not None and p.now + p.idx.planned_s(job) <= shadow:
-        start(p, job, got, bf=True)
+        # planned by its prediction to end by the shadow time; a guest when its
+        # limit runs past it on reserved GPUs, so an overrun cannot delay the
+        # top blocked job
+        guest = (
+            p.idx.predictions
+            and p.now + job.time_limit_s > shadow
+            and not reservation.gpu_ids.isdisjoint(g for pl in got for g in pl.gpu_ids)
+            and _guest(p, job, shadow)
+        )
+        start(p, job, got, bf=True, guest=guest)
         return
+    anywhere = got
     got = try_place(p, job, c, avoid_reserved=True)
     if got is not None:
         start(p, job, got, bf=True)
@@ -720,7 +761,34 @@ def backfill_one(p: Pass, job: PendingJob, c: Constraint) -> None:
         return
     if p.las_left > 0 and las_extra(p, job, c):
         return
+    if (
+        shadow is not None
+        and _guest(p, job, shadow)
+        and (
+            p.cfg.guest_backfill == "on"
+            or p.now + job.planned_s <= shadow  # "predicted"
+        )
+    ):
+        start(p, job, anywhere, bf=True, guest=True)
+        return
     p.wait(job, Reason.RESERVED_FOR_HIGHER, _held_message(p, job, shadow))
+
+
+def _guest(p: Pass, job: PendingJob, shadow: float) -> bool:
+    """``job`` may start as a guest on the reserved GPUs (``guest_backfill`` not
+    "off"): it checkpoints, is not interactive, the top blocked job may preempt
+    guests, and the shadow time is at least a minimum run away (no guest is
+    started only to be stopped at once)."""
+    cfg = p.cfg
+    if cfg.guest_backfill == "off" or not job.checkpointable:
+        return False
+    top = p.top
+    if top is None or not _guests_yield(p, top):
+        return False
+    spec = p.state.classes.get(job.priority_class)
+    if spec is not None and spec.interactive:
+        return False
+    return shadow - p.now >= cfg.preempt_min_run_s
 
 
 def _held_message(p: Pass, job: PendingJob, shadow: float | None) -> str:

@@ -121,6 +121,13 @@ class PolicyConfig:
     # LAS victims only among the jobs with more time left than the waiting job
     # is planned to run (``preempt.las_candidates``)
     las_shorter: bool = False
+    # Guests (``stages.backfill_one``): a checkpointable job that fits now only
+    # on GPUs the top blocked job's reservation holds, and would run past its
+    # shadow time, starts there anyway as a guest, and is preempted for the top
+    # blocked job when that job could start but for guests (``preempt.guests``).
+    # "off"; "on": any such job; "predicted": only one whose prediction ends by
+    # the shadow time (the limit alone would keep it out).
+    guest_backfill: str = "off"
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.
@@ -315,6 +322,9 @@ class RunningJob:
     # When its current attempt last reported a checkpoint (``Attempt.checkpoint_at``,
     # epoch seconds; None: none yet): stopped now it loses the work since then.
     checkpoint_at: float | None = None
+    # Started as a guest on GPUs a reservation held (``Start.guest``): it yields
+    # them to the top blocked job (``preempt.guests``).
+    guest: bool = False
 
     def las_slowdown(self, now: float) -> float:
         """Time since its submission over its service time (attained / GPUs);
@@ -442,6 +452,9 @@ class Start:
     # Set when the job joins a GPU that already runs jobs (one slot of it): the
     # admission record (rule, predicted slowdowns, partners), shown on its page.
     admission: Admission | None = None
+    # A guest: it took GPUs the top blocked job's reservation holds and yields
+    # them when that job can start (``PolicyConfig.guest_backfill``).
+    guest: bool = False
 
     @property
     def gpu_ids(self) -> tuple[int, ...]:

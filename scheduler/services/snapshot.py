@@ -45,6 +45,7 @@ def policy_config() -> policy.PolicyConfig:
         las_extra_plans=settings.GPULAB_LAS_EXTRA_PLANS,
         las_victims=settings.GPULAB_LAS_VICTIMS,
         las_shorter=settings.GPULAB_LAS_SHORTER,
+        guest_backfill=settings.GPULAB_GUEST_BACKFILL,
     )
 
 
@@ -151,7 +152,7 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
        t.peak_memory_mib, j.array_id, j.checkpointable, {_PRIOR_SQL},
        date_part('epoch', t.checkpoint_at), date_part('epoch', j.submitted_at),
-       t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
+       t.guest, t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
        t.progress_first_step, date_part('epoch', t.progress_first_at)
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
@@ -344,6 +345,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         prior,
         checkpoint_at,
         submitted_at,
+        guest,
         *reports,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
@@ -387,6 +389,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 prior_gpu_s=float(prior),
                 submitted_at=submitted_at,
                 checkpoint_at=checkpoint_at,
+                guest=guest,
             )
         )
     knowledge, trials = load_knowledge(

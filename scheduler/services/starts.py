@@ -100,6 +100,7 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
         planned: list[tuple[Job, list[int], list[Gpu]]] = []
         slots_of: dict[int, list[tuple[Gpu, int]]] = {}  # job -> (GPU, slot) taken
         admissions: dict[int, dict[str, Any]] = {}
+        guests = {d.job_id for d in starts if d.guest}
         for decision in starts:
             job = jobs.pop(decision.job_id, None)  # a job starts once
             if job is None:
@@ -144,6 +145,7 @@ def _start_batch(starts: Sequence[policy.Start], *, share_slots: bool) -> int:
                     created_at=now,
                     ranks=node_ids if len(node_ids) > 1 else [],
                     admission=admissions.get(job.pk),
+                    guest=job.pk in guests,
                 )
                 for job, node_ids, _ in planned
             ]

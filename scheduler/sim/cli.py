@@ -241,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(GPULAB_LAS_VICTIMS)",
     )
     p.add_argument(
+        "--guest-backfill",
+        choices=("off", "on", "predicted"),
+        default=PolicyConfig.guest_backfill,
+        help="gpulab: a checkpointable job that fits only on GPUs reserved for "
+        "the top blocked job starts there as a guest and yields them when that "
+        "job can start; 'predicted': only one whose prediction ends by the "
+        "reservation (GPULAB_GUEST_BACKFILL)",
+    )
+    p.add_argument(
         "--las-shorter",
         action="store_true",
         help="gpulab: a LAS victim must have more time left than the waiting "
@@ -381,6 +390,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             las_extra_plans=args.las_extra_plans,
             las_victims=args.las_victims,
             las_shorter=args.las_shorter,
+            guest_backfill=args.guest_backfill,
             weight_runtime=args.weight_runtime,
             runtime_ref_s=args.runtime_ref * 3600.0,
             runtime_age_gpu_s=args.runtime_age * 3600.0,
@@ -466,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "las_extra_plans": args.las_extra_plans,
                 "las_victims": args.las_victims,
                 "las_shorter": args.las_shorter,
+                "guest_backfill": args.guest_backfill,
                 "oracle_runtime": args.oracle_runtime,
                 "weight_runtime": args.weight_runtime,
                 "runtime_ref_h": args.runtime_ref,

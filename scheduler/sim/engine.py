@@ -256,6 +256,7 @@ class Simulator(PolicyViews):
         job.shared_attempt = False
         job.joined_at = now if adm is not None else None
         job.trial = adm is not None and adm.trial
+        job.guest = start.guest
         job.doomed = adm is not None and self._admitted(job, adm, now)
         self.running[job.id] = job
         for g in gpu_ids:

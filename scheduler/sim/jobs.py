@@ -94,6 +94,7 @@ class SimJob:
     segment: Segment | None = None
     joined_at: float | None = None
     trial: bool = False
+    guest: bool = False  # started as a guest on reserved GPUs (``Start.guest``)
     doomed: bool = False  # joined a partner it cannot fit beside: fails at start
     progress_from: float = 0.0  # its start, or when the partner it could not fit
     # beside left before it failed

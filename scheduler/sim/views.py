@@ -235,6 +235,7 @@ class PolicyViews(GpuPhysics):
                 if self.config.las_victims == "checkpoint"
                 else None
             ),
+            guest=job.guest,
         )
 
     def _state(self, now: float) -> ClusterState:
