@@ -48,9 +48,9 @@ GPULAB_LAS_VICTIMS = envchoice(
 GPULAB_LAS_SHORTER = envbool("GPULAB_LAS_SHORTER", default=False)
 # Guests: a checkpointable job that fits now only on GPUs reserved for the first
 # job waiting, and would run past that job's planned start, starts there as a
-# guest and is preempted when that job can start ("on"); "predicted" (the
-# default): only when its prediction ends by then (its limit alone would keep it
-# out); "off": never (docs/policy.md, "Guests on reserved GPUs").
+# guest and is preempted when that job can start ("on"); "predicted": only when
+# its prediction ends by then (its limit alone would keep it out); "off" (the
+# default): never (docs/policy.md, "Guests on reserved GPUs").
 GPULAB_GUEST_BACKFILL = envchoice(
-    "GPULAB_GUEST_BACKFILL", "predicted", ("off", "on", "predicted")
+    "GPULAB_GUEST_BACKFILL", "off", ("off", "on", "predicted")
 )

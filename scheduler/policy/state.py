@@ -125,10 +125,10 @@ class PolicyConfig:
     # on GPUs the top blocked job's reservation holds, and would run past its
     # shadow time, starts there anyway as a guest, and is preempted for the top
     # blocked job when that job could start but for guests (``preempt.guests``).
-    # "off"; "on": any such job; "predicted" (the default): only one whose
+    # "off" (the default); "on": any such job; "predicted": only one whose
     # prediction ends by the shadow time (the limit alone would keep it out):
     # docs/policy.md, "Guests on reserved GPUs".
-    guest_backfill: str = "predicted"
+    guest_backfill: str = "off"
     # Placement: "pack" (best fit) or "spread".
     placement: str = "pack"
     # Co-location (``colocate``): shareable single-GPU jobs may join a busy GPU.

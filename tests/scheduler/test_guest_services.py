@@ -34,9 +34,9 @@ def starts_of(decisions: list[Any]) -> dict[int, policy.Start]:
 
 
 def test_the_setting_reaches_the_policy(settings: Any) -> None:
-    assert policy_config().guest_backfill == "predicted"
-    settings.GPULAB_GUEST_BACKFILL = "off"
     assert policy_config().guest_backfill == "off"
+    settings.GPULAB_GUEST_BACKFILL = "predicted"
+    assert policy_config().guest_backfill == "predicted"
 
 
 def test_a_guest_runs_on_reserved_gpus_and_yields_them_when_their_job_can_start(
