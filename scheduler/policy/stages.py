@@ -470,7 +470,7 @@ def reserve_top(p: Pass, job: PendingJob, c: Constraint) -> None:
     spec = p.state.classes.get(job.priority_class)
     if p.preemption and not (spec is not None and spec.preemptible):
         plan = _plan(p, job, c)
-        if plan is None and p.cfg.guest_backfill != "off":
+        if plan is None and _guests_yield(p, job):
             cands = preempt.guests(p.idx)
             if cands:
                 plan = _plan(p, job, c, cands=cands)
