@@ -599,6 +599,11 @@ class JobSerializer(ListedFast, serializers.Serializer[Job]):
         help_text="Work its requeued attempts lost (since their last checkpoint,"
         " or since their start), in GPU-seconds.",
     )
+    guest = serializers.SerializerMethodField(
+        help_text="A running job started as a guest: ahead of its turn, on GPUs"
+        " held for the first job waiting; it is stopped with its checkpoint"
+        " signal and requeued when that job can start. False otherwise.",
+    )
     submitted_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
@@ -638,6 +643,11 @@ class JobSerializer(ListedFast, serializers.Serializer[Job]):
 
     def get_lost_work_gpu_s(self, job: Job) -> int:
         return job.restarts()[1]
+
+    def get_guest(self, job: Job) -> bool:
+        if job.status != Job.Status.RUNNING:
+            return False
+        return any(a.guest for a in attempts_of(job) if a.ended_at is None)
 
     def get_cancel_requested(self, job: Job) -> bool:
         return job.cancel_requested_at is not None

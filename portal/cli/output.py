@@ -207,6 +207,15 @@ def job_detail(job: Mapping[str, Any]) -> str:
                 f" {job.get('checkpoint_grace_s', 60)}s; " + checkpoint_summary(job),
             )
         )
+    if job.get("guest"):
+        lines.append(
+            (
+                "Guest",
+                "started ahead of its turn on GPUs held for the first job waiting;"
+                " stopped (work kept to its last checkpoint) and requeued when that"
+                " job can start",
+            )
+        )
     lines.append(
         (
             "If node lost",

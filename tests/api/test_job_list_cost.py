@@ -39,8 +39,8 @@ pytestmark = pytest.mark.django_db
 def every_kind(owner: User, holder: User, node: Node, n: int) -> list[Any]:
     """One job of each shape the serializer reads differently: waiting in the
     queue (two, so their places are counted together), held by someone else,
-    running on ``node`` with reported progress, resumed after a requeue (two
-    attempts, work lost), with a dependency, an array's task, a JupyterLab, a
+    running on ``node`` with reported progress as a guest, resumed after a
+    requeue (two attempts, work lost, the first one a guest), with a dependency, an array's task, a JupyterLab, a
     cancel asked. ``n`` tells the names apart."""
     now = timezone.now()
     queued = [
@@ -59,6 +59,7 @@ def every_kind(owner: User, holder: User, node: Node, n: int) -> list[Any]:
         progress_step=100,
         progress_total=1000,
         progress_at=now - timedelta(minutes=1),
+        guest=True,
     )
     Job.objects.filter(pk=running.pk).update(
         status=Job.Status.RUNNING, started_at=now - timedelta(minutes=10)
@@ -73,7 +74,7 @@ def every_kind(owner: User, holder: User, node: Node, n: int) -> list[Any]:
     )
     Attempt.objects.create(
         job=resumed, number=1, node=node, started_at=now, ended_at=now,
-        lost_work_gpu_s=840,
+        lost_work_gpu_s=840, guest=True,
     )  # fmt: skip
     Attempt.objects.create(
         job=resumed, number=2, node=node, started_at=now, ended_at=now
@@ -176,6 +177,8 @@ def test_the_fast_writer_answers_what_drf_would(
     # and what each shape shows is what it is
     assert by_name["held-1"]["held_by"] == "root"
     assert by_name["running-1"]["nodes"] == ["node-a"]
+    # a guest while its guest attempt runs, not after it
+    assert [name for name, j in by_name.items() if j["guest"]] == ["running-1"]
     assert (
         by_name["resumed-1"]["restarts"],
         by_name["resumed-1"]["lost_work_gpu_s"],

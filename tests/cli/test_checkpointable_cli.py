@@ -78,3 +78,20 @@ def test_show_has_no_checkpoint_line_for_a_plain_job(
     job = JobFactory(owner=alice)
     got = gpulab("show", str(job.pk), user=alice)
     assert "Checkpointable" not in got.stdout
+
+
+def test_show_says_a_running_guest_yields_its_gpus(
+    gpulab: Gpulab, alice: User, cluster: list[Node]
+) -> None:
+    job = JobFactory(
+        owner=alice, checkpointable=True, status=Job.Status.RUNNING, attempts=1
+    )
+    Attempt.objects.create(
+        job=job, number=1, node=cluster[0], started_at=timezone.now(), guest=True
+    )
+    shown = gpulab("show", str(job.pk), user=alice).stdout
+    line = next(ln for ln in shown.splitlines() if ln.startswith("Guest"))
+    assert "requeued when that job can start" in line
+    # its attempt over, it is a guest no more
+    Attempt.objects.filter(job=job).update(ended_at=timezone.now())
+    assert "Guest" not in gpulab("show", str(job.pk), user=alice).stdout

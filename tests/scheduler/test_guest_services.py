@@ -78,6 +78,8 @@ def test_a_guest_runs_on_reserved_gpus_and_yields_them_when_their_job_can_start(
     page = client_for(bob).get(reverse("portal-job", args=[late.pk]))
     assert b'data-testid="guest"' in page.content
     assert b"it yields them" in page.content
+    # and through the API (the CLI's ``show`` reads it there)
+    assert client_for(bob).get(f"/api/v1/jobs/{late.pk}/").json()["guest"] is True
     # no guest mark on an ordinary start
     plain = client_for(alice).get(reverse("portal-job", args=[blocker.pk]))
     assert b'data-testid="guest"' not in plain.content
@@ -98,6 +100,7 @@ def test_a_guest_runs_on_reserved_gpus_and_yields_them_when_their_job_can_start(
         services.finish_attempt(node_a.pk, exit_at(attempt, T0 + 3700))
     late.refresh_from_db()
     assert late.status == Job.Status.PENDING
+    assert client_for(bob).get(f"/api/v1/jobs/{late.pk}/").json()["guest"] is False
     state = services.cluster_state(at(3710))
     assert not any(r.id == late.pk for r in state.running)
     decisions = policy.decide(state)

@@ -123,8 +123,8 @@ def dependencies_out() -> Prefetch[Any, Any]:
     )
 
 
-# An attempt's columns that ``serializers.latest_nodes``, ``Job.restarts`` and
-# the expected end (``portal.expected_end.of``) read, by their attribute names:
+# An attempt's columns that ``serializers.latest_nodes``, ``Job.restarts``, the
+# guest mark and the expected end (``portal.expected_end.of``) read, by their attribute names:
 # what the list's rows (``views.listing``) and ``attempts_for_nodes`` load.
 ATTEMPT_COLUMNS = (
     "job_id",
@@ -140,6 +140,7 @@ ATTEMPT_COLUMNS = (
     "progress_first_step",
     "progress_first_at",
     "lost_work_gpu_s",
+    "guest",
 )
 
 

@@ -46,6 +46,7 @@ JOB_COMPUTED = (
     "interactive_url",
     "restarts",
     "lost_work_gpu_s",
+    "guest",
     "queue_position",
     "cancel_requested",
     "held_by",
@@ -54,10 +55,13 @@ JOB_COMPUTED = (
     "expected_end",
 )
 JOB_EXTRA = ("queue_order", "preemptions", "cancel_requested_at", "held_by__username")
-_NUMBER, _NODE, _RANKS, _STARTED, _LOST = (
+_NUMBER, _NODE, _RANKS, _STARTED, _ENDED, _LOST, _GUEST = (
     ATTEMPT_COLUMNS.index(c)
-    for c in ("number", "node_id", "ranks", "started_at", "lost_work_gpu_s")
-)
+    for c in (
+        "number", "node_id", "ranks", "started_at", "ended_at", "lost_work_gpu_s",
+        "guest",
+    )
+)  # fmt: skip
 _MOMENT = "moment"  # (_MOMENT, field): a time, written in the request's zone
 
 
@@ -235,6 +239,11 @@ def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str,
             (a[_NUMBER], a[_STARTED], a[_LOST]) for a in attempts.get(row[i_id], [])
         )
 
+    def guest(row: tuple[Any, ...]) -> bool:
+        if row[i_status] != Job.Status.RUNNING:
+            return False
+        return any(a[_GUEST] for a in attempts.get(row[i_id], []) if a[_ENDED] is None)
+
     def expected_end(row: tuple[Any, ...]) -> str | None:
         if row[i_status] != Job.Status.RUNNING:
             return None
@@ -251,6 +260,7 @@ def job_items(ordered: QuerySet[Job], offset: int, limit: int) -> list[dict[str,
             ),
             "restarts": lambda row: restarts(row)[0],
             "lost_work_gpu_s": lambda row: restarts(row)[1],
+            "guest": guest,
             "queue_position": lambda row: places.get(row[i_id]),
             "cancel_requested": lambda row: row[i_cancel] is not None,
             "held_by": lambda row: row[i_holder],
