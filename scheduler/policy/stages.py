@@ -78,7 +78,6 @@ if TYPE_CHECKING:
     from scheduler.policy.state import ClusterState, Decision, PendingJob, PolicyConfig
 
 INF = 1 << 62
-_HOUR_S = 3600.0
 
 # a job's Wait before rendering: (job, reason, message, planned start, the shape
 # whose free-GPU histogram prefixes the message)
@@ -779,16 +778,15 @@ def _guest(p: Pass, job: PendingJob, shadow: float) -> bool:
     """``job`` may start as a guest on the reserved GPUs (``guest_backfill`` not
     "off"): it checkpoints, is not interactive, the top blocked job may preempt
     guests, the shadow time is at least a minimum run away (no guest is started
-    only to be stopped at once), and it was not preempted in the last hour, so
-    the hourly bound (``preempt_max_per_hour``, at least 1) leaves room for it to
-    yield (``preempt.yields``): a guest that could not be stopped would hold the
-    reserved GPUs to its end."""
+    only to be stopped at once), and it was preempted fewer times in the last
+    hour than the hourly bound (``preempt_max_per_hour``) allows, so the bound
+    leaves room for it to yield (``preempt.yields``; the count only falls while
+    it runs): a guest that could not be stopped would hold the reserved GPUs to
+    its end."""
     cfg = p.cfg
     if cfg.guest_backfill == "off" or not job.checkpointable:
         return False
-    if cfg.preempt_max_per_hour < 1 or (
-        job.preempted_at is not None and p.now - job.preempted_at < _HOUR_S
-    ):
+    if job.preemptions_last_hour >= cfg.preempt_max_per_hour:
         return False
     top = p.top
     if top is None or not _guests_yield(p, top):

@@ -274,8 +274,10 @@ class PendingJob:
     # whether it saves its work when stopped (``Job.checkpointable``)
     attained_gpu_s: float = 0.0
     checkpointable: bool = False
-    # when it was last preempted (None: never); ``preempt.las_order`` reads it
+    # when it was last preempted (None: never); ``preempt.las_order`` reads it;
+    # and how many times in the hour before the pass (``stages._guest``)
     preempted_at: float | None = None
+    preemptions_last_hour: int = 0
 
 
 @dataclass(frozen=True)

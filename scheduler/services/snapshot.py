@@ -120,6 +120,14 @@ _PRIOR_SQL = """(SELECT coalesce(sum(date_part('epoch', e.ended_at - e.started_a
         FROM scheduler_attempt e
         WHERE e.job_id = j.id AND e.started_at IS NOT NULL
               AND e.ended_at IS NOT NULL) * j.gpus"""
+# A job's preemptions in the hour before the pass (``preempt_max_per_hour``): its
+# attempts stopped by a preemption that ended after the cutoff (%s). Looked up only
+# for a job whose last preemption is that recent, so a queue that was never
+# preempted pays one comparison a row.
+_RECENT_PREEMPTIONS_SQL = """CASE WHEN j.last_preempted_at > %s THEN
+       (SELECT count(*) FROM scheduler_attempt e
+        WHERE e.job_id = j.id AND e.kill_reason = 'preempted' AND e.ended_at > %s)
+       ELSE 0 END"""
 # Each pending job with what decide needs and, after it, its wait fields as stored
 # (WAIT_FIELDS), so apply_decisions writes only what changed without reading 10,000
 # rows a second time.
@@ -128,7 +136,7 @@ SELECT j.id, j.gpus, j.gpu_memory_mib, date_part('epoch', j.submitted_at), j.own
        j.group_id, j.priority_class, j.time_limit_s, j.predicted_runtime_s,
        j.shareable, j.gpu_model, j.workload, j.slowdown_cap, j.array_id,
        a.max_running, j.checkpointable, {_PRIOR_SQL},
-       date_part('epoch', j.last_preempted_at),
+       date_part('epoch', j.last_preempted_at), {_RECENT_PREEMPTIONS_SQL},
        j.pending_reason, j.pending_message, j.queue_order,
        j.priority_breakdown::text, date_part('epoch', j.est_start)
 FROM scheduler_job j LEFT JOIN scheduler_jobarray a ON a.id = j.array_id
@@ -147,7 +155,7 @@ _RUNNING_SQL = f"""
 SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        date_part('epoch', t.created_at), t.kill_reason, j.owner_id, j.group_id,
        j.priority_class, j.time_limit_s, j.predicted_runtime_s,
-       CASE WHEN j.last_preempted_at > %s THEN j.preemptions ELSE 0 END,
+       {_RECENT_PREEMPTIONS_SQL},
        j.shareable, j.workload, j.gpu_memory_mib, j.gpus, j.slowdown_cap, j.evictable,
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
        t.peak_memory_mib, j.array_id, j.checkpointable, {_PRIOR_SQL},
@@ -215,11 +223,12 @@ def snapshot(now: datetime | None = None) -> Snapshot:
     with connection.cursor() as cursor:
         cursor.execute(_GPUS_SQL)
         gpu_rows = cursor.fetchall()
-        cursor.execute(_PENDING_SQL)
+        hour_ago = now - timedelta(hours=1)
+        cursor.execute(_PENDING_SQL, [hour_ago, hour_ago])
         pending_rows = cursor.fetchall()
         cursor.execute(_DEPENDENCIES_SQL)
         dependency_rows = cursor.fetchall()
-        cursor.execute(_RUNNING_SQL, [now - timedelta(hours=1)])
+        cursor.execute(_RUNNING_SQL, [hour_ago, hour_ago])
         running_rows = cursor.fetchall()
     node_names = {pk: name for pk, name, _, _ in nodes}
     gpu_rows.sort(key=lambda row: (node_names.get(row[1], ""), row[2]))
@@ -281,6 +290,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         checkpointable,
         attained,
         preempted_at,
+        preempted_last_hour,
         reason,
         message,
         order_key,
@@ -309,6 +319,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 attained_gpu_s=float(attained),
                 checkpointable=checkpointable,
                 preempted_at=preempted_at,
+                preemptions_last_hour=preempted_last_hour,
             )
         )
         stored_waits[pk] = (reason, message, order_key, breakdown, est_start)

@@ -124,6 +124,8 @@ class SimCluster:
         self.running: dict[int, SimJob] = {}
         self.running_views: dict[int, RunningJob] = {}
         self.recently_preempted: set[int] = set()
+        # waiting jobs whose view may count a preemption within the hour
+        self.preempted_pending: set[int] = set()
         self.stale_views: set[int] = set()  # running jobs whose view changed
         # ``las_victims`` "checkpoint": when each running checkpointable job's
         # next checkpoint falls (its view's ``checkpoint_at`` moves then)

@@ -143,6 +143,8 @@ class Simulator(PolicyViews):
         self.pending_by_user.setdefault(job.user, set()).add(job.id)
         self.pending_by_request.setdefault(self._request(job), set()).add(job.id)
         self.pending_views[job.id] = self._pending_view(job)
+        if job.preempt_times:
+            self.preempted_pending.add(job.id)
 
     def _true_duration(self, job: SimJob, start: Start) -> float:
         if job.steps is None or self.table is None:
@@ -221,6 +223,7 @@ class Simulator(PolicyViews):
             self._check_join(job, start, adm)
         del self.pending[job.id]
         del self.pending_views[job.id]
+        self.preempted_pending.discard(job.id)
         self.pending_by_user[job.user].discard(job.id)
         self.pending_by_request[self._request(job)].discard(job.id)
         job.state = "running"

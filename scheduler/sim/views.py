@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -185,7 +186,7 @@ class PolicyViews(GpuPhysics):
         )
 
     def _running_view(self, job: SimJob, now: float) -> RunningJob:
-        recent = sum(1 for t in job.preempt_times if now - t < 3600.0)
+        recent = _recent(job.preempt_times, now)
         cls = CLASSES[job.priority_class]
         measured: float | None = None
         measured_for = 0.0
@@ -249,6 +250,14 @@ class PolicyViews(GpuPhysics):
                     if job.pred_version != version:
                         self.pending_views[job_id] = self._pending_view(job)
         self.stale_users.clear()
+        # the waiting jobs preempted within the hour: their count as of now
+        for job_id in list(self.preempted_pending):
+            n = _recent(self.pending[job_id].preempt_times, now)
+            view = self.pending_views[job_id]
+            if view.preemptions_last_hour != n:
+                self.pending_views[job_id] = replace(view, preemptions_last_hour=n)
+            if n == 0:
+                self.preempted_pending.discard(job_id)
         refresh = self.recently_preempted | self.stale_views
         self.stale_views.clear()
         # progress: rates the events changed, and the jobs that reported since
@@ -303,3 +312,8 @@ class PolicyViews(GpuPhysics):
             knowledge=knowledge,
             trials_last_hour=trials,
         )
+
+
+def _recent(preempt_times: list[float], now: float) -> int:
+    """Preemptions in the hour before ``now`` (``preempt_max_per_hour``)."""
+    return sum(1 for t in preempt_times if now - t < 3600.0)

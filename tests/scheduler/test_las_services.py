@@ -14,7 +14,7 @@ import time_machine
 
 from agents import protocol
 from scheduler import policy, services
-from scheduler.models import Job
+from scheduler.models import Attempt, Job
 from scheduler.services.snapshot import policy_config
 from tests.factories import JobFactory
 from tests.scheduler.test_checkpointable_services import T0, exit_at, kills, running
@@ -122,6 +122,43 @@ def test_the_snapshot_says_when_a_running_attempt_last_checkpointed(
     state = services.cluster_state(at(3600))
     [r] = [r for r in state.running if r.id == job.pk]
     assert r.checkpoint_at == pytest.approx(T0 + 1800)
+
+
+def test_the_snapshot_counts_a_jobs_preemptions_in_the_last_hour(
+    alice: User, cluster: list[Node]
+) -> None:
+    """The hourly bound counts the preemptions of the hour before the pass, not
+    every preemption of a job whose last one was recent."""
+    _, node_b = cluster
+    job = JobFactory(
+        owner=alice,
+        submitted_at=at(0),
+        checkpointable=True,
+        attempts=4,
+        preemptions=3,
+        last_preempted_at=at(5.5 * 3600),
+    )
+    # preempted at 1 h, 5.2 h and 5.5 h; sent back at 5 h by an eviction (a
+    # co-location partner suffered), which is no preemption
+    for number, ended, why in (
+        (1, 1.0, "preempted"), (2, 5.0, "evicted"), (3, 5.2, "preempted"),
+        (4, 5.5, "preempted"),
+    ):  # fmt: skip
+        Attempt.objects.create(
+            job=job, number=number, node=node_b, started_at=at(ended * 3600 - 600),
+            ended_at=at(ended * 3600), kill_reason=why,
+        )  # fmt: skip
+
+    def waiting(hours: float) -> int:
+        state = services.cluster_state(at(hours * 3600))
+        [j] = [j for j in state.pending if j.id == job.pk]
+        return j.preemptions_last_hour
+
+    assert [waiting(h) for h in (5.6, 6.3, 6.6)] == [2, 1, 0]
+    running(job, node_b, at=T0 + 6 * 3600)
+    state = services.cluster_state(at(6.1 * 3600))
+    [r] = [r for r in state.running if r.id == job.pk]
+    assert r.preemptions_last_hour == 2
 
 
 def test_the_victim_rules_reach_the_policy_from_the_settings(settings: Any) -> None:

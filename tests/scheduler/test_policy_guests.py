@@ -233,11 +233,13 @@ def test_a_guest_over_the_hourly_bound_runs_on_and_is_planned_around():
     assert [p.victim_id for p in preempts(decide(due([once])))] == [20]
 
 
-def test_a_job_preempted_in_the_last_hour_is_no_guest():
-    # it could not be stopped again within the hourly bound once it had run
-    recent = replace(ckpt_job(2), preempted_at=NOW - 1800.0)
-    assert 2 not in starts(decide(reserved(second=recent)))
-    earlier = replace(ckpt_job(2), preempted_at=NOW - 2 * HOUR)
-    assert starts(decide(reserved(second=earlier)))[2].guest
+def test_a_job_preempted_up_to_the_hourly_bound_is_no_guest():
+    # it could not be stopped again within the bound (2 an hour by default)
+    twice = replace(ckpt_job(2), preempted_at=NOW - 1800.0, preemptions_last_hour=2)
+    assert 2 not in starts(decide(reserved(second=twice)))
+    # once in the hour: room for one more stop
+    once = replace(twice, preemptions_last_hour=1)
+    assert starts(decide(reserved(second=once)))[2].guest
+    assert 2 not in starts(decide(reserved(second=once, preempt_max_per_hour=1)))
     # no preemption allowed at all: no guest
     assert 2 not in starts(decide(reserved(preempt_max_per_hour=0)))

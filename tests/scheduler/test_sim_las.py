@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from agents.spec import parse_cluster_spec
-from scheduler.policy import PolicyConfig
+from scheduler.policy import PolicyConfig, run_pass
 from scheduler.sim.engine import SimOptions, Simulator
 from scheduler.sim.metrics import summarize
 from scheduler.sim.prepare import PrepareOptions, prepare
@@ -79,6 +79,32 @@ def test_the_minimum_run_protects_a_fresh_attempt():
     ).run()
     assert a.preempt_times == [660.0]
     assert jobs[1].first_start == 690.0
+
+
+def test_a_waiting_job_s_view_counts_its_preemptions_of_the_last_hour():
+    # A (checkpointable) is preempted at 3,000 for B, which does not checkpoint
+    # and runs 5,000 s: A waits 3,030-8,030, its preemption an hour old at 6,600
+    seen: list[tuple[float, int]] = []
+
+    def spy(state):
+        seen.extend(
+            (state.now, j.preemptions_last_hour) for j in state.pending if j.id == 1
+        )
+        return run_pass(state)
+
+    a = sim_job(1, 0, 10_000, ckpt=True)
+    jobs = [a, sim_job(2, 3000, 5000)]
+    Simulator(
+        jobs,
+        parse_cluster_spec("1x1:p100"),
+        PolicyConfig(name="gpulab", las_threshold_gpu_s=2000.0),
+        pass_fn=spy,
+    ).run()
+    assert a.preempt_times == [3000.0]
+    waiting = [(t, n) for t, n in seen if t > 3000]
+    assert {n for t, n in waiting if t < 6600} == {1}
+    assert {n for t, n in waiting if t >= 6600} == {0}
+    assert max(t for t, _ in waiting) > 6600  # it was seen after the hour too
 
 
 def write(tmp_path: Path, text: str) -> str:
