@@ -124,8 +124,9 @@ def dependencies_out() -> Prefetch[Any, Any]:
 
 
 # An attempt's columns that ``serializers.latest_nodes``, ``Job.restarts``, the
-# guest mark and the expected end (``portal.expected_end.of``) read, by their attribute names:
-# what the list's rows (``views.listing``) and ``attempts_for_nodes`` load.
+# guest mark and the expected end (``portal.expected_end.of``) read, by their
+# attribute names: what the list's rows (``views.listing``) and
+# ``attempts_for_nodes`` load.
 ATTEMPT_COLUMNS = (
     "job_id",
     "number",
