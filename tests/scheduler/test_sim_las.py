@@ -20,16 +20,25 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-def replay(policy: str, *, ckpt: bool, interval: float | None = None, **opts):
-    # 1 GPU. A (10,000 s) at 0; B (100 s) arrives at 3,000
+def replay(
+    policy: str,
+    *,
+    ckpt: bool,
+    interval: float | None = None,
+    b_runs: float = 100,
+    pass_fn=run_pass,
+    **opts,
+):
+    # 1 GPU. A (10,000 s) at 0; B (``b_runs``, 100 s) arrives at 3,000
     a = sim_job(1, 0, 10_000, ckpt=ckpt)
     a.checkpoint_interval_s = interval
-    jobs = [a, sim_job(2, 3000, 100)]
+    jobs = [a, sim_job(2, 3000, b_runs)]
     sim = Simulator(
         jobs,
         parse_cluster_spec("1x1:p100"),
         PolicyConfig(name=policy, las_threshold_gpu_s=2000.0),
         SimOptions(**opts),
+        pass_fn=pass_fn,
     )
     return jobs, summarize(sim.run())
 
@@ -92,14 +101,7 @@ def test_a_waiting_job_s_view_counts_its_preemptions_of_the_last_hour():
         )
         return run_pass(state)
 
-    a = sim_job(1, 0, 10_000, ckpt=True)
-    jobs = [a, sim_job(2, 3000, 5000)]
-    Simulator(
-        jobs,
-        parse_cluster_spec("1x1:p100"),
-        PolicyConfig(name="gpulab", las_threshold_gpu_s=2000.0),
-        pass_fn=spy,
-    ).run()
+    (a, _), _ = replay("gpulab", ckpt=True, b_runs=5000, pass_fn=spy)
     assert a.preempt_times == [3000.0]
     waiting = [(t, n) for t, n in seen if t > 3000]
     assert {n for t, n in waiting if t < 6600} == {1}
