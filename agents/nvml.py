@@ -75,6 +75,8 @@ class NvmlReader:
         )
         cuda = self._opt(nvml.nvmlSystemGetCudaDriverVersion)
         self.cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
+        # nvmlDeviceGetMemoryInfo_v2 until the library or driver lacks it.
+        self.memory_v2 = True
         count = nvml.nvmlDeviceGetCount()
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self.uuids = [self._uuid(i, h) for i, h in enumerate(self.handles)]
@@ -179,6 +181,33 @@ class NvmlReader:
 
     # ------------------------------------------------------------ metrics
 
+    def _memory(self, h: object) -> Any:
+        """Memory as ``nvidia-smi`` shows it. Version 2 of the call counts the
+        memory the driver reserves apart (``reserved``); version 1 counts it as
+        used (614 MiB more on an H200 with driver 580, docs/real-gpu.md). Version
+        1 where the library or driver lacks version 2."""
+        if self.memory_v2:
+            try:
+                return self.nvml.nvmlDeviceGetMemoryInfo(
+                    h, version=pynvml.nvmlMemory_v2
+                )
+            except pynvml.NVMLError_GpuIsLost:
+                raise GpuLost from None
+            except (
+                pynvml.NVMLError_FunctionNotFound,
+                pynvml.NVMLError_NotSupported,
+                pynvml.NVMLError_ArgumentVersionMismatch,
+            ) as e:
+                log.info("NVML memory info v2 unavailable (%s): using v1", e)
+                self.memory_v2 = False
+            except pynvml.NVMLError as e:
+                self.errors += 1
+                log.debug("NVML read failed: %s", e)
+                return None
+            except TypeError:  # a pynvml older than 11.510: no ``version``
+                self.memory_v2 = False
+        return self._opt(lambda: self.nvml.nvmlDeviceGetMemoryInfo(h))
+
     def sample(self, owner: Owner) -> list[GpuSample]:
         samples = []
         for i, h in enumerate(self.handles):
@@ -190,7 +219,7 @@ class NvmlReader:
 
     def _sample_one(self, i: int, h: object, owner: Owner) -> GpuSample:
         nvml = self.nvml
-        mem = self._opt(lambda: nvml.nvmlDeviceGetMemoryInfo(h))
+        mem = self._memory(h)
         util = self._opt(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
         temp = self._opt(
             lambda: nvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)

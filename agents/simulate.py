@@ -400,14 +400,19 @@ class SimNvml:
         gpu = self._gpu(h, "nvmlDeviceGetPciInfo")
         return SimpleNamespace(busId=f"00000000:{gpu.index + 1:02X}:00.0")
 
-    def nvmlDeviceGetMemoryInfo(self, h: _Handle) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, h: _Handle, version: int | None = None) -> Any:
+        """Version 1 (``version`` None) or 2 (``pynvml.nvmlMemory_v2``: with
+        ``reserved``, which a simulated GPU has none of)."""
         gpu = self._gpu(h, "nvmlDeviceGetMemoryInfo")
         with self._lock:
             used = self._mem_used_mib(gpu)
         total = self.spec.memory_mib
-        return SimpleNamespace(
+        memory = SimpleNamespace(
             total=total * MIB, used=used * MIB, free=(total - used) * MIB
         )
+        if version is not None:
+            memory.version, memory.reserved = version, 0
+        return memory
 
     def nvmlDeviceGetUtilizationRates(self, h: _Handle) -> Any:
         gpu = self._gpu(h, "nvmlDeviceGetUtilizationRates")

@@ -157,3 +157,59 @@ def test_real_pynvml_without_a_driver_is_refused_clearly() -> None:
     else:  # pragma: no cover - a GPU machine: the real module works (test_gpu.py)
         assert reader.gpus()
         reader.close()
+
+
+MIB = 1024 * 1024
+RESERVED_MIB = 614  # what driver 580 reserves on an H200 (docs/real-gpu.md)
+
+
+class ReservingNvml(SimNvml):
+    """A driver that reserves memory: version 1 of nvmlDeviceGetMemoryInfo counts
+    it as used, version 2 apart (``reserved``), as nvidia-smi shows it."""
+
+    def __init__(self) -> None:
+        super().__init__(parse_node_spec("2xH100-80GB"), hostname="x")
+        self.v2_calls = 0
+
+    def nvmlDeviceGetMemoryInfo(self, h: object, version: int | None = None) -> object:
+        memory = super().nvmlDeviceGetMemoryInfo(h, version)  # type: ignore[arg-type]
+        if version is None:
+            memory.used += RESERVED_MIB * MIB
+            memory.free -= RESERVED_MIB * MIB
+        else:
+            self.v2_calls += 1
+            memory.reserved = RESERVED_MIB * MIB
+        return memory
+
+
+def test_memory_used_leaves_out_what_the_driver_reserves() -> None:
+    sim = ReservingNvml()
+    s = NvmlReader(sim).sample(no_owner)[0]
+    handle = sim.nvmlDeviceGetHandleByIndex(0)
+    v1 = sim.nvmlDeviceGetMemoryInfo(handle).used // MIB
+    v2 = sim.nvmlDeviceGetMemoryInfo(handle, pynvml.nvmlMemory_v2).used // MIB
+    assert v1 == v2 + RESERVED_MIB
+    assert s.memory_used_mib == v2
+    assert s.memory_total_mib == 80 * 1024
+
+
+class NoVersion2(ReservingNvml):
+    """A library or driver without nvmlDeviceGetMemoryInfo_v2."""
+
+    def nvmlDeviceGetMemoryInfo(self, h: object, version: int | None = None) -> object:
+        if version is not None:
+            self.v2_calls += 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return super().nvmlDeviceGetMemoryInfo(h)
+
+
+def test_memory_falls_back_to_version_1_once_where_version_2_is_missing() -> None:
+    sim = NoVersion2()
+    reader = NvmlReader(sim)
+    first = reader.sample(no_owner)
+    second = reader.sample(no_owner)
+    handle = sim.nvmlDeviceGetHandleByIndex(0)
+    v1 = sim.nvmlDeviceGetMemoryInfo(handle).used // MIB
+    assert [s.memory_used_mib for s in first + second] == [v1] * 4
+    assert sim.v2_calls == 1  # asked once, then never again
+    assert reader.errors == 0
