@@ -1,0 +1,1 @@
+"""Real-GPU measurements (issue #26)."""
