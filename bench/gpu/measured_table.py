@@ -210,7 +210,9 @@ def to_p100(measured_dir: Path, gavel: Path, out: Path) -> dict[str, Any]:
     solo = read_solo(measured_dir / SOLO_FILE)
     rows = gavel_p100(gavel)
     fmap = family_map({family(r[j]) for _, r in rows for j in ("job_a", "job_b")}, solo)
-    written, missing, used = [], set(), set()
+    written: list[dict[str, Any]] = []
+    missing: set[str] = set()
+    used: set[frozenset[str]] = set()
     taken = kept = both = infeasible = 0
     for line, row in rows:
         fa, fb = fmap[family(row["job_a"])], fmap[family(row["job_b"])]
@@ -243,7 +245,7 @@ def to_p100(measured_dir: Path, gavel: Path, out: Path) -> dict[str, Any]:
         writer.writeheader()
         writer.writerows(written)
     unused = {frozenset(k) for k in measured} - used
-    summary = {
+    summary: dict[str, Any] = {
         "table": str(out),
         "sim_busy": SIM_BUSY,
         "mapping": fmap,
@@ -273,7 +275,7 @@ def prior(measured_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     measured = read_measured(measured_dir / PAIRS_FILE)
     solo = read_solo(measured_dir / SOLO_FILE)
     model = Model(Knowledge())  # no pairs: the estimate is the prior
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (fa, fb), m in sorted(measured.items()):
         if not m.feasible:
             continue
@@ -291,10 +293,11 @@ def prior(measured_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             "measured": got, "error": est.slowdown - got,
             "rel_error": est.slowdown / got - 1.0, "orders": m.orders,
         })  # fmt: skip
-    errs = [r["error"] for r in rows]
+    errs: list[float] = [r["error"] for r in rows]
     worst = sorted(rows, key=lambda r: -abs(r["rel_error"]))[:3]
     sim = model.estimate(Profile("", 1, None), Profile("", 1, None)).slowdown
-    summary = {
+    mean = statistics.fmean(errs) if errs else None
+    summary: dict[str, Any] = {
         "pairs": len(rows),
         "infeasible": sorted(" + ".join(k) for k, m in measured.items()
                              if not m.feasible and k[0] <= k[1]),
@@ -302,10 +305,8 @@ def prior(measured_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "median_abs_rel_error": (
             statistics.median(abs(r["rel_error"]) for r in rows) if rows else None
         ),
-        "mean_error": statistics.fmean(errs) if errs else None,
-        "bias": "none" if not errs or statistics.fmean(errs) == 0 else (
-            "over-predicts" if statistics.fmean(errs) > 0 else "under-predicts"
-        ),
+        "mean_error": mean,
+        "bias": mean and ("over-predicts" if mean > 0 else "under-predicts"),
         "worst": [f"{r['job']} beside {r['beside']}" for r in worst],
         "sim_prior": sim,  # what colo-b's policy assumes for every pair at first
     }  # fmt: skip
@@ -411,9 +412,8 @@ def fake(gavel: Path, out_dir: Path) -> None:
         for i, a in enumerate(jobs):
             for b in jobs[i + 1 :]:
                 ga, gb = FAKE[a][0], FAKE[b][0]
-                r = rows.get((ga, gb))
-                swap = r is None
-                r = rows[(gb, ga)] if swap else r
+                swap = (ga, gb) not in rows
+                r = rows[(gb, ga)] if swap else rows[(ga, gb)]
                 names = {"job_a": b, "job_b": a} if swap else {"job_a": a, "job_b": b}
                 w.writerow({**r, **names, "worker_type": "h200", "gpu_type": "h200"})
     with (out_dir / SOLO_FILE).open("w", newline="") as fh:
