@@ -53,6 +53,8 @@ GPU_FIELDS = [
 # Asked for when this nvidia-smi knows them (older ones refuse the whole query).
 GPU_FIELDS_OPTIONAL = ["power.draw.average", "power.draw.instant"]
 WINDOW_S = 10.0
+# One nvidia-smi reading: (wall time, its GPUs' rows, its compute apps' rows).
+Reading = tuple[float, list[dict[str, str]], list[dict[str, str]]]
 
 
 def within(a: float, b: float, rel: float, floor: float) -> bool:
@@ -67,7 +69,7 @@ class Smi:
 
     def __init__(self, every_s: float = 0.5) -> None:
         self.every_s = every_s
-        self.readings: list[tuple[float, list[dict[str, str]], list[dict[str, str]]]]
+        self.readings: list[Reading]
         self.readings = []
         self.fields = list(GPU_FIELDS)
         self.error = ""
@@ -123,7 +125,7 @@ class Smi:
         if self._thread:
             self._thread.join(timeout=15)
 
-    def nearest(self, t: float) -> tuple[float, list, list] | None:
+    def nearest(self, t: float) -> Reading | None:
         if not self.readings:
             return None
         return min(self.readings, key=lambda r: abs(r[0] - t))
@@ -134,7 +136,7 @@ class Smi:
 
 def ancestors(pid: int) -> list[int]:
     """pid and its parents up to init, read from /proc (empty if it is gone)."""
-    chain = []
+    chain: list[int] = []
     while pid > 1 and len(chain) < 64:
         chain.append(pid)
         try:
@@ -190,7 +192,9 @@ class Recorder:
                         break
                 self.expected[(msg.seq, proc.pid)] = owner
 
-    async def send(self, ws: ServerConnection, type_: str, data: dict) -> None:
+    async def send(
+        self, ws: ServerConnection, type_: str, data: dict[str, Any]
+    ) -> None:
         self.out_seq += 1
         frame = {
             "type": type_,
@@ -300,8 +304,8 @@ class AgentCheck:
             by_type[f["type"]] += 1
         rows: list[dict[str, Any]] = []
         checks: dict[str, list[bool]] = defaultdict(list)
-        util_windows: dict[tuple[int, int], tuple[list, list]] = defaultdict(
-            lambda: ([], [])
+        util_windows: dict[tuple[int, int], tuple[list[float], list[float]]] = (
+            defaultdict(lambda: ([], []))
         )
         procs = {
             "frames": 0,
@@ -364,7 +368,9 @@ class AgentCheck:
         }
         return summary, rows
 
-    def _attribution(self, f: dict, gpu: dict, procs: dict) -> None:
+    def _attribution(
+        self, f: dict[str, Any], gpu: dict[str, Any], procs: dict[str, Any]
+    ) -> None:
         for q in gpu["processes"]:
             key = (f["seq"], q["pid"])
             if key not in self.recorder.expected:
@@ -380,13 +386,13 @@ class AgentCheck:
 
     def _against_smi(
         self,
-        gpu: dict,
-        near: tuple[float, list, list],
+        gpu: dict[str, Any],
+        near: Reading,
         t: float,
-        row: dict,
+        row: dict[str, Any],
         checks: dict[str, list[bool]],
-        util_windows: dict,
-        procs: dict,
+        util_windows: dict[tuple[int, int], tuple[list[float], list[float]]],
+        procs: dict[str, Any],
     ) -> None:
         t_smi, smi_gpus, apps = near
         smi = next((g for g in smi_gpus if g["uuid"] == gpu["uuid"]), None)
@@ -430,10 +436,10 @@ class AgentCheck:
         procs["frames"] += 1
         procs["pids_equal"] += int(set(ours_apps) == set(theirs_apps))
         for pid, mem in ours_apps.items():
-            ref = theirs_apps.get(pid)
-            if mem is not None and ref is not None and ref.replace(".", "").isdigit():
+            theirs = theirs_apps.get(pid, "")
+            if mem is not None and theirs.replace(".", "").isdigit():
                 procs["memory_n"] += 1
-                procs["memory_ok"] += int(within(mem, float(ref), 0.01, 16))
+                procs["memory_ok"] += int(within(mem, float(theirs), 0.01, 16))
 
 
 # ---------------------------------------------------------------- NVML support

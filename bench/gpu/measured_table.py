@@ -33,8 +33,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from bench.gpu.pairs import PAIR_COLUMNS
+from bench.gpu.workloads import SUITE as WORKLOADS
 from bench.sim_report import (
     COLO_KEYS,
     COLOCATION,
@@ -46,16 +48,17 @@ from bench.sim_report import (
 )
 from scheduler.policy.interference import DEFAULT_BUSY, Knowledge, Model, Profile
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 PAIRS_FILE = "h200_colocation_pairs.csv"
 SOLO_FILE = "h200_solo_nvml.csv"
 MAPPED_FILE = "p100_from_h200_colocation_pairs.csv"
-PAIR_COLUMNS = (
-    "worker_type", "gpu_type", "consolidated", "job_a", "scale_factor_a", "job_b",
-    "scale_factor_b", "isolated_a", "isolated_b", "colocated_a", "colocated_b",
-    "norm_a", "norm_b", "combined_norm", "feasible", "n_at_isolated",
-)  # fmt: skip
 SOLO_COLUMNS = ("workload", "busy_fraction", "memory_mib", "power_w")
-SUITE = ("FCN", "VGG-19", "ResNet-50", "LSTM", "Transformer")
+# The suite's families, in its order (bench.gpu.workloads).
+SUITE = tuple(
+    fam for name, (fam, _) in WORKLOADS.items() if not name.startswith("fake")
+)
 # Gavel family -> the suite family measured in its place (same model, or the
 # nearest kind of work: LM is an LSTM language model, CycleGAN a conv generator)
 GAVEL_FAMILY = {
@@ -87,7 +90,7 @@ def family(job: str) -> str:
     return job.split(" (batch size", 1)[0].strip()
 
 
-def read_rows(path: Path, columns: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+def read_rows(path: Path, columns: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
     """(line, row) of a CSV that must have ``columns``."""
     try:
         with path.open(newline="") as fh:

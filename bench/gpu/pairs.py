@@ -264,7 +264,7 @@ class Harness:
         """Pairs of different families, one order each, every workload early
         (round-robin rounds), then the same pairs in the reverse order. Pairs in
         ``done`` ((job_a, job_b) measured by an earlier run) are left out, and
-        the reverse of each comes before the other reverse orders."""
+        pairs measured in neither order come before the other reverse orders."""
         ready = [s for s in self.servers if s.name in self.solo]
         n = len(ready)
         slots: list[Server | None] = [*ready, None] if n % 2 else list(ready)

@@ -77,7 +77,7 @@ class Workload:
 
 
 def _torch_workload(model: str, batch: int) -> Workload:  # pragma: no cover - GPU
-    import torch
+    import torch  # type: ignore[import-not-found]
     from torch import nn
 
     torch.backends.cudnn.benchmark = True
@@ -85,7 +85,7 @@ def _torch_workload(model: str, batch: int) -> Workload:  # pragma: no cover - G
     loss_fn = nn.CrossEntropyLoss()
     net: nn.Module
     if model in ("vgg19", "resnet50"):
-        import torchvision
+        import torchvision  # type: ignore[import-not-found]
 
         net = getattr(torchvision.models, model)(weights=None)
         x = torch.randn(batch, 3, 224, 224, device=dev)
@@ -95,7 +95,9 @@ def _torch_workload(model: str, batch: int) -> Workload:  # pragma: no cover - G
             return loss_fn(net(x), y)
 
     elif model == "fcn":
-        from torchvision.models.segmentation import fcn_resnet50
+        from torchvision.models.segmentation import (  # type: ignore[import-not-found]
+            fcn_resnet50,
+        )
 
         net = fcn_resnet50(weights=None, weights_backbone=None, num_classes=21)
         x = torch.randn(batch, 3, 384, 384, device=dev)
@@ -107,7 +109,7 @@ def _torch_workload(model: str, batch: int) -> Workload:  # pragma: no cover - G
     elif model == "lstm":
         vocab, hidden, seq = 10_000, 650, 35  # the PTB "medium" language model
 
-        class LM(nn.Module):
+        class LM(nn.Module):  # type: ignore[misc]
             def __init__(self) -> None:
                 super().__init__()
                 self.emb = nn.Embedding(vocab, hidden)
@@ -128,7 +130,7 @@ def _torch_workload(model: str, batch: int) -> Workload:  # pragma: no cover - G
     elif model == "transformer":
         vocab, d, seq = 32_000, 512, 256
 
-        class TLM(nn.Module):
+        class TLM(nn.Module):  # type: ignore[misc]
             def __init__(self) -> None:
                 super().__init__()
                 self.emb = nn.Embedding(vocab, d)
@@ -180,29 +182,40 @@ def _torch_workload(model: str, batch: int) -> Workload:  # pragma: no cover - G
 
 def _fake_workload(step_s: float, lock: Path, memory_mib: float) -> Workload:
     """A step holds an exclusive lock on ``lock`` for ``step_s`` s: alone it runs
-    1/step_s steps a second; two fakes on one lock each get about half.
-    ``GPULAB_FAKE_GPU_MIB`` caps the fakes' memory together (registered beside
-    the lock), as a GPU's memory does."""
+    1/step_s steps a second; two fakes on one lock each get about half. Each fake
+    holds ``memory_mib`` while it lives, registered beside the lock; one that would
+    take the live fakes over ``GPULAB_FAKE_GPU_MIB`` together fails at start, out
+    of memory, as a process on a full GPU does."""
     registry = lock.with_suffix(".mem")
-    registry.mkdir(exist_ok=True)
-    mine = registry / str(os.getpid())
-    mine.write_text(str(memory_mib))
+    registry.mkdir(parents=True, exist_ok=True)
     cap = float(os.environ.get("GPULAB_FAKE_GPU_MIB", "inf"))
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        used = sum(float(p.read_text() or 0) for p in registry.iterdir() if _alive(p))
+        if used + memory_mib > cap:
+            raise OutOfMemory(
+                f"fake GPU: {used:.0f} + {memory_mib:.0f} MiB > {cap:.0f}"
+            )
+        (registry / str(os.getpid())).write_text(str(memory_mib))
 
     def step() -> None:
         with lock.open("a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                used = sum(float(p.read_text() or 0) for p in registry.iterdir())
-                if used > cap:
-                    raise OutOfMemory(f"fake GPU: {used:.0f} MiB over {cap:.0f}")
-                end = time.monotonic() + step_s
-                while time.monotonic() < end:
-                    pass
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+            end = time.monotonic() + step_s
+            while time.monotonic() < end:
+                pass
 
     return Workload(step, lambda: memory_mib)
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.name), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def build(args: argparse.Namespace) -> Workload:
@@ -214,7 +227,9 @@ def build(args: argparse.Namespace) -> Workload:
 # ---------------------------------------------------------------- measuring
 
 
-def measure(work: Workload, start_at: float, warmup: float, window: float) -> dict:
+def measure(
+    work: Workload, start_at: float, warmup: float, window: float
+) -> dict[str, Any]:
     """Steps that end within [start_at + warmup, start_at + warmup + window]."""
     delay = start_at - time.time()
     if delay > 0:
@@ -237,7 +252,7 @@ def measure(work: Workload, start_at: float, warmup: float, window: float) -> di
     }
 
 
-def _emit(obj: dict) -> None:
+def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
