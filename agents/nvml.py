@@ -77,8 +77,14 @@ class NvmlReader:
         self.cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
         # nvmlDeviceGetMemoryInfo_v2 until the library or driver lacks it.
         self.memory_v2 = True
+        # nvmlDeviceGetSamples for GPU utilisation until the GPU lacks it.
+        self.util_samples = True
         count = nvml.nvmlDeviceGetCount()
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        # Per GPU, NVML's timestamp (us) of the newest utilisation sample read, of
+        # the GPU and of its processes: the next read takes the samples after it.
+        self.util_seen = [0] * count
+        self.process_seen = [0] * count
         self.uuids = [self._uuid(i, h) for i, h in enumerate(self.handles)]
 
     def _uuid(self, index: int, handle: object) -> str:
@@ -221,6 +227,9 @@ class NvmlReader:
         nvml = self.nvml
         mem = self._memory(h)
         util = self._opt(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
+        busy = self._util_since(i, h)
+        if busy is None and util is not None:
+            busy = _pct(util.gpu)
         temp = self._opt(
             lambda: nvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
         )
@@ -240,16 +249,11 @@ class NvmlReader:
         )
         energy = self._opt(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
         procs = self._opt(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(h)) or []
-        sm: dict[int, float] = {}
-        if procs:
-            for s in (
-                self._opt(lambda: nvml.nvmlDeviceGetProcessUtilization(h, 0)) or []
-            ):
-                sm[s.pid] = _pct(s.smUtil)
+        sm = self._process_util_since(i, h) if procs else {}
         return GpuSample(
             index=i,
             uuid=self.uuids[i],
-            util_gpu=_pct(util.gpu) if util is not None else None,
+            util_gpu=busy,
             util_mem=_pct(util.memory) if util is not None else None,
             memory_used_mib=int(mem.used // MIB) if mem is not None else None,
             memory_total_mib=int(mem.total // MIB) if mem is not None else None,
@@ -273,6 +277,71 @@ class NvmlReader:
                 for p in procs[:256]
             ],
         )
+
+    def _util_since(self, i: int, h: object) -> float | None:
+        """The GPU's utilisation over the time since the last read: the mean of
+        NVML's own samples after it (``nvmlDeviceGetSamples``). NVML's instant
+        reading (``nvmlDeviceGetUtilizationRates``) covers only its last sample
+        period (1/6 s to 1 s), so one a second misses most of each second: a
+        sub-second idle gap is seen whole or not at all. None where the GPU keeps
+        no samples or none is new (the caller falls back to the instant)."""
+        if not self.util_samples:
+            return None
+        try:
+            kind, samples = self.nvml.nvmlDeviceGetSamples(
+                h, pynvml.NVML_GPU_UTILIZATION_SAMPLES, self.util_seen[i]
+            )
+        except pynvml.NVMLError_GpuIsLost:
+            raise GpuLost from None
+        except pynvml.NVMLError_NotFound:
+            return None  # no sample since the last read
+        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+            self.util_samples = False
+            return None
+        except pynvml.NVMLError as e:
+            self.errors += 1
+            log.debug("NVML read failed: %s", e)
+            return None
+        new = [s for s in samples if s.timeStamp > self.util_seen[i]]
+        if not new:
+            return None
+        self.util_seen[i] = max(s.timeStamp for s in new)
+        field = _VALUE_FIELDS.get(kind, "uiVal")
+        return _pct(sum(getattr(s.sampleValue, field) for s in new) / len(new))
+
+    def _process_util_since(self, i: int, h: object) -> dict[int, float]:
+        """Each process's mean SM utilisation over NVML's samples since the last
+        read. A process without a new sample (none has one when NVML answers
+        NotFound) is left out: its utilisation is unknown, not 0 (NVML documents
+        that it keeps samples of busy processes only, but an unknown stays out
+        of the busy fractions the co-location model learns from)."""
+        try:
+            samples = self.nvml.nvmlDeviceGetProcessUtilization(h, self.process_seen[i])
+        except pynvml.NVMLError_GpuIsLost:
+            raise GpuLost from None
+        except (pynvml.NVMLError_NotFound, pynvml.NVMLError_NotSupported):
+            return {}
+        except pynvml.NVMLError as e:
+            self.errors += 1
+            log.debug("NVML read failed: %s", e)
+            return {}
+        seen = self.process_seen[i]
+        values: dict[int, list[float]] = {}
+        for s in samples:
+            if s.timeStamp > seen:
+                values.setdefault(s.pid, []).append(_pct(s.smUtil))
+                self.process_seen[i] = max(self.process_seen[i], s.timeStamp)
+        return {pid: sum(v) / len(v) for pid, v in values.items()}
+
+
+# nvmlDeviceGetSamples' value type -> the field of its nvmlValue_t union.
+_VALUE_FIELDS = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+}
 
 
 def _pct(value: float) -> float:

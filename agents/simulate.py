@@ -481,12 +481,30 @@ class SimNvml:
                 for j in gpu.jobs.values()
             ]
 
+    def _stamp(self, since: int) -> int:
+        """A sample's NVML timestamp (us): a simulated GPU samples at every read."""
+        return max(since + 1, int(self.clock() * 1e6))
+
+    def nvmlDeviceGetSamples(
+        self, h: _Handle, sampling_type: int, since: int
+    ) -> tuple[int, list[Any]]:
+        gpu = self._gpu(h, "nvmlDeviceGetSamples")
+        if sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        with self._lock:
+            util = self._util(gpu)
+        sample = SimpleNamespace(
+            timeStamp=self._stamp(since), sampleValue=SimpleNamespace(uiVal=int(util))
+        )
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, [sample]
+
     def nvmlDeviceGetProcessUtilization(self, h: _Handle, since: int) -> list[Any]:
         gpu = self._gpu(h, "nvmlDeviceGetProcessUtilization")
         with self._lock:
             slow = 1 + CONTENTION * (len(gpu.jobs) - 1)
+            stamp = self._stamp(since)
             return [
-                SimpleNamespace(pid=j.pid, smUtil=int(j.util / slow))
+                SimpleNamespace(pid=j.pid, smUtil=int(j.util / slow), timeStamp=stamp)
                 for j in gpu.jobs.values()
             ]
 

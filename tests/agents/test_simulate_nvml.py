@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pynvml
 import pytest
 
@@ -212,4 +214,84 @@ def test_memory_falls_back_to_version_1_once_where_version_2_is_missing() -> Non
     v1 = sim.nvmlDeviceGetMemoryInfo(handle).used // MIB
     assert [s.memory_used_mib for s in first + second] == [v1] * 4
     assert sim.v2_calls == 1  # asked once, then never again
+    assert reader.errors == 0
+
+
+def sample(stamp: int, value: int) -> SimpleNamespace:
+    return SimpleNamespace(timeStamp=stamp, sampleValue=SimpleNamespace(uiVal=value))
+
+
+class ScriptedSamples(SimNvml):
+    """NVML's utilisation buffers, as scripted: the GPU's samples and its
+    processes' (all stamped in us); ``None`` for a call that raises ``fail``."""
+
+    def __init__(self) -> None:
+        super().__init__(parse_node_spec("1xH100-80GB"), hostname="x")
+        self.gpu_samples: list[SimpleNamespace] | None = []
+        self.proc_samples: list[SimpleNamespace] = []
+        self.fail = pynvml.NVML_ERROR_NOT_FOUND
+        self.asked: list[int] = []
+
+    def nvmlDeviceGetSamples(self, h: object, kind: int, since: int) -> object:
+        self.asked.append(since)
+        if self.gpu_samples is None:
+            raise pynvml.NVMLError(self.fail)
+        new = [s for s in self.gpu_samples if s.timeStamp > since]
+        if not new:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, new
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: object) -> list[object]:
+        return [
+            SimpleNamespace(pid=7, usedGpuMemory=MIB),
+            SimpleNamespace(pid=8, usedGpuMemory=MIB),
+        ]
+
+    def nvmlDeviceGetProcessUtilization(self, h: object, since: int) -> list[object]:
+        new = [s for s in self.proc_samples if s.timeStamp > since]
+        if not new:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return new
+
+
+def test_utilisation_is_the_mean_of_nvmls_samples_since_the_last_read() -> None:
+    """An instant reading covers NVML's last sample period only: a read a second
+    would see a half-second idle gap whole or not at all."""
+    sim = ScriptedSamples()
+    reader = NvmlReader(sim)
+    sim.gpu_samples = [sample(100, 0), sample(200, 100), sample(300, 100)]
+    assert reader.sample(no_owner)[0].util_gpu == pytest.approx(200 / 3)
+    sim.gpu_samples += [sample(400, 0), sample(500, 50)]
+    assert reader.sample(no_owner)[0].util_gpu == 25  # only the two new ones
+    assert sim.asked == [0, 300]
+    # No sample since the last read: NVML's instant reading (the simulated 0).
+    assert reader.sample(no_owner)[0].util_gpu == 0
+    assert reader.errors == 0
+
+
+def test_a_gpu_without_utilisation_samples_gives_its_instant_reading() -> None:
+    sim = ScriptedSamples()
+    sim.gpu_samples, sim.fail = None, pynvml.NVML_ERROR_NOT_SUPPORTED
+    reader = NvmlReader(sim)
+    assert [reader.sample(no_owner)[0].util_gpu for _ in range(2)] == [0, 0]
+    assert sim.asked == [0]  # asked once, then never again
+
+
+def test_process_utilisation_is_each_ones_mean_since_the_last_read() -> None:
+    sim = ScriptedSamples()
+    reader = NvmlReader(sim)
+    sim.proc_samples = [
+        SimpleNamespace(pid=7, smUtil=40, timeStamp=100),
+        SimpleNamespace(pid=7, smUtil=60, timeStamp=200),
+    ]
+    first = {p.pid: p.sm_util for p in reader.sample(no_owner)[0].processes}
+    # pid 8 had no sample: unknown, not 0.
+    assert first == {7: 50, 8: None}
+    sim.proc_samples.append(SimpleNamespace(pid=8, smUtil=90, timeStamp=300))
+    assert {p.pid: p.sm_util for p in reader.sample(no_owner)[0].processes} == {
+        7: None,  # its samples were read already
+        8: 90,
+    }
+    # Nothing new (NotFound): both unknown.
+    assert {p.sm_util for p in reader.sample(no_owner)[0].processes} == {None}
     assert reader.errors == 0

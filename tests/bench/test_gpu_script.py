@@ -227,3 +227,19 @@ def test_the_comparison_flags_what_differs_from_nvidia_smi() -> None:
     assert (procs["attribution_n"], procs["attribution_ok"]) == (2, 1)
     assert procs["mismatches"] == [{"pid": 42, "reported": 7, "expected": None}]
     assert [r["smi_dt"] for r in table] == [0.1, 0.2]
+
+
+def test_utilisation_windows_against_the_nearest_and_every_reading() -> None:
+    """One nvidia-smi reading that caught an idle instant moves a 10-reading
+    window's mean by 10 points; among 20 readings, by 5."""
+    frames = [metrics_frame(n, 1000.0 + n, util_gpu=100.0) for n in range(10)]
+    nearest = [
+        smi_reading(1000.0 + n + 0.1, **{"utilization.gpu": 0 if n == 3 else 100})
+        for n in range(10)
+    ]
+    between = [
+        smi_reading(1000.0 + n + 0.6, **{"utilization.gpu": 100}) for n in range(10)
+    ]
+    summary, _ = checker(frames, nearest + between).report()
+    assert summary["checks"]["util_10s"] == {"n": 1, "ok": 0, "all_ok": False}
+    assert summary["checks"]["util_10s_all"] == {"n": 1, "ok": 1, "all_ok": True}
