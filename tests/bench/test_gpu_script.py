@@ -96,7 +96,8 @@ def test_the_run_measures_pairs_checks_the_agent_and_goes_on_past_a_failure(
     assert all(rate > 20 for rate in solo.values())
 
     # Three pairs, one order each, then the reverse orders: the fakes take turns
-    # on one lock, so each runs at about half its solo rate.
+    # on one lock, so together they run at most one fake's solo rate (less the
+    # hand-overs; the lock is not fair, so one may take more than half).
     pairs = rows(pairs_csv)
     ordered = [(r["job_a"], r["job_b"]) for r in pairs]
     assert len(ordered) == 6 and len(set(ordered)) == 6
@@ -107,8 +108,8 @@ def test_the_run_measures_pairs_checks_the_agent_and_goes_on_past_a_failure(
         assert float(r["isolated_a"]) == solo[r["job_a"]]
         norm_a = float(r["colocated_a"]) / float(r["isolated_a"])
         assert float(r["norm_a"]) == pytest.approx(norm_a, abs=1e-4)
-        assert 0.15 < float(r["norm_a"]) < 0.85
-        assert 0.15 < float(r["norm_b"]) < 0.85
+        assert 0 < float(r["norm_a"]) < 1 and 0 < float(r["norm_b"]) < 1
+        assert 0.4 < float(r["combined_norm"]) < 1.15
     runs = {r["run"] for r in rows(out / "fake_runs_nvml.csv")}
     assert len(runs) == 9  # three solo runs and six pairs
     assert {r["workload"] for r in rows(out / "fake_solo_nvml.csv")} == set(solo)
