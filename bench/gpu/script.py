@@ -269,7 +269,7 @@ class Run:
                 self.log("compute mode Exclusive_Process: pairs skipped")
                 self.summary["pairs_skipped"] = "Exclusive_Process"
             else:
-                self.step("pairs", h.measure_pairs, self.deadline, self.done())
+                self.step("pairs", lambda: h.measure_pairs(self.deadline, self.done()))
             self.summary["harness"] = {
                 "solo": h.solo,
                 "failed": h.failed,
