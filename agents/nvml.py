@@ -210,8 +210,6 @@ class NvmlReader:
                 self.errors += 1
                 log.debug("NVML read failed: %s", e)
                 return None
-            except TypeError:  # a pynvml older than 11.510: no ``version``
-                self.memory_v2 = False
         return self._opt(lambda: self.nvml.nvmlDeviceGetMemoryInfo(h))
 
     def sample(self, owner: Owner) -> list[GpuSample]:

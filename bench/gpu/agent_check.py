@@ -158,6 +158,8 @@ class Recorder:
     expected: dict[tuple[int, int], int | None] = field(default_factory=dict)
     port: int = 0
     out_seq: int = 0
+    # Set when the launched job's job.exited arrives (the run waits on it).
+    job_exited: threading.Event = field(default_factory=threading.Event)
 
     async def handler(self, ws: ServerConnection) -> None:
         with contextlib.suppress(Exception):
@@ -174,6 +176,8 @@ class Recorder:
                     self._expect(msg)
                 elif isinstance(msg, p.JobStarted):
                     self.started[msg.data.pid] = msg.data.attempt_id
+                elif isinstance(msg, p.JobExited):
+                    self.job_exited.set()
                 if frame["type"] in ACKED:
                     await self.send(ws, "ack", {"seq": frame["seq"]})
                 if isinstance(msg, p.Hello) and self.launch is not None:

@@ -139,7 +139,9 @@ class Sampler:
     every_s: float = 0.5
 
     def over(self, begin: float, end: float) -> dict[str, Any]:
-        util, power, procs = [], [], {}  # type: ignore[var-annotated]
+        util: list[float] = []
+        power: list[float] = []
+        procs: dict[int, dict[str, list[float]]] = {}
         while time.time() < begin:
             time.sleep(min(0.05, begin - time.time()))
         while time.time() < end:
@@ -246,8 +248,8 @@ class Harness:
                 self.log(f"solo {s.name}: {r.get('error')}")
                 continue
             self.solo[s.name] = r["rate"]
-            proc = (self.runs[-1]["view"] or {}).get("processes", {}).get(s.pid, {})
             view = self.runs[-1]["view"] or {}
+            proc = view.get("processes", {}).get(s.pid, {})
             sm = proc.get("sm_util")
             busy = sm if sm is not None else view.get("util_gpu")
             self.solo_view[s.name] = {

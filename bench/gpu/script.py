@@ -322,12 +322,9 @@ class Run:
             return {(r["job_a"], r["job_b"]) for r in csv.DictReader(fh)}
 
     def wait_agent_job(self, check: Any) -> None:
-        end = time.monotonic() + self.args.job_seconds + 60
-        while time.monotonic() < min(end, self.deadline):
-            if any(f["type"] == "job.exited" for f in check.recorder.frames):
-                return
-            time.sleep(0.5)
-        self.log("agent job: no job.exited yet")
+        wait = min(self.args.job_seconds + 60, self.deadline - time.monotonic())
+        if not check.recorder.job_exited.wait(max(0.0, wait)):
+            self.log("agent job: no job.exited yet")
 
 
 def main(argv: list[str] | None = None) -> int:
