@@ -34,6 +34,17 @@ if 0 < GPULAB_MAX_WAIT < 3600:
         f"GPULAB_MAX_WAIT={GPULAB_MAX_WAIT} must be 0 (no bound) or at least 3600"
         " (seconds: an hour)"
     )
+# The wait bound after a preemption (``scheduler.policy.wait_bound``, gpulab): a
+# preempted job that has waited more than this many seconds since its preemption
+# goes ahead of every job of its class and below, and once restarted that late it
+# is not preempted by attained service again (docs/policy.md, "A bound after a
+# preemption"). 0: none (GPULAB_MAX_WAIT still applies).
+GPULAB_PREEMPTED_MAX_WAIT = envfloat("GPULAB_PREEMPTED_MAX_WAIT", 0.0, minimum=0)
+if 0 < GPULAB_PREEMPTED_MAX_WAIT < 600:
+    raise ImproperlyConfigured(
+        f"GPULAB_PREEMPTED_MAX_WAIT={GPULAB_PREEMPTED_MAX_WAIT} must be 0 (no bound)"
+        " or at least 600 (seconds: ten minutes)"
+    )
 # Waiting jobs after the top blocked one that may each get a preemption plan by
 # attained service in one pass (0: only the top blocked job preempts).
 GPULAB_LAS_EXTRA_PLANS = envint("GPULAB_LAS_EXTRA_PLANS", 0, minimum=0)

@@ -143,8 +143,8 @@ def las_candidates(idx: PassIndex, job: PendingJob) -> list[RunningJob]:
             continue  # it ends before ``job`` would: stopping it gains nothing
         if r.las_slowdown(now) > cfg.las_max_slowdown:
             continue  # the wait bound: it has waited as long as it may
-        if overdue_running(r, now, cfg.max_wait_s):
-            continue  # it waited over GPULAB_MAX_WAIT (``wait_bound``)
+        if overdue_running(r, now, cfg.max_wait_s, cfg.preempted_max_wait_s):
+            continue  # it waited over a bound (``wait_bound``)
         attained = r.attained_gpu_s(now)
         if interactive or (
             attained >= bar and not (spec is not None and spec.weight > weight)

@@ -210,8 +210,9 @@ def ordering(p: Pass) -> list[PendingJob]:
     """The pending jobs in scheduling order: interactive jobs first, then
     priority desc, then (``runtime``) the higher class, submitted asc, id asc
     (``gpulab``: ``preempt.las_order`` then moves lower-queue resumed work, and
-    ``wait_bound.bound_order`` puts the jobs that waited over ``max_wait_s``
-    ahead of their class and below). Fills ``p.breakdowns`` and ``p.prio``."""
+    ``wait_bound.bound_order`` puts the jobs that waited over ``max_wait_s``,
+    or over ``preempted_max_wait_s`` since a preemption, ahead of their class and
+    below). Fills ``p.breakdowns`` and ``p.prio``."""
     state = p.state
     p.breakdowns, p.prio = breakdowns, prio = priority.breakdowns(
         state.pending,
@@ -233,13 +234,14 @@ def ordering(p: Pass) -> list[PendingJob]:
     )
     if p.preemption and p.cfg.las_preemption:
         order = preempt.las_order(p, order)
-    if p.runtime and p.cfg.max_wait_s > 0:
+    if p.runtime and (p.cfg.max_wait_s > 0 or p.cfg.preempted_max_wait_s > 0):
         order = wait_bound.bound_order(
             order,
             p.now,
             p.cfg.max_wait_s,
             lambda j: breakdowns[j.id]["class"],
             interactive,
+            p.cfg.preempted_max_wait_s,
         )
     return order
 

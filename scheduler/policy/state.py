@@ -111,6 +111,11 @@ class PolicyConfig:
     # 4 days: a queue of overdue wide jobs then starts two days sooner than at 6
     # (docs/policy.md, "The (b) tail with predictions by pools, job by job")
     max_wait_s: float = 96 * 3600.0
+    # ``gpulab``: the bound after a preemption (``wait_bound``): a waiting job
+    # that was preempted and has waited longer than this since is overdue as
+    # above, and a job that restarted that long after its last preemption is not
+    # preempted by attained service again; 0: none (only ``max_wait_s``).
+    preempted_max_wait_s: float = 0.0
     # waiting jobs after the top blocked job that may each get a preemption plan
     # by attained service in one pass (``stages.las_extra``; 0: the top one only)
     las_extra_plans: int = 0
@@ -328,6 +333,9 @@ class RunningJob:
     # Started as a guest on GPUs a reservation held (``Start.guest``): it yields
     # them to the top blocked job (``preempt.guests``).
     guest: bool = False
+    # When it was last preempted, before this attempt (None: never); the wait
+    # bound after a preemption reads it (``wait_bound.overdue_running``).
+    preempted_at: float | None = None
 
     def las_slowdown(self, now: float) -> float:
         """Time since its submission over its service time (attained / GPUs);

@@ -17,12 +17,22 @@ long job of a heavy user may wait; this rule does, beside them:
   by attained service (``preempt.las_candidates``). Class preemption
   (``best-effort``) is unchanged.
 
+The bound after a preemption (``PolicyConfig.preempted_max_wait_s``, off at 0)
+is the same rule on a shorter clock for work that was already running: a waiting
+job that was preempted (``PendingJob.preempted_at``) and has waited longer than
+that since is overdue as above, and a running job whose attempt started that
+long after its last preemption is not preempted by attained service again. LAS
+preemption stops long jobs for short ones, and shortest-first then ranks the
+stopped job behind every new short job: without this rule only ``max_wait_s``
+brings it back (docs/policy.md, "A bound after a preemption").
+
 Interactive jobs stay ahead of all batch work (``stages.ordering``) and are left
 as they are. ``max_wait_s`` 0: no bound (``slurm`` and ``fifo`` never apply it).
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from itertools import compress
 from typing import TYPE_CHECKING
@@ -41,18 +51,37 @@ def waited_s(
     return now - submitted_at - attained_gpu_s / max(gpus, 1)
 
 
-def overdue_pending(job: PendingJob, now: float, max_wait_s: float) -> bool:
-    """``job`` has waited longer than ``max_wait_s`` (never when it is 0)."""
+def overdue_pending(
+    job: PendingJob, now: float, max_wait_s: float, preempted_max_wait_s: float = 0.0
+) -> bool:
+    """``job`` has waited longer than ``max_wait_s``, or was preempted and has
+    waited longer than ``preempted_max_wait_s`` since (each never when it is 0)."""
+    if (
+        preempted_max_wait_s > 0
+        and job.preempted_at is not None
+        and now - job.preempted_at > preempted_max_wait_s
+    ):
+        return True
     return (
         max_wait_s > 0
         and waited_s(now, job.submitted_at, job.attained_gpu_s, job.gpus) > max_wait_s
     )
 
 
-def overdue_running(r: RunningJob, now: float, max_wait_s: float) -> bool:
+def overdue_running(
+    r: RunningJob, now: float, max_wait_s: float, preempted_max_wait_s: float = 0.0
+) -> bool:
     """The running ``r`` had waited longer than ``max_wait_s`` before this
-    attempt (or between attempts): it is not preempted by attained service.
-    False when its submission is unknown or the bound is off."""
+    attempt (or between attempts), or this attempt started more than
+    ``preempted_max_wait_s`` after its last preemption: it is not preempted by
+    attained service. Each part is off at 0; the first is False when its
+    submission is unknown."""
+    if (
+        preempted_max_wait_s > 0
+        and r.preempted_at is not None
+        and r.started_at - r.preempted_at > preempted_max_wait_s
+    ):
+        return True
     if max_wait_s <= 0 or r.submitted_at is None:
         return False
     return (
@@ -67,8 +96,10 @@ def bound_order(
     max_wait_s: float,
     class_part: Callable[[PendingJob], float],
     interactive: set[str],
+    preempted_max_wait_s: float = 0.0,
 ) -> list[PendingJob]:
-    """``order`` (the scheduling order) with the overdue batch jobs moved up.
+    """``order`` (the scheduling order) with the overdue batch jobs moved up:
+    waited over ``max_wait_s``, or preempted over ``preempted_max_wait_s`` ago.
 
     The overdue jobs of one class part ``c`` form a band, oldest submission
     first (then id), placed before the first other batch job whose class part is
@@ -77,17 +108,23 @@ def bound_order(
     bands go in class order, highest first. Every other job keeps its relative
     order, and no overdue job is placed after a job of its class or below that
     has not waited as long. ``order`` itself when none is overdue."""
-    if max_wait_s <= 0:
+    if max_wait_s <= 0 and preempted_max_wait_s <= 0:
         return order
     # submitted before ``cutoff`` is necessary (the service time is >= 0) and
     # cheap: one comparison per job in the common pass where none is overdue
-    cutoff = now - max_wait_s
+    cutoff = now - max_wait_s if max_wait_s > 0 else -math.inf
+    since = now - preempted_max_wait_s if preempted_max_wait_s > 0 else -math.inf
     over = [
         i
         for i, j in enumerate(order)
-        if j.submitted_at < cutoff
-        and j.priority_class not in interactive
-        and cutoff - j.submitted_at > j.attained_gpu_s / max(j.gpus, 1)
+        if j.priority_class not in interactive
+        and (
+            (
+                j.submitted_at < cutoff
+                and cutoff - j.submitted_at > j.attained_gpu_s / max(j.gpus, 1)
+            )
+            or (j.preempted_at is not None and j.preempted_at < since)
+        )
     ]
     if not over:
         return order

@@ -42,6 +42,7 @@ def policy_config() -> policy.PolicyConfig:
         las_threshold_gpu_s=settings.GPULAB_LAS_THRESHOLD * 3600.0,
         las_max_slowdown=settings.GPULAB_LAS_MAX_SLOWDOWN,
         max_wait_s=settings.GPULAB_MAX_WAIT,
+        preempted_max_wait_s=settings.GPULAB_PREEMPTED_MAX_WAIT,
         las_extra_plans=settings.GPULAB_LAS_EXTRA_PLANS,
         las_victims=settings.GPULAB_LAS_VICTIMS,
         las_shorter=settings.GPULAB_LAS_SHORTER,
@@ -160,7 +161,8 @@ SELECT t.id, t.job_id, t.number, date_part('epoch', t.started_at),
        t.admission IS NOT NULL, coalesce((t.admission->>'trial')::boolean, false),
        t.peak_memory_mib, j.array_id, j.checkpointable, {_PRIOR_SQL},
        date_part('epoch', t.checkpoint_at), date_part('epoch', j.submitted_at),
-       t.guest, t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
+       t.guest, date_part('epoch', j.last_preempted_at),
+       t.progress_step, t.progress_total, date_part('epoch', t.progress_at),
        t.progress_first_step, date_part('epoch', t.progress_first_at)
 FROM scheduler_attempt t JOIN scheduler_job j ON j.id = t.job_id
 WHERE t.ended_at IS NULL
@@ -357,6 +359,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         checkpoint_at,
         submitted_at,
         guest,
+        preempted_at,
         *reports,
     ) in running_rows:
         held = gpus_of_attempt.get(attempt_id)
@@ -401,6 +404,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
                 submitted_at=submitted_at,
                 checkpoint_at=checkpoint_at,
                 guest=guest,
+                preempted_at=preempted_at,
             )
         )
     knowledge, trials = load_knowledge(

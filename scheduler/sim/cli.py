@@ -226,6 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
         "attained service; 0: no bound (GPULAB_MAX_WAIT)",
     )
     p.add_argument(
+        "--preempted-max-wait",
+        type=_nonneg,
+        default=PolicyConfig.preempted_max_wait_s,
+        help="gpulab: s a preempted job may wait since its preemption before it "
+        "goes ahead of every job of its class and below; restarted after that "
+        "long, it is not preempted by attained service again; 0: no such bound "
+        "(GPULAB_PREEMPTED_MAX_WAIT)",
+    )
+    p.add_argument(
         "--las-extra-plans",
         type=int,
         default=PolicyConfig.las_extra_plans,
@@ -387,6 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             las_threshold_gpu_s=args.las_threshold * 3600.0,
             las_max_slowdown=args.las_max_slowdown,
             max_wait_s=args.max_wait,
+            preempted_max_wait_s=args.preempted_max_wait,
             las_extra_plans=args.las_extra_plans,
             las_victims=args.las_victims,
             las_shorter=args.las_shorter,
@@ -473,6 +483,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "las_threshold_gpu_h": args.las_threshold,
                 "las_max_slowdown": args.las_max_slowdown,
                 "max_wait_s": args.max_wait,
+                "preempted_max_wait_s": args.preempted_max_wait,
                 "las_extra_plans": args.las_extra_plans,
                 "las_victims": args.las_victims,
                 "las_shorter": args.las_shorter,

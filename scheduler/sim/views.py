@@ -237,6 +237,7 @@ class PolicyViews(GpuPhysics):
                 else None
             ),
             guest=job.guest,
+            preempted_at=job.preempt_times[-1] if job.preempt_times else None,
         )
 
     def _state(self, now: float) -> ClusterState:

@@ -159,6 +159,8 @@ def test_the_snapshot_counts_a_jobs_preemptions_in_the_last_hour(
     state = services.cluster_state(at(6.1 * 3600))
     [r] = [r for r in state.running if r.id == job.pk]
     assert r.preemptions_last_hour == 2
+    # and when it was last preempted: the bound after a preemption reads it
+    assert r.preempted_at == pytest.approx(T0 + 5.5 * 3600)
 
 
 def test_the_victim_rules_reach_the_policy_from_the_settings(settings: Any) -> None:
@@ -168,3 +170,11 @@ def test_the_victim_rules_reach_the_policy_from_the_settings(settings: Any) -> N
     settings.GPULAB_LAS_SHORTER = True
     config = policy_config()
     assert (config.las_victims, config.las_shorter) == ("remaining", True)
+
+
+def test_the_bound_after_a_preemption_reaches_the_policy_from_the_settings(
+    settings: Any,
+) -> None:
+    assert policy_config().preempted_max_wait_s == 0.0
+    settings.GPULAB_PREEMPTED_MAX_WAIT = 12 * 3600.0
+    assert policy_config().preempted_max_wait_s == 12 * 3600.0

@@ -182,21 +182,29 @@ def test_bound_order_moves_only_overdue_batch_jobs():
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
+    ("name", "value", "message"),
     [
-        ("600", "GPULAB_MAX_WAIT=600.0 must be 0 (no bound) or at least 3600"),
-        ("two days", "GPULAB_MAX_WAIT='two days' is not a number"),
-        ("-1", "GPULAB_MAX_WAIT=-1.0 must be at least 0"),
+        ("GPULAB_MAX_WAIT", "600", "=600.0 must be 0 (no bound) or at least 3600"),
+        ("GPULAB_MAX_WAIT", "two days", "='two days' is not a number"),
+        ("GPULAB_MAX_WAIT", "-1", "=-1.0 must be at least 0"),
+        (
+            "GPULAB_PREEMPTED_MAX_WAIT",
+            "60",
+            "=60.0 must be 0 (no bound) or at least 600",
+        ),
+        ("GPULAB_PREEMPTED_MAX_WAIT", "a day", "='a day' is not a number"),
     ],
 )
-def test_a_bad_max_wait_stops_the_start_naming_it(value: str, message: str) -> None:
+def test_a_bad_max_wait_stops_the_start_naming_it(
+    name: str, value: str, message: str
+) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", "import django; django.setup()"],
         cwd=ROOT,
         env={
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "portal.settings",
-            "GPULAB_MAX_WAIT": value,
+            name: value,
         },
         capture_output=True,
         text=True,
@@ -205,7 +213,7 @@ def test_a_bad_max_wait_stops_the_start_naming_it(value: str, message: str) -> N
     )
     assert proc.returncode != 0
     assert "ImproperlyConfigured" in proc.stderr
-    assert message in proc.stderr
+    assert name + message in proc.stderr
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -246,3 +254,60 @@ def test_in_a_whole_pass_no_younger_job_of_its_class_or_below_is_ahead_of_an_ove
     off = replace(state, config=replace(state.config, max_wait_s=0.0))
     p = st.Pass(off, preemption=True, topology=True, predictions=False, runtime=True)
     assert passed(st.ordering(p))
+
+
+def test_a_preempted_job_is_overdue_once_it_has_waited_the_bound_since():
+    # the heavy user's long job ran 5 h and was preempted; with a 24-h bound after
+    # a preemption it passes the new short job once 24 h have gone by since, and
+    # not before, though its whole wait (25 h, 23 h) is far under ``max_wait_s``
+    def stopped(ago: float) -> PendingJob:
+        job = heavy(1, age=30 * HOUR)
+        return replace(
+            job, attained_gpu_s=5 * HOUR, checkpointable=True, preempted_at=NOW - ago
+        )
+
+    for ago, first in ((25 * HOUR, 1), (23 * HOUR, 2)):
+        ds = decide(
+            cluster(
+                node_gpus(1, 1),
+                [stopped(ago), light(2)],
+                usage=USAGE,
+                preempted_max_wait_s=24 * HOUR,
+            )
+        )
+        assert set(starts(ds)) == {first}
+    # off (the default): the short job first
+    ds = decide(cluster(node_gpus(1, 1), [stopped(25 * HOUR), light(2)], usage=USAGE))
+    assert set(starts(ds)) == {2}
+    # ``bound_order`` alone, with ``max_wait_s`` off
+    jobs = [light(2), stopped(25 * HOUR), light(3)]
+    got = bound_order(jobs, NOW, 0.0, lambda j: 0.0, set(), 24 * HOUR)
+    assert [j.id for j in got] == [1, 2, 3]
+
+
+def test_a_job_restarted_that_long_after_its_preemption_is_not_preempted_again():
+    # two checkpointable jobs in the lower queue: 10 has the most attained service
+    # (the first victim) but restarted 30 h after it was preempted; 11 restarted
+    # 1 h after. With a 24-h bound after a preemption, 11 is the victim
+    def ckpt(job_id: int, gpu: int, ran: float, gap: float):
+        r = running(job_id, (gpu,), started_ago=ran)
+        return replace(
+            r,
+            checkpointable=True,
+            submitted_at=NOW - 200 * HOUR,
+            preempted_at=r.started_at - gap,
+        )
+
+    run = [ckpt(10, 100, 110 * HOUR, 30 * HOUR), ckpt(11, 101, 100 * HOUR, HOUR)]
+    state = cluster(
+        node_gpus(1, 2),
+        [light(1)],
+        run=run,
+        las_threshold_gpu_s=HOUR,
+        max_wait_s=0.0,
+        las_max_slowdown=10.0,
+        preempted_max_wait_s=24 * HOUR,
+    )
+    assert [d.victim_id for d in decide(state) if isinstance(d, Preempt)] == [11]
+    off = replace(state, config=replace(state.config, preempted_max_wait_s=0.0))
+    assert [d.victim_id for d in decide(off) if isinstance(d, Preempt)] == [10]

@@ -73,3 +73,34 @@ def test_a_wide_job_passed_by_short_narrow_ones_earns_its_head_start_by_waiting(
     assert HOUR < replay_wide(4 * HOUR) < 1.5 * HOUR
     assert 2 * HOUR < replay_wide(8 * HOUR) < 2.5 * HOUR
     assert replay_wide(0.0) > 13 * HOUR
+
+
+def preempted_then_passed(preempted_max_wait_s: float):
+    """A checkpointable job A (20,000 s on the only GPU, limit 25,000 s, in the
+    lower LAS queue from 2,000 GPU-s) is preempted at 3,000 by the first of 40
+    short jobs of another user (500 s, limit 600 s) arriving every 500 s;
+    shortest-first then ranks every later short job ahead of A. Returns A."""
+    a = sim_job(1, 0, 20_000, user="a", ckpt=True, limit=25_000)
+    shorts = [sim_job(2 + k, 3000 + 500 * k, 500, limit=600) for k in range(40)]
+    config = PolicyConfig(
+        name="gpulab",
+        las_threshold_gpu_s=2000.0,
+        max_wait_s=0.0,
+        las_max_slowdown=100.0,  # no relative bound: only the one under test
+        preempted_max_wait_s=preempted_max_wait_s,
+    )
+    Simulator([a, *shorts], parse_cluster_spec("1x1:p100"), config, SimOptions()).run()
+    assert a.state == "done"
+    return a
+
+
+def test_a_preempted_job_restarts_once_it_has_waited_the_bound_after_its_preemption():
+    # with a 2-h bound it restarts when the short job running then ends, and the
+    # next short jobs (each in the top queue) do not preempt it again
+    a = preempted_then_passed(2 * HOUR)
+    assert a.preemptions == 1
+    assert 3000 + 2 * HOUR < a.started_at <= 3030 + 2 * HOUR + 600 + 120
+    # without it the whole stream (to about 23,000 s) runs first
+    a = preempted_then_passed(0.0)
+    assert a.preemptions == 1
+    assert a.started_at > 22_000
