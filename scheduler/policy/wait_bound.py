@@ -51,23 +51,6 @@ def waited_s(
     return now - submitted_at - attained_gpu_s / max(gpus, 1)
 
 
-def overdue_pending(
-    job: PendingJob, now: float, max_wait_s: float, preempted_max_wait_s: float = 0.0
-) -> bool:
-    """``job`` has waited longer than ``max_wait_s``, or was preempted and has
-    waited longer than ``preempted_max_wait_s`` since (each never when it is 0)."""
-    if (
-        preempted_max_wait_s > 0
-        and job.preempted_at is not None
-        and now - job.preempted_at > preempted_max_wait_s
-    ):
-        return True
-    return (
-        max_wait_s > 0
-        and waited_s(now, job.submitted_at, job.attained_gpu_s, job.gpus) > max_wait_s
-    )
-
-
 def overdue_running(
     r: RunningJob, now: float, max_wait_s: float, preempted_max_wait_s: float = 0.0
 ) -> bool:
