@@ -103,6 +103,12 @@ class SimJob:
     max_true_slowdown: float = 1.0  # worst 1/rate of its sharing episodes
     over_cap_s: float = 0.0  # longest sharing episode truly over its cap
 
+    @property
+    def last_preempted_at(self) -> float | None:
+        """When it was last preempted (None: never): the policy views'
+        ``preempted_at``."""
+        return self.preempt_times[-1] if self.preempt_times else None
+
 
 @dataclass
 class PreparedTrace:

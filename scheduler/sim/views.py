@@ -182,7 +182,7 @@ class PolicyViews(GpuPhysics):
             slowdown_cap=cls.slowdown_cap,
             attained_gpu_s=job.gpus * job.run_total,
             checkpointable=job.checkpointable,
-            preempted_at=job.preempt_times[-1] if job.preempt_times else None,
+            preempted_at=job.last_preempted_at,
         )
 
     def _running_view(self, job: SimJob, now: float) -> RunningJob:
@@ -237,7 +237,7 @@ class PolicyViews(GpuPhysics):
                 else None
             ),
             guest=job.guest,
-            preempted_at=job.preempt_times[-1] if job.preempt_times else None,
+            preempted_at=job.last_preempted_at,
         )
 
     def _state(self, now: float) -> ClusterState:
