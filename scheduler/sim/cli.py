@@ -283,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gpulab: weight of the run-time factor (GPULAB_WEIGHT_RUNTIME)",
     )
     p.add_argument(
+        "--weight-fairshare",
+        type=_nonneg,
+        default=PolicyConfig.weight_fairshare,
+        help="gpulab: weight of the fair-share factor (GPULAB_WEIGHT_FAIRSHARE)",
+    )
+    p.add_argument(
         "--runtime-ref",
         type=_positive,
         default=PolicyConfig.runtime_ref_s / 3600.0,
@@ -402,6 +408,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             las_shorter=args.las_shorter,
             guest_backfill=args.guest_backfill,
             weight_runtime=args.weight_runtime,
+            weight_fairshare=args.weight_fairshare,
             runtime_ref_s=args.runtime_ref * 3600.0,
             runtime_age_gpu_s=args.runtime_age * 3600.0,
         ),
@@ -490,6 +497,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "guest_backfill": args.guest_backfill,
                 "oracle_runtime": args.oracle_runtime,
                 "weight_runtime": args.weight_runtime,
+                "weight_fairshare": args.weight_fairshare,
                 "runtime_ref_h": args.runtime_ref,
                 "runtime_age_gpu_h": args.runtime_age,
             },
