@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-fairshare",
         type=_nonneg,
         default=PolicyConfig.weight_fairshare,
-        help="gpulab: weight of the fair-share factor (GPULAB_WEIGHT_FAIRSHARE)",
+        help="gpulab and slurm: weight of the fair-share factor "
+        "(GPULAB_WEIGHT_FAIRSHARE)",
     )
     p.add_argument(
         "--runtime-ref",

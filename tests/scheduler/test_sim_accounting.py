@@ -48,6 +48,9 @@ def write(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
+CANONICAL_HEADER = "job_id,submit_time,num_gpus,duration,time_limit,user,group\n"
+
+
 def canonical(tmp_path: Path) -> str:
     # 10 rows: 6 in group a (one too wide for 1x4), 4 in group b; one job of a
     # times out (limit 30 s < 100 s)
@@ -60,8 +63,7 @@ def canonical(tmp_path: Path) -> str:
         "a6,20,1,10,,u1,a",
         *(f"b{i},{i},1,10,,u9,b" for i in range(4)),
     ]
-    header = "job_id,submit_time,num_gpus,duration,time_limit,user,group\n"
-    return write(tmp_path, "t.csv", header + "\n".join(rows) + "\n")
+    return write(tmp_path, "t.csv", CANONICAL_HEADER + "\n".join(rows) + "\n")
 
 
 @pytest.mark.parametrize("policy", ["fifo", "first-fit", "slurm", "gpulab", "tiresias"])
@@ -176,13 +178,7 @@ def test_the_fair_share_weight_reaches_the_replay(tmp_path, weight, first):
     shorter plan does."""
     rows = ["h1,0,1,200000,400000,heavy,g", "h2,1,1,100,2000,heavy,g",
             "l1,2,1,100,86400,light,g"]  # fmt: skip
-    trace = write(
-        tmp_path,
-        "f.csv",
-        "job_id,submit_time,num_gpus,duration,time_limit,user,group\n"
-        + "\n".join(rows)
-        + "\n",
-    )
+    trace = write(tmp_path, "f.csv", CANONICAL_HEADER + "\n".join(rows) + "\n")
     out = tmp_path / "out.json"
     code = main(
         ["--trace", trace, "--cluster", "1x1:p100", "--policy", "gpulab",
