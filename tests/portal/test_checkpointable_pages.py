@@ -63,6 +63,12 @@ def test_the_form_submits_a_checkpointable_job(
         'data-field="checkpointable">resumed 0 times, 0 min of work lost;'
         " preempted: SIGUSR1, then SIGKILL after 2m"
     ) in page
+    # the other stop line names the stops its SIGTERM and grace are for, so the
+    # two lines do not read as two answers to one question
+    assert (
+        '<dt>When cancelled or at its limit</dt><dd data-field="kill_grace_s">'
+        "SIGTERM, then SIGKILL after"
+    ) in page
 
 
 def test_the_form_names_a_checkpoint_field_a_plain_job_cannot_have(
@@ -111,3 +117,4 @@ def test_a_plain_job_page_has_no_checkpoint_line(
     job = JobFactory(owner=alice)
     page = client_for(alice).get(reverse("portal-job", args=[job.pk])).content
     assert b'data-field="checkpointable"' not in page
+    assert b'<dt>When stopped</dt><dd data-field="kill_grace_s">' in page
