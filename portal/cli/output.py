@@ -197,14 +197,21 @@ def job_detail(job: Mapping[str, Any]) -> str:
         ),
         ("Time limit", hms(job.get("time_limit_s"))),
     ]
+    # A checkpointable job has two graces: the stop grace (cancel, time limit)
+    # and the checkpoint grace (preemption); each line says which it is for.
     if job.get("kill_grace_s") is not None:
-        lines.append(("Stop grace", f"{job['kill_grace_s']}s (SIGTERM, then SIGKILL)"))
+        grace = f"{job['kill_grace_s']}s (SIGTERM, then SIGKILL)"
+        if job.get("checkpointable"):
+            lines.append(("Stop grace", f"{grace} when cancelled or at its limit"))
+        else:
+            lines.append(("Stop grace", grace))
     if job.get("checkpointable"):
         lines.append(
             (
                 "Checkpointable",
-                f"SIG{job.get('checkpoint_signal', 'TERM')}, then SIGKILL after"
-                f" {job.get('checkpoint_grace_s', 60)}s; " + checkpoint_summary(job),
+                f"when preempted SIG{job.get('checkpoint_signal', 'TERM')}, then"
+                f" SIGKILL after {job.get('checkpoint_grace_s', 60)}s; "
+                + checkpoint_summary(job),
             )
         )
     if job.get("guest"):

@@ -68,7 +68,13 @@ def test_show_says_how_often_it_was_resumed_and_the_work_lost(
     assert got.exit_code == 0, got.output
     line = next(ln for ln in got.stdout.splitlines() if ln.startswith("Checkpointable"))
     assert line.split(":", 1)[1].strip() == (
-        "SIGUSR2, then SIGKILL after 90s; resumed 2 times, 14 min of work lost"
+        "when preempted SIGUSR2, then SIGKILL after 90s; resumed 2 times,"
+        " 14 min of work lost"
+    )
+    # the stop grace is not the checkpoint grace: each line says when it applies
+    line = next(ln for ln in got.stdout.splitlines() if ln.startswith("Stop grace"))
+    assert line.split(":", 1)[1].strip() == (
+        "30s (SIGTERM, then SIGKILL) when cancelled or at its limit"
     )
 
 
