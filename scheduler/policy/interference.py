@@ -13,7 +13,13 @@ each level's mean weighted by how much evidence it has:
    finding 4), a job that mostly waits on its input barely notices a partner.
    Plus ``offset``: the mean residual log slowdown over every pair observed on this
    GPU model (contention on copies and caches the busy fractions cannot see, seed
-   finding 5), which is what makes the prior learn too;
+   finding 5), which is what makes the prior learn too; plus each workload's own
+   effects on what is left, learned from every pair it was observed in, whoever
+   the partner: how much A suffers beside anyone (``sens``) and how much B slows
+   anyone (``press``), log r_AB ~ structure + offset + sens[A] + press[B], each
+   shrunk to 0 as if ``EFFECT_STRENGTH`` observations had shown none. A workload
+   that starves every partner of memory bandwidth is expected to starve a new one
+   too, before that pair or its families were ever tried;
 2. family pair: what was observed for the same model families (``parse_label``:
    "ResNet-50 (batch size 64)" is family "resnet-50"), counted at ``FAMILY_WEIGHT``
    per observation (at most ``FAMILY_CAP`` in all): a ResNet-50 at batch 32 tells
@@ -66,6 +72,11 @@ WEAK_CAP = 1.0
 # it is shrunk to 0 as if this many pairs had shown none, so that the first pair
 # seen, good or bad, does not decide for all the others.
 OFFSET_STRENGTH = 10.0
+# The workloads' additive effects are shrunk to 0 as if this many observations had
+# shown none: a workload seen in one pair moves its new pairs by a third of what
+# was seen, one seen in eight pairs by four fifths.
+EFFECT_STRENGTH = 2.0
+EFFECT_ITERATIONS = 10  # alternating least squares: the effects settle in a few
 MAX_LOG_R = math.log(64.0)  # clamp: a measured slowdown beyond 64x is an outlier
 
 _BATCH = re.compile(r"(?:batch[\s_-]*size|bs)[\s=:_-]*(\d+)", re.IGNORECASE)
@@ -126,8 +137,8 @@ class Profile:
 @dataclass(frozen=True)
 class Estimate:
     """A predicted ordered-pair slowdown r_AB with its confidence in [0, 1] and
-    where it came from ("pair", "utilisation", "family" or "prior": the strongest
-    level that had evidence)."""
+    where it came from ("pair", "utilisation", "family", "workloads" or "prior":
+    the strongest level that had evidence)."""
 
     slowdown: float
     confidence: float
@@ -188,7 +199,39 @@ class Model:
         # the residual every pair shares (copy and cache contention), shrunk to 0
         # while few pairs were seen
         self.offset = residual_sum / (residual_n + OFFSET_STRENGTH)
+        self.sens, self.press = self._effects()
         self._cache: dict[tuple[Profile, Profile], Estimate] = {}
+
+    def _effects(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Each workload's additive effects on the residual log slowdown,
+        log r_AB - structure - offset ~ sens[A] + press[B]: ridge regression
+        (each effect shrunk to 0 by ``EFFECT_STRENGTH`` observations) over the
+        observed pairs, each weighted by its observations, solved by alternating
+        least squares (a few sweeps over a few hundred pairs a pass at most)."""
+        rows: list[tuple[str, str, float, int]] = []
+        for (a, b), obs in self.knowledge.pairs.items():
+            if obs.n <= 0 or not a or not b:
+                continue
+            base = self._structural(
+                Profile(a, None, self.knowledge.busy.get(a)),
+                Profile(b, None, self.knowledge.busy.get(b)),
+            )
+            rows.append((a, b, obs.mean - base - self.offset, obs.n))
+        sens: dict[str, float] = {}
+        press: dict[str, float] = {}
+        for _ in range(EFFECT_ITERATIONS if rows else 0):
+            num: dict[str, float] = {}
+            den: dict[str, float] = {}
+            for a, b, x, n in rows:
+                num[a] = num.get(a, 0.0) + n * (x - press.get(b, 0.0))
+                den[a] = den.get(a, 0.0) + n
+            sens = {k: v / (den[k] + EFFECT_STRENGTH) for k, v in num.items()}
+            num, den = {}, {}
+            for a, b, x, n in rows:
+                num[b] = num.get(b, 0.0) + n * (x - sens.get(a, 0.0))
+                den[b] = den.get(b, 0.0) + n
+            press = {k: v / (den[k] + EFFECT_STRENGTH) for k, v in num.items()}
+        return sens, press
 
     def harmful(self, a: str, b: str) -> bool:
         return frozenset((a, b)) in self.knowledge.harmful
@@ -215,8 +258,12 @@ class Model:
         pa = Profile(a.workload, a.memory_mib, self._busy(a))
         pb = Profile(b.workload, b.memory_mib, self._busy(b))
         mean = self._structural(pa, pb) + self.offset
-        weight = PRIOR_STRENGTH
         source = "prior"
+        effects = (a.workload in self.sens, b.workload in self.press)
+        if any(effects):
+            mean += self.sens.get(a.workload, 0.0) + self.press.get(b.workload, 0.0)
+            source = "workloads"
+        weight = PRIOR_STRENGTH
         fam = self.family.get((parse_label(a.workload)[0], parse_label(b.workload)[0]))
         exact = self.knowledge.pairs.get((a.workload, b.workload))
         n_exact = exact.n if exact is not None and a.workload and b.workload else 0

@@ -127,6 +127,62 @@ def test_pairs_worse_than_the_structure_raise_the_prior_of_unseen_pairs():
     )
 
 
+def _beside(
+    partner: str, r: float, victims: int
+) -> dict[tuple[str, str], Observations]:
+    """``victims`` workloads observed beside ``partner``: each slowed ``r`` by it,
+    it slowed 1.1 by each."""
+    pairs = {}
+    for i in range(victims):
+        pairs[(f"victim-{partner}-{i}", partner)] = Observations.of([math.log(r)] * 2)
+        pairs[(partner, f"victim-{partner}-{i}")] = Observations.of([math.log(1.1)] * 2)
+    return pairs
+
+
+def test_a_workload_that_slows_every_partner_is_expected_to_slow_a_new_one():
+    knowledge = Knowledge(
+        pairs={**_beside("hog", 2.2, victims=4), **_beside("gentle", 1.15, victims=4)}
+    )
+    model = Model(knowledge)
+    hog = model.estimate(Profile("newcomer"), Profile("hog"))
+    gentle = model.estimate(Profile("newcomer"), Profile("gentle"))
+    # what the pooled residual alone predicts for any new pair
+    pooled = model.estimate(Profile("newcomer"), Profile("stranger"))
+    assert pooled.source == "prior"
+    assert hog.source == gentle.source == "workloads"
+    assert hog.slowdown > pooled.slowdown > gentle.slowdown
+    assert hog.slowdown > 1.6 and gentle.slowdown < 1.35
+    # what a workload does to others says nothing of what others do to it
+    assert model.estimate(Profile("hog"), Profile("newcomer")).slowdown < 1.3
+    # the effects move the estimate, not the confidence: the pair is still untried
+    assert hog.confidence == gentle.confidence == 0.0
+
+
+def test_a_workload_that_suffers_beside_everyone_is_expected_to_suffer_again():
+    pairs = {}
+    for i in range(4):
+        pairs[("fragile", f"other-{i}")] = Observations.of([math.log(2.0)] * 2)
+        pairs[(f"other-{i}", "fragile")] = Observations.of([math.log(1.1)] * 2)
+        pairs[("sturdy", f"other-{i}")] = Observations.of([math.log(1.1)] * 2)
+        pairs[(f"other-{i}", "sturdy")] = Observations.of([math.log(1.1)] * 2)
+    model = Model(Knowledge(pairs=pairs))
+    fragile = model.estimate(Profile("fragile"), Profile("newcomer"))
+    sturdy = model.estimate(Profile("sturdy"), Profile("newcomer"))
+    assert fragile.source == "workloads"
+    assert fragile.slowdown > 1.5 > sturdy.slowdown
+
+
+def test_a_workload_seen_in_more_pairs_moves_its_new_pairs_further():
+    one = Model(Knowledge(pairs=_beside("hog", 2.2, victims=1)))
+    eight = Model(Knowledge(pairs=_beside("hog", 2.2, victims=8)))
+    seen = 2.2
+    got = [
+        m.estimate(Profile("newcomer"), Profile("hog")).slowdown for m in (one, eight)
+    ]
+    prior = one.estimate(Profile("newcomer"), Profile("stranger")).slowdown
+    assert prior < got[0] < got[1] < seen
+
+
 def test_gain_is_the_combined_normalised_throughput():
     assert gain(2.0, 2.0) == pytest.approx(1.0)
     assert gain(1.25, 1.25) == pytest.approx(1.6)
