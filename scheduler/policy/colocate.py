@@ -24,7 +24,8 @@ first that fails is the refusal's rule, and an admission records its numbers:
   rank the trials;
 - ``gain`` (rule 2, P2): for every pair on the GPU, 1/r_AB + 1/r_BA > 1 +
   ``colo_gain_margin`` (at margin 0 exactly r_AB * r_BA < r_AB + r_BA: sharing beats
-  taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more;
+  taking turns). A cap below 2 already implies it; it is what guards caps of 2 or more.
+  A trial's predicted gain must clear ``colo_trial_gain_margin`` when that is higher;
 - ``protection`` (rule 3, P3): each job's predicted slowdown (the product of its
   slowdowns beside each partner), plus ``colo_cap_margin``, is within its cap
   (class cap, or the tighter one its owner asked for; None: unbounded).
@@ -307,6 +308,10 @@ def _judge(
     admitted."""
     confidence, worst_gain, trial = p.confidence, p.worst_gain, p.trial
     need_gain = 1.0 + config.colo_gain_margin
+    if trial:
+        # a trial is judged on a prediction, not an observation: it must clear
+        # the higher bar, so that pairs predicted to gain barely are not tried
+        need_gain = 1.0 + max(config.colo_gain_margin, config.colo_trial_gain_margin)
     odds: float | None = None
     if trial:
         pairs = {
@@ -712,13 +717,34 @@ def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
     return r.measured_slowdown > r.slowdown_cap * (1.0 + margin)
 
 
+def _unmeasured(
+    rs: Sequence[RunningJob], later: RunningJob, state: ClusterState
+) -> RunningJob | None:
+    """In an exploration trial (``later`` joined as one), a capped job still not
+    measured half the detection window after the trial began: nothing predicted
+    the untried pair within the caps, and a slowdown that cannot be measured
+    cannot be kept within them (P3), so the trial ends like one measured over a
+    cap. A slowdown is measured against the workload's speed alone, so a workload
+    never seen running alone, or a job that reports no progress, stays
+    unmeasured. None when every capped job was measured, or it is too soon."""
+    if not later.trial or later.joined_at is None:
+        return None
+    if state.now - later.joined_at < state.config.colo_detect_window_s / 2:
+        return None
+    for r in sorted(rs, key=lambda r: r.id):
+        if r.slowdown_cap is not None and r.measured_slowdown is None:
+            return r
+    return None
+
+
 def evictions(state: ClusterState) -> list[Evict]:
     """The later job of each shared GPU on which a job was measured over its cap,
     less the admission's margin, for half of ``colo_detect_window_s`` or more
     (the pair is marked harmful only when measured over the cap itself), or,
     when the later job was
     admitted as an exploration trial, as soon as a job is measured clearly over
-    its cap (``_over_cap``); if its owner allows it to be requeued (an
+    its cap (``_over_cap``), or when a job of the trial could not be measured
+    by half the window (``_unmeasured``); if its owner allows it to be requeued (an
     interactive job is never evicted: when it is the later job, its earliest
     batch partner goes instead). The reports start a minute or two into the
     episode and the next pass comes within a minute, so the job is stopped
@@ -736,7 +762,8 @@ def evictions(state: ClusterState) -> list[Evict]:
             continue
         later = max(joined, key=lambda r: (r.joined_at or 0.0, r.id))
         over = [r for r in rs if _over_cap(r, state.config, trial=later.trial)]
-        if not over:
+        blind = None if over else _unmeasured(rs, later, state)
+        if not over and blind is None:
             continue
         if is_interactive(state, later):
             # an interactive job is never evicted: its batch partner goes
@@ -745,6 +772,26 @@ def evictions(state: ClusterState) -> list[Evict]:
                 continue
             later = min(batch, key=lambda r: (r.joined_at or 0.0, r.id))
         if not later.evictable:
+            continue
+        if blind is not None:
+            partner = (
+                blind if blind.id != later.id else next(r for r in rs if r is not later)
+            )
+            who = "its" if blind.id == later.id else f"job {blind.id}'s"
+            out.append(
+                Evict(
+                    later.id,
+                    partner.id,
+                    f"sharing a GPU with job {partner.id} as an exploration trial:"
+                    f" {who} slowdown could not be measured in"
+                    f" {state.config.colo_detect_window_s / 120:.0f} min (its"
+                    " workload has no speed alone on record yet, or it reports no"
+                    " progress), so its cap could not be watched; sent back to the"
+                    " queue, and the pair may be tried again",
+                    (later.workload, partner.workload),
+                    harmful=False,
+                )
+            )
             continue
         hurt = max(
             over,

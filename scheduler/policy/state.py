@@ -140,6 +140,11 @@ class PolicyConfig:
     colocation: bool = True
     colo_headroom_mib: int = 512  # added to each job's memory need
     colo_gain_margin: float = 0.05  # 1/r_AB + 1/r_BA must reach 1 + this
+    # an exploration trial's predicted gain must reach 1 + this (when above
+    # ``colo_gain_margin``): the prediction of an untried pair is less sure than
+    # an observation, and the pairs predicted to gain barely are the trials that
+    # lose most often (docs/policy.md, "Workload effects and a higher bar for trials")
+    colo_trial_gain_margin: float = 0.10
     colo_min_confidence: float = 0.5  # below: the pair is unknown (a trial)
     colo_trials_per_pair_hour: int = 1
     colo_trials_per_hour: int = 10

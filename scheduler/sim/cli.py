@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="co-location: a free GPU first, or share first (GPULAB_COLO_PACKING)",
     )
     p.add_argument(
+        "--colo-trial-gain-margin",
+        type=_nonneg,
+        default=PolicyConfig.colo_trial_gain_margin,
+        help="co-location: an exploration trial's predicted gain must reach 1 + "
+        "this (when above the gain margin) (GPULAB_COLO_TRIAL_GAIN_MARGIN)",
+    )
+    p.add_argument(
         "--colo-trial-min-odds",
         type=_fraction,
         default=PolicyConfig.colo_trial_min_odds,
@@ -395,6 +402,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             backfill_plan=args.backfill_plan,
             prediction=args.prediction,
             colo_packing=args.colo_packing,
+            colo_trial_gain_margin=args.colo_trial_gain_margin,
             colo_trial_min_odds=args.colo_trial_min_odds,
             colo_trial_max_failures=args.colo_trial_max_failures,
             colo_trial_evict_margin=args.colo_trial_evict_margin,
@@ -462,6 +470,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "backfill_plan": args.backfill_plan,
                 "prediction": args.prediction,
                 "colo_packing": args.colo_packing,
+                "colo_trial_gain_margin": args.colo_trial_gain_margin,
                 "colo_trial_min_odds": args.colo_trial_min_odds,
                 "colo_trial_max_failures": args.colo_trial_max_failures,
                 "colo_trial_evict_margin": args.colo_trial_evict_margin,

@@ -372,6 +372,31 @@ def test_a_trial_the_prior_says_loses_is_not_tried():
     assert "prior, untried pair" in got.message
 
 
+@pytest.mark.parametrize(
+    ("trial_margin", "admitted"), [(0.10, False), (0.05, True), (0.0, True)]
+)
+def test_a_trial_must_clear_the_trial_margin_a_known_pair_only_the_gain_margin(
+    trial_margin, admitted
+):
+    # 1/1.85 + 1/1.85 = 1.081: over a gain margin of 0.05, under a trial margin of 0.10
+    cfg = PolicyConfig(
+        colo_headroom_mib=0,
+        colo_gain_margin=0.05,
+        colo_trial_gain_margin=trial_margin,
+    )
+    uncapped = [job(2, "b", cap=None)]
+    untried = Table({("a", "b"): 1.85, ("b", "a"): 1.85}, unsure={("a", "b")})
+    got = run(job(1, "a", cap=None), uncapped, untried, cfg=cfg)
+    assert (got.admitted, got.rule) == (
+        (True, "trial") if admitted else (False, "gain")
+    )
+    if not admitted:
+        assert "not over the 1.10 that sharing must beat" in got.message
+    known = Table({("a", "b"): 1.85, ("b", "a"): 1.85})
+    got = run(job(1, "a", cap=None), uncapped, known, cfg=cfg)
+    assert (got.admitted, got.rule) == (True, "ok")
+
+
 def test_rank_prefers_known_pairs_then_gain_then_similar_size():
     me = job(1, "a", 4 * GIB)
     near, far = [job(2, "b", 5 * GIB)], [job(3, "b", 15 * GIB)]

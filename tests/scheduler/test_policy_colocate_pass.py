@@ -288,6 +288,41 @@ def test_a_trial_clearly_over_its_cap_is_ended_at_its_first_measurement():
     assert not [d for d in ds if isinstance(d, Evict)]
 
 
+def test_a_trial_whose_job_cannot_be_measured_ends_at_half_the_window():
+    # (b), seed 2, with workload effects: job 1263 (Recommendation, batch 1024)
+    # joined job 1177 as a trial; its workload had never run alone, so no
+    # slowdown of it could be measured, and it ran truly 1.52x slower, over its
+    # 1.5 cap, for 13 min: a cap that cannot be watched cannot be kept
+    run = [
+        resident(1177, 100, "ResNet-18 (batch size 32)", measured_slowdown=1.1,
+                 measured_for_s=240.0),
+        resident(1263, 100, "Recommendation (batch size 1024)",
+                 joined_at=NOW - 300, trial=True),
+    ]  # fmt: skip
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run))
+    (ev,) = [d for d in ds if isinstance(d, Evict)]
+    assert (ev.job_id, ev.partner_id) == (1263, 1177)
+    assert "its slowdown could not be measured in 5 min" in ev.reason
+    assert not ev.harmful  # nothing says the pair is bad: it may be tried again
+    # the partner unmeasured is the same: the trial's job goes
+    swapped = [replace(run[0], measured_slowdown=None),
+               replace(run[1], measured_slowdown=1.2, measured_for_s=240.0)]  # fmt: skip
+    (ev,) = [d for d in decide(state(gpus(1, 1, busy={0: 2}), [], swapped))
+             if isinstance(d, Evict)]  # fmt: skip
+    assert (
+        ev.job_id == 1263 and "job 1177's slowdown could not be measured" in ev.reason
+    )
+    # before half the window, or a known pair (predicted within the caps), or an
+    # uncapped job: nothing to end
+    for changed in (
+        [run[0], replace(run[1], joined_at=NOW - 240)],
+        [run[0], replace(run[1], trial=False)],
+        [run[0], replace(run[1], slowdown_cap=None)],
+    ):
+        ds = decide(state(gpus(1, 1, busy={0: 2}), [], changed))
+        assert not [d for d in ds if isinstance(d, Evict)]
+
+
 @pytest.mark.parametrize(
     "change",
     [
