@@ -200,11 +200,10 @@ def job_detail(job: Mapping[str, Any]) -> str:
     # A checkpointable job has two graces: the stop grace (cancel, time limit)
     # and the checkpoint grace (preemption); each line says which it is for.
     if job.get("kill_grace_s") is not None:
-        grace = f"{job['kill_grace_s']}s (SIGTERM, then SIGKILL)"
-        if job.get("checkpointable"):
-            lines.append(("Stop grace", f"{grace} when cancelled or at its limit"))
-        else:
-            lines.append(("Stop grace", grace))
+        when = " when cancelled or at its limit" if job.get("checkpointable") else ""
+        lines.append(
+            ("Stop grace", f"{job['kill_grace_s']}s (SIGTERM, then SIGKILL){when}")
+        )
     if job.get("checkpointable"):
         lines.append(
             (

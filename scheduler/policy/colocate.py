@@ -307,11 +307,13 @@ def _judge(
     ``colo_trial_max_failures`` ranks by them), the rule "ok" or "trial" when
     admitted."""
     confidence, worst_gain, trial = p.confidence, p.worst_gain, p.trial
-    need_gain = 1.0 + config.colo_gain_margin
-    if trial:
-        # a trial is judged on a prediction, not an observation: it must clear
-        # the higher bar, so that pairs predicted to gain barely are not tried
-        need_gain = 1.0 + max(config.colo_gain_margin, config.colo_trial_gain_margin)
+    # a trial is judged on a prediction, not an observation: it must clear the
+    # higher bar, so that pairs predicted to gain barely are not tried
+    need_gain = 1.0 + (
+        max(config.colo_gain_margin, config.colo_trial_gain_margin)
+        if trial
+        else config.colo_gain_margin
+    )
     odds: float | None = None
     if trial:
         pairs = {
@@ -737,6 +739,17 @@ def _unmeasured(
     return None
 
 
+def _partner(
+    later: RunningJob, concerned: RunningJob, rs: Sequence[RunningJob]
+) -> RunningJob:
+    """The job an eviction of ``later`` names as its partner: the job the
+    eviction is for (``concerned``), or, when that is ``later`` itself, the
+    first other job on the GPU."""
+    if concerned.id != later.id:
+        return concerned
+    return next(r for r in rs if r is not later)
+
+
 def evictions(state: ClusterState) -> list[Evict]:
     """The later job of each shared GPU on which a job was measured over its cap,
     less the admission's margin, for half of ``colo_detect_window_s`` or more
@@ -774,9 +787,7 @@ def evictions(state: ClusterState) -> list[Evict]:
         if not later.evictable:
             continue
         if blind is not None:
-            partner = (
-                blind if blind.id != later.id else next(r for r in rs if r is not later)
-            )
+            partner = _partner(later, blind, rs)
             who = "its" if blind.id == later.id else f"job {blind.id}'s"
             out.append(
                 Evict(
@@ -800,7 +811,7 @@ def evictions(state: ClusterState) -> list[Evict]:
                 r.id != later.id,
             ),
         )
-        partner = hurt if hurt.id != later.id else next(r for r in rs if r is not later)
+        partner = _partner(later, hurt, rs)
         assert hurt.measured_slowdown is not None
         who = "it" if hurt.id == later.id else f"job {hurt.id}"
         # measured over a cap: the pair is refused from now on; only too close to

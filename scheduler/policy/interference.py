@@ -176,8 +176,8 @@ class Model:
     def __init__(self, knowledge: Knowledge) -> None:
         self.knowledge = knowledge
         families: dict[tuple[str, str], list[Observations]] = {}
-        residual_sum = 0.0
-        residual_n = 0
+        # (A, B, observed mean log slowdown less the structure, observations)
+        residuals: list[tuple[str, str, float, int]] = []
         for (a, b), obs in knowledge.pairs.items():
             if obs.n <= 0:
                 continue
@@ -187,8 +187,9 @@ class Model:
                 Profile(a, None, knowledge.busy.get(a)),
                 Profile(b, None, knowledge.busy.get(b)),
             )
-            residual_sum += (obs.mean - base) * obs.n
-            residual_n += obs.n
+            residuals.append((a, b, obs.mean - base, obs.n))
+        residual_sum = sum(x * n for _, _, x, n in residuals)
+        residual_n = sum(n for _, _, _, n in residuals)
         self.family: dict[tuple[str, str], tuple[float, float]] = {
             k: (
                 sum(o.n for o in v),
@@ -199,24 +200,21 @@ class Model:
         # the residual every pair shares (copy and cache contention), shrunk to 0
         # while few pairs were seen
         self.offset = residual_sum / (residual_n + OFFSET_STRENGTH)
-        self.sens, self.press = self._effects()
+        self.sens, self.press = self._effects(
+            [(a, b, x - self.offset, n) for a, b, x, n in residuals if a and b]
+        )
         self._cache: dict[tuple[Profile, Profile], Estimate] = {}
 
-    def _effects(self) -> tuple[dict[str, float], dict[str, float]]:
+    @staticmethod
+    def _effects(
+        rows: list[tuple[str, str, float, int]],
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """Each workload's additive effects on the residual log slowdown,
-        log r_AB - structure - offset ~ sens[A] + press[B]: ridge regression
-        (each effect shrunk to 0 by ``EFFECT_STRENGTH`` observations) over the
-        observed pairs, each weighted by its observations, solved by alternating
-        least squares (a few sweeps over a few hundred pairs a pass at most)."""
-        rows: list[tuple[str, str, float, int]] = []
-        for (a, b), obs in self.knowledge.pairs.items():
-            if obs.n <= 0 or not a or not b:
-                continue
-            base = self._structural(
-                Profile(a, None, self.knowledge.busy.get(a)),
-                Profile(b, None, self.knowledge.busy.get(b)),
-            )
-            rows.append((a, b, obs.mean - base - self.offset, obs.n))
+        ``rows`` (A, B, log r_AB - structure - offset, observations) ~ sens[A] +
+        press[B]: ridge regression (each effect shrunk to 0 by ``EFFECT_STRENGTH``
+        observations), each pair weighted by its observations, solved by
+        alternating least squares (a few sweeps over a few hundred pairs a pass
+        at most)."""
         sens: dict[str, float] = {}
         press: dict[str, float] = {}
         for _ in range(EFFECT_ITERATIONS if rows else 0):
@@ -259,8 +257,7 @@ class Model:
         pb = Profile(b.workload, b.memory_mib, self._busy(b))
         mean = self._structural(pa, pb) + self.offset
         source = "prior"
-        effects = (a.workload in self.sens, b.workload in self.press)
-        if any(effects):
+        if a.workload in self.sens or b.workload in self.press:
             mean += self.sens.get(a.workload, 0.0) + self.press.get(b.workload, 0.0)
             source = "workloads"
         weight = PRIOR_STRENGTH

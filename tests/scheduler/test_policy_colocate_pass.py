@@ -289,10 +289,10 @@ def test_a_trial_clearly_over_its_cap_is_ended_at_its_first_measurement():
 
 
 def test_a_trial_whose_job_cannot_be_measured_ends_at_half_the_window():
-    # (b), seed 2, with workload effects: job 1263 (Recommendation, batch 1024)
-    # joined job 1177 as a trial; its workload had never run alone, so no
-    # slowdown of it could be measured, and it ran truly 1.52x slower, over its
-    # 1.5 cap, for 13 min: a cap that cannot be watched cannot be kept
+    # job 1263 joined job 1177 as a trial, and its workload has never run alone
+    # (or it prints no progress): no slowdown of it can be measured, so however
+    # slow it truly runs, no measurement ever ends the trial. A cap that cannot
+    # be watched cannot be kept (P3): the trial ends at half the window
     run = [
         resident(1177, 100, "ResNet-18 (batch size 32)", measured_slowdown=1.1,
                  measured_for_s=240.0),
