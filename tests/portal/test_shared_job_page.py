@@ -151,6 +151,11 @@ def test_a_trial_says_why_it_may_exceed_the_cap_and_for_how_long(
     assert "by more than" not in joiner  # the fast end of a trial is off
     assert f"within {window_min:g} minutes" in joiner
     assert "this job (the one that joined) is sent back to the queue" in joiner
+    # a trial whose job cannot be measured ends too (colocate._unmeasured)
+    assert (
+        f"if a job cannot be measured after {window_min / 2:g} minutes, this job is"
+        " sent back too"
+    ) in joiner
     # The job it joined: its own prediction (under its cap), who would leave.
     assert "may exceed" not in resident  # 1.2x, under its cap
     assert f"job #{second.pk} (the one that joined) is sent back" in resident
