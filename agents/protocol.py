@@ -276,7 +276,7 @@ KillReason = Literal[
     "stale",
     "node_lost",
     "peer_failed",  # another rank of a multi-node job failed
-    "evicted",  # its GPU partner ran over its slowdown cap: back to the queue
+    "evicted",  # sharing ended to keep a slowdown cap: back to the queue
     "memory_overrun",  # used more GPU memory than declared on a shared GPU
     "quota",  # a hard quota of it is used up (GPULAB_QUOTA_OVERRUN=stop)
     "requeued",  # an admin sent it back to the queue (its age kept)

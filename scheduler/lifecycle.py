@@ -50,7 +50,7 @@ class Cause(StrEnum):
     TIME_LIMIT = "time_limit"  # stopped at its time limit
     QUOTA = "quota"  # stopped: a hard quota of it is used up
     PREEMPTED = "preempted"  # stopped for a job of a higher class
-    EVICTED = "evicted"  # its GPU partner ran over its slowdown cap
+    EVICTED = "evicted"  # sharing ended to keep a slowdown cap (colocate.evictions)
     REQUEUE = "requeue"  # an admin sent it back to the queue
     NODE_LOST = "node_lost"  # its node stopped reporting
     PROCESS_LOST = "process_lost"  # its process vanished without an exit code
@@ -221,8 +221,9 @@ def classify_exit(f: ExitFacts) -> Verdict:
         return Verdict(
             S.PENDING,
             C.EVICTED,
-            "sent back to the queue (its age is kept): a job sharing its GPU ran"
-            f" over its slowdown cap (exit code {code})",
+            "sent back to the queue (its age is kept): the scheduler ended its"
+            " sharing of a GPU to keep a slowdown cap, for the reason above"
+            f" (exit code {code})",
         )
     if kill == "quota":
         return Verdict(

@@ -362,8 +362,8 @@ EXITS = [
         facts("killed", 143, kill_reason="evicted"),
         S.PENDING,
         C.EVICTED,
-        "sent back to the queue (its age is kept): a job sharing its GPU ran over"
-        " its slowdown cap (exit code 143)",
+        "sent back to the queue (its age is kept): the scheduler ended its sharing"
+        " of a GPU to keep a slowdown cap, for the reason above (exit code 143)",
     ),
     (
         facts("killed", 143, kill_reason="quota"),
