@@ -523,10 +523,12 @@ GPULAB_POLICY: dict[str, Any] = {
     "weight_class": envfloat("GPULAB_WEIGHT_CLASS", 1000.0, minimum=0),
     "weight_age": envfloat("GPULAB_WEIGHT_AGE", 500.0, minimum=0),
     "weight_fairshare": envfloat("GPULAB_WEIGHT_FAIRSHARE", 1000.0, minimum=0),
+    "fairshare_user": envfloat("GPULAB_FAIRSHARE_USER", 1.0, minimum=0, maximum=1),
     "weight_size": envfloat("GPULAB_WEIGHT_SIZE", 100.0, minimum=0),
     "weight_runtime": envfloat("GPULAB_WEIGHT_RUNTIME", 500.0, minimum=0),
     "runtime_ref_s": envfloat("GPULAB_RUNTIME_REF", 6 * 3600.0, minimum=3600),
     "runtime_age_gpu_s": envfloat("GPULAB_RUNTIME_AGE", 0.0, minimum=0),
+    "runtime_age_min_gpus": envint("GPULAB_RUNTIME_AGE_MIN_GPUS", 1, minimum=1),
     "max_age_s": envfloat("GPULAB_MAX_AGE", 7 * 86400.0, minimum=60),
     "backfill": envbool("GPULAB_BACKFILL", default=True),
     # gpulab: plan backfill with time limits (default) or min(limit, prediction)

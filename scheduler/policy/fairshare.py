@@ -4,11 +4,14 @@
   group's shares / all groups' shares; both in [0, 1].
 - User within its group: U = the user's decayed usage / the group's (sum of its
   users'), S = the user's shares / the group's members' shares.
-- Combined (our choice, documented): ``F = F_group * (1 + F_user) / 2``. The group
-  factor is primary (as in Slurm's fair tree, groups compete first): a user can move
-  their job only within [F_group / 2, F_group], so a light user in a heavy group never
-  jumps a whole heavy/light group gap by being light, yet heavy users in a group queue
-  behind their light colleagues.
+- Combined (our choice, documented): ``F = F_group * (1 - w * (1 - F_user) / 2)``,
+  ``w`` the user part's weight (``PolicyConfig.fairshare_user``, 0..1). At ``w`` 1
+  that is ``F_group * (1 + F_user) / 2``: a user can move their job only within
+  [F_group / 2, F_group], so a light user in a heavy group never jumps a whole
+  heavy/light group gap by being light, yet heavy users in a group queue behind
+  their light colleagues. At ``w`` 0 only groups compete (``F = F_group``), and
+  within a group the order is age, size and run time alone. The group factor is
+  primary either way (as in Slurm's fair tree, groups compete first).
 - Quotas: a job over a soft quota gets ``F * quota_soft_factor``
   (``scale``, from ``policy.quota.Quotas.fairshare_scale``).
 - No usage: factor 1. Shares missing from the map default to 1 (an equal share);
@@ -46,9 +49,11 @@ class FairShare:
         groups: set[str],
         users: set[tuple[str, str]],
         scale: Callable[[str, str], float] | None = None,
+        user_weight: float = 1.0,
     ):
         self.usage = usage
         self.scale = scale
+        self.user_weight = 0.0 if user_weight < 0 else min(1.0, user_weight)
         # Sums with math.fsum (exactly rounded): a plain sum over a set of strings
         # depends on the set's order, i.e. on the process's hash seed, and its
         # last-bit differences could flip a tie between two runs of one trace.
@@ -102,5 +107,8 @@ class FairShare:
         return got
 
     def of(self, group: str, user: str) -> float:
-        f = self.group_factor(group) * (1.0 + self.user_factor(group, user)) / 2.0
+        f = self.group_factor(group)
+        w = self.user_weight
+        if w > 0.0:
+            f *= 1.0 - w * (1.0 - self.user_factor(group, user)) / 2.0
         return f if self.scale is None else f * self.scale(group, user)

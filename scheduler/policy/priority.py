@@ -27,7 +27,9 @@ parts are kept as the breakdown ``sprio`` would show, and their sum is the prior
   With ``runtime_age_gpu_s`` set, a waiting job's runtime part is at least
   ``weight_runtime`` x min(1, GPUs x time waited / ``runtime_age_gpu_s``): the
   head start is earned by waiting too, faster for wider jobs, whose wait costs
-  more GPUs (``waited_head_start``);
+  more GPUs (``waited_head_start``); with ``runtime_age_min_gpus``, only jobs of
+  at least that many GPUs earn it (the wide jobs a stream of narrow ones keeps
+  from whole nodes; the narrow ones fit in the gaps they leave);
 - size: ``gpus / all GPUs of the cluster`` (capped at 1). Like Slurm's default
   (PriorityFavorSmall=NO) it favours larger jobs: small jobs already win through
   backfill and best fit, large ones need the push so they are not starved by a
@@ -120,8 +122,10 @@ def breakdown(
     }
     if runtime and config.weight_runtime:
         x = age_factor(now, job.submitted_at, config.max_age_s)
-        earned = waited_head_start(
-            now, job.submitted_at, job.gpus, config.runtime_age_gpu_s
+        earned = (
+            waited_head_start(now, job.submitted_at, job.gpus, config.runtime_age_gpu_s)
+            if job.gpus >= config.runtime_age_min_gpus
+            else 0.0
         )
         out["runtime"] = config.weight_runtime * runtime_share(
             runtime_factor(job.planned_s, config.runtime_ref_s), x, earned
@@ -146,6 +150,7 @@ def breakdowns(
     w_run = config.weight_runtime if runtime else 0.0
     ref = config.runtime_ref_s
     age_gpu_s = config.runtime_age_gpu_s
+    min_gpus = config.runtime_age_min_gpus
     run_part: dict[float, float] = {}
     max_age = config.max_age_s
     cls_part: dict[tuple[str, float], float] = {}
@@ -178,7 +183,7 @@ def breakdowns(
                 rf = run_part[job.planned_s] = runtime_factor(job.planned_s, ref)
             earned = (
                 waited_head_start(now, job.submitted_at, gpus, age_gpu_s)
-                if age_gpu_s > 0
+                if age_gpu_s > 0 and gpus >= min_gpus
                 else 0.0
             )
             r = w_run * runtime_share(rf, x, earned)

@@ -124,6 +124,8 @@ class Pass:
             {g for g, _ in users},
             users,
             self.quotas.fairshare_scale if self.has_quotas else None,
+            # ``slurm`` weighs users as Slurm's multifactor plugin does
+            cfg.fairshare_user if runtime else 1.0,
         )
         self.messages = Messages(self.idx)
         self.sharing: colocate.Sharing | None = None

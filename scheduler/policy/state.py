@@ -69,6 +69,10 @@ class PolicyConfig:
     weight_class: float = 1000.0
     weight_age: float = 500.0
     weight_fairshare: float = 1000.0
+    # ``gpulab``: the user's part of fair share within its group, 0..1
+    # (``fairshare``): 1 moves a job within [F_group / 2, F_group] by its owner's
+    # usage; 0: only groups compete by usage (``slurm`` always weighs users)
+    fairshare_user: float = 1.0
     weight_size: float = 100.0
     # ``gpulab`` only: shorter planned run times first (``priority.runtime_factor``).
     weight_runtime: float = 500.0
@@ -79,6 +83,8 @@ class PolicyConfig:
     # part is at least ``weight_runtime`` x min(1, GPUs x seconds waited / this),
     # so a wide job is not passed for days by short narrow ones; 0: off
     runtime_age_gpu_s: float = 0.0
+    # only jobs of at least this many GPUs earn that head start (1: every job)
+    runtime_age_min_gpus: int = 1
     max_age_s: float = 7 * 86400.0  # the age factor saturates here
     backfill: bool = True
     # ``gpulab``: how backfill plans a job's end: "limit" (its time limit, as Slurm

@@ -297,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(GPULAB_WEIGHT_FAIRSHARE)",
     )
     p.add_argument(
+        "--fairshare-user",
+        type=_fraction,
+        default=PolicyConfig.fairshare_user,
+        help="gpulab: weight of the user's part of fair share within its group, "
+        "0..1 (GPULAB_FAIRSHARE_USER); 0: only groups compete (slurm: always 1)",
+    )
+    p.add_argument(
         "--runtime-ref",
         type=_positive,
         default=PolicyConfig.runtime_ref_s / 3600.0,
@@ -309,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=PolicyConfig.runtime_age_gpu_s / 3600.0,
         help="gpulab: GPU-hours of waiting after which a job has the shortest "
         "job's run-time head start (GPULAB_RUNTIME_AGE, in GPU-seconds); 0: off",
+    )
+    p.add_argument(
+        "--runtime-age-min-gpus",
+        type=_count,
+        default=PolicyConfig.runtime_age_min_gpus,
+        help="gpulab: only jobs of at least this many GPUs earn the head start "
+        "of --runtime-age (GPULAB_RUNTIME_AGE_MIN_GPUS)",
     )
     p.add_argument(
         "--tiresias-threshold",
@@ -418,8 +432,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             guest_backfill=args.guest_backfill,
             weight_runtime=args.weight_runtime,
             weight_fairshare=args.weight_fairshare,
+            fairshare_user=args.fairshare_user,
             runtime_ref_s=args.runtime_ref * 3600.0,
             runtime_age_gpu_s=args.runtime_age * 3600.0,
+            runtime_age_min_gpus=args.runtime_age_min_gpus,
         ),
         SimOptions(
             period_s=args.period,
@@ -508,8 +524,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "oracle_runtime": args.oracle_runtime,
                 "weight_runtime": args.weight_runtime,
                 "weight_fairshare": args.weight_fairshare,
+                "fairshare_user": args.fairshare_user,
                 "runtime_ref_h": args.runtime_ref,
                 "runtime_age_gpu_h": args.runtime_age,
+                "runtime_age_min_gpus": args.runtime_age_min_gpus,
             },
             "assumptions": [
                 *prepared.assumptions,

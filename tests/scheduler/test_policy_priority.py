@@ -235,3 +235,49 @@ def test_the_batch_breakdowns_equal_the_single_job_breakdown():
         one = breakdown(j, **kw)
         assert many[j.id] == pytest.approx(one)
         assert prio[j.id] == pytest.approx(sum(one.values()))
+
+
+ALICE = 2**-1.8  # 90 % of her group's use on half of its shares: 2^(-0.9 / 0.5)
+
+
+@pytest.mark.parametrize(
+    ("weight", "expected"),
+    [
+        (1.0, 0.5 * (1 + ALICE) / 2),  # the group's factor, moved by half at most
+        (0.5, 0.5 * (1 - 0.5 * (1 - ALICE) / 2)),
+        (0.0, 0.5),  # the group's factor alone
+        (-1.0, 0.5),  # out of range: clamped to 0..1
+        (2.0, 0.5 * (1 + ALICE) / 2),
+    ],
+)
+def test_the_users_part_of_fair_share_has_a_weight(weight, expected):
+    """Group g used half of the cluster's GPU time on half of the shares (2^-1);
+    alice 90 % of g's on half of g's shares."""
+    usage = Usage(
+        group_usage={"g": 100.0, "other": 100.0},
+        user_usage={("g", "alice"): 90.0, ("g", "bob"): 10.0},
+    )
+    users = {("g", "alice"), ("g", "bob")}
+    fs = FairShare(usage, {"g", "other"}, users, user_weight=weight)
+    assert fs.group_factor("g") == pytest.approx(0.5)
+    assert fs.user_factor("g", "alice") == pytest.approx(ALICE)
+    assert fs.of("g", "alice") == pytest.approx(expected)
+
+
+def test_without_the_users_part_groups_still_compete_and_members_go_by_age():
+    """``fairshare_user`` 0: alice's heavy use no longer puts her older job behind
+    bob's, a heavy group's job still goes behind a light group's, and ``slurm``
+    keeps weighing users whatever the setting (Slurm's multifactor does)."""
+    usage = Usage(
+        group_usage={"g": 1000.0, "light": 10.0},
+        user_usage={("g", "alice"): 900.0, ("g", "bob"): 100.0},
+    )
+    jobs = [pending(1, user="alice", age=3600), pending(2, user="bob")]
+    groups_only = PolicyConfig(name="gpulab", fairshare_user=0.0)
+    assert order_of(cluster(full(), jobs, usage=usage)) == [2, 1]
+    assert order_of(cluster(full(), jobs, usage=usage, config=groups_only)) == [1, 2]
+    slurm = PolicyConfig(name="slurm", fairshare_user=0.0)
+    assert order_of(cluster(full(), jobs, usage=usage, config=slurm)) == [2, 1]
+    heavy_light = [pending(1, group="g", age=3600), pending(2, group="light")]
+    got = order_of(cluster(full(), heavy_light, usage=usage, config=groups_only))
+    assert got == [2, 1]

@@ -15,7 +15,11 @@ import pytest
 from scheduler.policy import PolicyConfig, Reason, decide
 from scheduler.policy.fairshare import FairShare
 from scheduler.policy.predict import predict
-from scheduler.policy.priority import breakdown, runtime_factor, waited_head_start
+from scheduler.policy.priority import (
+    breakdown,
+    runtime_factor,
+    waited_head_start,
+)
 from scheduler.policy.state import Usage
 from tests.scheduler.test_policy_support import (
     CLASSES,
@@ -320,3 +324,25 @@ def test_a_narrow_job_earns_its_head_start_eight_times_slower():
     assert order_of(jobs, rule) == [2, 1]
     jobs = [pending(1, planned=8 * HOUR, age=48 * HOUR), pending(2, planned=HOUR)]
     assert order_of(jobs, rule) == [1, 2]
+
+
+def test_only_wide_jobs_earn_the_head_start_when_told():
+    """``runtime_age_min_gpus`` 5: the 8-GPU job that waited 6 h (48 GPU-hours)
+    still earns the shortest job's start, a 4-GPU job that waited 12 h earns
+    none and keeps its own run-time part (0, planned 8 h), behind the 1-hour
+    job; the one-job breakdown agrees."""
+    wide_only = PolicyConfig(
+        name="gpulab", runtime_age_gpu_s=48 * HOUR, runtime_age_min_gpus=5
+    )
+    order, parts = wide_order(wide_and_short(6 * HOUR), wide_only)
+    assert order == [1, 2]
+    assert parts[1]["runtime"] == pytest.approx(500.0)
+    four = [pending(1, 4, planned=8 * HOUR, age=12 * HOUR), pending(2, 1)]
+    order, parts = wide_order(four, wide_only)
+    assert order == [2, 1]
+    assert parts[1]["runtime"] == pytest.approx(0.0)
+    every = PolicyConfig(name="gpulab", runtime_age_gpu_s=48 * HOUR)
+    assert wide_order(four, every)[0] == [1, 2]
+    assert one_breakdown(four[0], wide_only, 8)["runtime"] == pytest.approx(0.0)
+    one = one_breakdown(pending(1, 8, planned=8 * HOUR, age=2 * HOUR), wide_only, 8)
+    assert one["runtime"] == pytest.approx(500 * 16 / 48)

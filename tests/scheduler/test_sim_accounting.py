@@ -170,23 +170,33 @@ def test_a_timed_out_job_counts_no_faster_than_alone_for_users():
     assert out["jain_fairness_users"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize(("weight", "first"), [("1000", "light"), ("0", "heavy")])
-def test_the_fair_share_weight_reaches_the_replay(tmp_path, weight, first):
-    """``--weight-fairshare`` (GPULAB_WEIGHT_FAIRSHARE): on one GPU, after the
-    heavy user's first job (over two days), the light user's job goes first
-    under fair share; with the weight at 0 the heavy user's older job with the
-    shorter plan does."""
+@pytest.mark.parametrize(
+    ("option", "value", "first"),
+    [
+        ("--weight-fairshare", "1000", "light"),
+        ("--weight-fairshare", "0", "heavy"),
+        ("--fairshare-user", "1", "light"),
+        ("--fairshare-user", "0", "heavy"),
+    ],
+)
+def test_the_fair_share_weight_reaches_the_replay(tmp_path, option, value, first):
+    """``--weight-fairshare`` (GPULAB_WEIGHT_FAIRSHARE) and ``--fairshare-user``
+    (GPULAB_FAIRSHARE_USER): on one GPU, after the heavy user's first job (over
+    two days), the light user's job goes first under fair share; with either
+    at 0 (one group: only users could tell the jobs apart) the heavy user's
+    older job with the shorter plan does."""
     rows = ["h1,0,1,200000,400000,heavy,g", "h2,1,1,100,2000,heavy,g",
             "l1,2,1,100,86400,light,g"]  # fmt: skip
     trace = write(tmp_path, "f.csv", CANONICAL_HEADER + "\n".join(rows) + "\n")
     out = tmp_path / "out.json"
     code = main(
         ["--trace", trace, "--cluster", "1x1:p100", "--policy", "gpulab",
-         "--weight-fairshare", weight, "--out", str(out), "--quiet"]
+         option, value, "--out", str(out), "--quiet"]
     )  # fmt: skip
     assert code == 0
     got = json.loads(out.read_text())
-    assert got["options"]["weight_fairshare"] == float(weight)
+    key = option.removeprefix("--").replace("-", "_")
+    assert got["options"][key] == float(value)
     waits = got["queue_s_by_job"]
     assert len(waits) == 3
     heavy, light = waits["2"], waits["3"]  # the job ids in submit order from 1
