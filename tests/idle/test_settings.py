@@ -3,14 +3,9 @@ variable (a real Django start in a subprocess)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.startup import django_setup
 
 
 @pytest.mark.parametrize(
@@ -66,15 +61,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_bad_setting_stops_the_start_naming_it(
     env: dict[str, str], message: str
 ) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"],
-        cwd=ROOT,
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings", **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = django_setup(env)
     assert proc.returncode != 0
     assert "ImproperlyConfigured" in proc.stderr
     assert message in proc.stderr
