@@ -81,12 +81,17 @@ def runtime_factor(planned_s: float, ref_s: float) -> float:
 
 
 def waited_head_start(
-    now: float, submitted_at: float, gpus: int, runtime_age_gpu_s: float
+    now: float,
+    submitted_at: float,
+    gpus: int,
+    runtime_age_gpu_s: float,
+    min_gpus: int = 1,
 ) -> float:
     """The run-time factor a job has earned by waiting: GPUs x seconds waited over
-    ``runtime_age_gpu_s``, capped at 1; 0 when the rule is off. An 8-GPU job earns
-    the shortest job's head start eight times sooner than a 1-GPU job."""
-    if runtime_age_gpu_s <= 0:
+    ``runtime_age_gpu_s``, capped at 1; 0 when the rule is off or the job has
+    fewer than ``min_gpus`` GPUs. An 8-GPU job earns the shortest job's head start
+    eight times sooner than a 1-GPU job."""
+    if runtime_age_gpu_s <= 0 or gpus < min_gpus:
         return 0.0
     return clamp((now - submitted_at) * max(gpus, 1) / runtime_age_gpu_s)
 
@@ -122,10 +127,12 @@ def breakdown(
     }
     if runtime and config.weight_runtime:
         x = age_factor(now, job.submitted_at, config.max_age_s)
-        earned = (
-            waited_head_start(now, job.submitted_at, job.gpus, config.runtime_age_gpu_s)
-            if job.gpus >= config.runtime_age_min_gpus
-            else 0.0
+        earned = waited_head_start(
+            now,
+            job.submitted_at,
+            job.gpus,
+            config.runtime_age_gpu_s,
+            config.runtime_age_min_gpus,
         )
         out["runtime"] = config.weight_runtime * runtime_share(
             runtime_factor(job.planned_s, config.runtime_ref_s), x, earned
@@ -182,8 +189,8 @@ def breakdowns(
             if rf is None:
                 rf = run_part[job.planned_s] = runtime_factor(job.planned_s, ref)
             earned = (
-                waited_head_start(now, job.submitted_at, gpus, age_gpu_s)
-                if age_gpu_s > 0 and gpus >= min_gpus
+                waited_head_start(now, job.submitted_at, gpus, age_gpu_s, min_gpus)
+                if age_gpu_s > 0
                 else 0.0
             )
             r = w_run * runtime_share(rf, x, earned)

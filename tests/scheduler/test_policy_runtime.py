@@ -15,11 +15,7 @@ import pytest
 from scheduler.policy import PolicyConfig, Reason, decide
 from scheduler.policy.fairshare import FairShare
 from scheduler.policy.predict import predict
-from scheduler.policy.priority import (
-    breakdown,
-    runtime_factor,
-    waited_head_start,
-)
+from scheduler.policy.priority import breakdown, runtime_factor, waited_head_start
 from scheduler.policy.state import Usage
 from tests.scheduler.test_policy_support import (
     CLASSES,
