@@ -529,7 +529,6 @@ GPULAB_POLICY: dict[str, Any] = {
     "runtime_ref_s": envfloat("GPULAB_RUNTIME_REF", 6 * 3600.0, minimum=3600),
     "runtime_age_gpu_s": envfloat("GPULAB_RUNTIME_AGE", 0.0, minimum=0),
     "runtime_age_min_gpus": envint("GPULAB_RUNTIME_AGE_MIN_GPUS", 1, minimum=1),
-    "runtime_age_max": envfloat("GPULAB_RUNTIME_AGE_MAX", 1.0, minimum=0, maximum=1),
     "max_age_s": envfloat("GPULAB_MAX_AGE", 7 * 86400.0, minimum=60),
     "backfill": envbool("GPULAB_BACKFILL", default=True),
     # gpulab: plan backfill with time limits (default) or min(limit, prediction)

@@ -29,9 +29,7 @@ parts are kept as the breakdown ``sprio`` would show, and their sum is the prior
   head start is earned by waiting too, faster for wider jobs, whose wait costs
   more GPUs (``waited_head_start``); with ``runtime_age_min_gpus``, only jobs of
   at least that many GPUs earn it (the wide jobs a stream of narrow ones keeps
-  from whole nodes; the narrow ones fit in the gaps they leave); with
-  ``runtime_age_max`` below 1, waiting earns at most that share of the weight
-  (on a saturated cluster every wide job would earn all of it);
+  from whole nodes; the narrow ones fit in the gaps they leave);
 - size: ``gpus / all GPUs of the cluster`` (capped at 1). Like Slurm's default
   (PriorityFavorSmall=NO) it favours larger jobs: small jobs already win through
   backfill and best fit, large ones need the push so they are not starved by a
@@ -88,16 +86,14 @@ def waited_head_start(
     gpus: int,
     runtime_age_gpu_s: float,
     min_gpus: int = 1,
-    cap: float = 1.0,
 ) -> float:
     """The run-time factor a job has earned by waiting: GPUs x seconds waited over
-    ``runtime_age_gpu_s``, capped at ``cap`` (at most 1); 0 when the rule is off
-    or the job has fewer than ``min_gpus`` GPUs. An 8-GPU job earns the shortest
-    job's head start eight times sooner than a 1-GPU job."""
+    ``runtime_age_gpu_s``, capped at 1; 0 when the rule is off or the job has
+    fewer than ``min_gpus`` GPUs. An 8-GPU job earns the shortest job's head start
+    eight times sooner than a 1-GPU job."""
     if runtime_age_gpu_s <= 0 or gpus < min_gpus:
         return 0.0
-    earned = clamp((now - submitted_at) * max(gpus, 1) / runtime_age_gpu_s)
-    return earned if earned < cap else cap
+    return clamp((now - submitted_at) * max(gpus, 1) / runtime_age_gpu_s)
 
 
 def runtime_share(factor: float, age_x: float, earned: float) -> float:
@@ -137,7 +133,6 @@ def breakdown(
             job.gpus,
             config.runtime_age_gpu_s,
             config.runtime_age_min_gpus,
-            config.runtime_age_max,
         )
         out["runtime"] = config.weight_runtime * runtime_share(
             runtime_factor(job.planned_s, config.runtime_ref_s), x, earned
@@ -163,7 +158,6 @@ def breakdowns(
     ref = config.runtime_ref_s
     age_gpu_s = config.runtime_age_gpu_s
     min_gpus = config.runtime_age_min_gpus
-    age_cap = config.runtime_age_max
     run_part: dict[float, float] = {}
     max_age = config.max_age_s
     cls_part: dict[tuple[str, float], float] = {}
@@ -195,9 +189,7 @@ def breakdowns(
             if rf is None:
                 rf = run_part[job.planned_s] = runtime_factor(job.planned_s, ref)
             earned = (
-                waited_head_start(
-                    now, job.submitted_at, gpus, age_gpu_s, min_gpus, age_cap
-                )
+                waited_head_start(now, job.submitted_at, gpus, age_gpu_s, min_gpus)
                 if age_gpu_s > 0
                 else 0.0
             )

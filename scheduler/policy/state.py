@@ -85,8 +85,6 @@ class PolicyConfig:
     runtime_age_gpu_s: float = 0.0
     # only jobs of at least this many GPUs earn that head start (1: every job)
     runtime_age_min_gpus: int = 1
-    # the most of the run-time factor waiting can earn (1: the shortest job's)
-    runtime_age_max: float = 1.0
     max_age_s: float = 7 * 86400.0  # the age factor saturates here
     backfill: bool = True
     # ``gpulab``: how backfill plans a job's end: "limit" (its time limit, as Slurm

@@ -325,13 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
         "of --runtime-age (GPULAB_RUNTIME_AGE_MIN_GPUS)",
     )
     p.add_argument(
-        "--runtime-age-max",
-        type=_fraction,
-        default=PolicyConfig.runtime_age_max,
-        help="gpulab: the most of the run-time factor (0-1) a job earns by "
-        "waiting under --runtime-age (GPULAB_RUNTIME_AGE_MAX)",
-    )
-    p.add_argument(
         "--tiresias-threshold",
         type=_positive,
         default=tiresias.DEFAULT_THRESHOLD_GPU_H,
@@ -443,7 +436,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runtime_ref_s=args.runtime_ref * 3600.0,
             runtime_age_gpu_s=args.runtime_age * 3600.0,
             runtime_age_min_gpus=args.runtime_age_min_gpus,
-            runtime_age_max=args.runtime_age_max,
         ),
         SimOptions(
             period_s=args.period,
@@ -536,7 +528,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "runtime_ref_h": args.runtime_ref,
                 "runtime_age_gpu_h": args.runtime_age,
                 "runtime_age_min_gpus": args.runtime_age_min_gpus,
-                "runtime_age_max": args.runtime_age_max,
             },
             "assumptions": [
                 *prepared.assumptions,

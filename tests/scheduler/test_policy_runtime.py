@@ -342,29 +342,3 @@ def test_only_wide_jobs_earn_the_head_start_when_told():
     assert one_breakdown(four[0], wide_only, 8)["runtime"] == pytest.approx(0.0)
     one = one_breakdown(pending(1, 8, planned=8 * HOUR, age=2 * HOUR), wide_only, 8)
     assert one["runtime"] == pytest.approx(500 * 16 / 48)
-
-
-def test_what_waiting_earns_is_capped_when_told():
-    """``runtime_age_max`` 0.2: the 8-GPU job that waited 6 h has earned the whole
-    head start but keeps a fifth of it (100 points): the 1-hour job (about 150)
-    still goes first, a 1-GPU job planned 4 h (about 35) no longer does; the
-    one-job breakdown agrees, and a job whose own run-time part is above the cap
-    keeps its own."""
-    capped = PolicyConfig(
-        name="gpulab", runtime_age_gpu_s=48 * HOUR, runtime_age_max=0.2
-    )
-    order, parts = wide_order(wide_and_short(6 * HOUR), capped)
-    assert order == [2, 1]
-    assert parts[1]["runtime"] == pytest.approx(100.0)
-    four_h = [
-        pending(1, 8, planned=8 * HOUR, age=6 * HOUR),
-        pending(2, planned=4 * HOUR),
-    ]
-    assert wide_order(four_h, capped)[0] == [1, 2]
-    assert wide_order(four_h, GPULAB)[0] == [2, 1]
-    one = one_breakdown(pending(1, 8, planned=8 * HOUR, age=6 * HOUR), capped, 8)
-    assert one["runtime"] == pytest.approx(100.0)
-    short = one_breakdown(pending(1, 8, planned=60.0, age=6 * HOUR), capped, 8)
-    assert short["runtime"] == pytest.approx(
-        500 * runtime_factor(60.0, REF) * (1 - 6 * HOUR / (7 * 86400)), rel=1e-6
-    )

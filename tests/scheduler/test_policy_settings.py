@@ -15,8 +15,6 @@ from tests.startup import django_setup
         ("GPULAB_FAIRSHARE_USER", "", "fairshare_user", 1.0),
         ("GPULAB_RUNTIME_AGE_MIN_GPUS", "5", "runtime_age_min_gpus", 5),
         ("GPULAB_RUNTIME_AGE_MIN_GPUS", "", "runtime_age_min_gpus", 1),
-        ("GPULAB_RUNTIME_AGE_MAX", "0.2", "runtime_age_max", 0.2),
-        ("GPULAB_RUNTIME_AGE_MAX", "", "runtime_age_max", 1.0),
     ],
 )
 def test_a_policy_setting_reaches_the_policy(
@@ -50,8 +48,6 @@ def test_a_policy_setting_reaches_the_policy(
         ("GPULAB_FAIRSHARE_USER", "half", "='half' is not a number"),
         ("GPULAB_RUNTIME_AGE_MIN_GPUS", "0", "=0 must be at least 1"),
         ("GPULAB_RUNTIME_AGE_MIN_GPUS", "4.5", "='4.5' is not an integer"),
-        ("GPULAB_RUNTIME_AGE_MAX", "1.2", "=1.2 must be at most 1"),
-        ("GPULAB_RUNTIME_AGE_MAX", "a fifth", "='a fifth' is not a number"),
     ],
 )
 def test_a_bad_policy_setting_stops_the_start_naming_it(

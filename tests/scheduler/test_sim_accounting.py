@@ -201,28 +201,3 @@ def test_the_fair_share_weight_reaches_the_replay(tmp_path, option, value, first
     assert len(waits) == 3
     heavy, light = waits["2"], waits["3"]  # the job ids in submit order from 1
     assert (heavy < light) == (first == "heavy"), waits
-
-
-@pytest.mark.parametrize(("cap", "first"), [("1", "waited"), ("0.2", "short")])
-def test_the_head_start_cap_reaches_the_replay(tmp_path, cap, first):
-    """``--runtime-age-max`` (GPULAB_RUNTIME_AGE_MAX): on one GPU, a job planned 8 h
-    that waited 10 h behind a running one has earned the whole head start
-    (``--runtime-age 1``: one GPU-hour) and goes before a 1-hour job submitted
-    just before the GPU frees; capped at 0.2 (100 of 500 points) it stays behind
-    the 1-hour job's own head start (about 150)."""
-    rows = ["a,0,1,36000,40000,u,g", "w,1,1,20000,28800,u,g",
-            "s,35000,1,100,3600,u,g"]  # fmt: skip
-    trace = write(tmp_path, "c.csv", CANONICAL_HEADER + "\n".join(rows) + "\n")
-    out = tmp_path / "out.json"
-    code = main(
-        ["--trace", trace, "--cluster", "1x1:p100", "--policy", "gpulab",
-         "--runtime-age", "1", "--runtime-age-max", cap, "--out", str(out),
-         "--quiet"]
-    )  # fmt: skip
-    assert code == 0
-    got = json.loads(out.read_text())
-    assert got["options"]["runtime_age_max"] == float(cap)
-    waits = got["queue_s_by_job"]
-    waited_start, short_start = 1 + waits["2"], 35000 + waits["3"]
-    assert min(waited_start, short_start) == 36000, waits  # when the GPU frees
-    assert (waited_start < short_start) == (first == "waited"), waits
