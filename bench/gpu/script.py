@@ -305,7 +305,7 @@ class Run:
         extra: list[str] = []
         if self.args.fake:
             models = [("fake-a", None), ("fake-b", None), ("fake-c", 2)]
-            extra = ["--fake-lock", str(self.fake_lock), "--fake-step-s", "0.005"]
+            extra = ["--fake-lock", str(self.fake_lock), "--fake-step-s", "0.02"]
         else:
             models = [(m, None) for m in SUITE]
         thread = threading.Thread(
