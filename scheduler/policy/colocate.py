@@ -45,10 +45,13 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy.interference import (
+    MAX_LOG_R,
     Estimate,
+    Observations,
     Odds,
     Outcomes,
     Profile,
+    episode_noise,
     gain,
     outcomes_for,
 )
@@ -700,23 +703,76 @@ def live_trials(state: ClusterState) -> dict[frozenset[str], tuple[float, float]
     return out
 
 
-def _over_cap(r: RunningJob, config: PolicyConfig, *, trial: bool) -> bool:
+@dataclass(frozen=True)
+class Judged:
+    """What the eviction rule judges a shared job by: its log slowdown and the
+    standard error of that figure; ``episodes``: how many earlier episodes of
+    its pair went into it (0: the current episode's measurement alone)."""
+
+    log_slowdown: float
+    se: float | None = None
+    episodes: int = 0
+
+    @property
+    def slowdown(self) -> float:
+        return math.exp(self.log_slowdown)
+
+
+def _judged(
+    r: RunningJob,
+    history: Observations | None,
+    noise: float | None,
+    config: PolicyConfig,
+) -> Judged | None:
+    """``r``'s slowdown as the eviction rule reads it. With ``colo_evict_z`` set,
+    the pair observed before (``history``, r's workload beside its partner's)
+    and the episode noise known (``interference.episode_noise``): the mean of
+    the earlier episodes and the current measurement, each counted as one
+    episode, with standard error noise / sqrt(episodes + 1). A pair's slowdown
+    is a property of the pair, so its history says more about it than five
+    minutes of noisy reports: judged on those alone, a pair truly a few per cent
+    under its cap is measured within ``colo_cap_margin`` of it time and again,
+    evicted, admitted again on its record and evicted again. Otherwise the
+    current measurement alone, with no standard error."""
+    if r.measured_slowdown is None or r.slowdown_cap is None:
+        return None
+    x = min(max(math.log(max(r.measured_slowdown, 1e-9)), 0.0), MAX_LOG_R)
+    if (
+        config.colo_evict_z is None
+        or history is None
+        or history.n <= 0
+        or noise is None
+    ):
+        return Judged(x)
+    n = history.n
+    return Judged((history.mean * n + x) / (n + 1), noise / math.sqrt(n + 1), n)
+
+
+def _over_cap(
+    r: RunningJob, judged: Judged | None, config: PolicyConfig, *, trial: bool
+) -> bool:
     """``r`` was measured too slow long enough to act: for half of the detection
     window, over its cap less ``colo_cap_margin`` (the margin admission keeps a
     prediction under the cap by: a job truly a hair over its cap is measured about
     as often under it as over, so "not measured over" would leave it over its cap
-    past the window); or, in an exploration trial, at its first measurement when
+    past the window), or, when its pair's history is in ``judged``, its judged
+    slowdown plus ``colo_evict_z`` standard errors over the cap; or, in an
+    exploration trial, at its first measurement when
     it is over the cap by more than ``colo_trial_evict_margin`` when set (noise on
     a few reports is a few per cent; a trial's pair was never seen, so nothing
     predicted it within the cap)."""
-    if r.measured_slowdown is None or r.slowdown_cap is None:
+    if judged is None or r.slowdown_cap is None:
         return False
     if r.measured_for_s >= config.colo_detect_window_s / 2:
-        return r.measured_slowdown * (1.0 + config.colo_cap_margin) > r.slowdown_cap
+        if judged.se is not None and config.colo_evict_z is not None:
+            return judged.log_slowdown + config.colo_evict_z * judged.se > math.log(
+                r.slowdown_cap
+            )
+        return judged.slowdown * (1.0 + config.colo_cap_margin) > r.slowdown_cap
     margin = config.colo_trial_evict_margin
     if not trial or margin is None:
         return False
-    return r.measured_slowdown > r.slowdown_cap * (1.0 + margin)
+    return judged.slowdown > r.slowdown_cap * (1.0 + margin)
 
 
 def _unmeasured(
@@ -737,6 +793,19 @@ def _unmeasured(
         if r.slowdown_cap is not None and r.measured_slowdown is None:
             return r
     return None
+
+
+def _history(
+    r: RunningJob,
+    rs: Sequence[RunningJob],
+    pairs: Mapping[tuple[str, str], Observations],
+) -> Observations | None:
+    """The earlier episodes of ``r`` beside the one other job on its GPU (r's
+    slowdown beside it); None with more partners, or unlabelled workloads."""
+    others = [o for o in rs if o is not r]
+    if len(others) != 1 or not r.workload or not others[0].workload:
+        return None
+    return pairs.get((r.workload, others[0].workload))
 
 
 def _partner(
@@ -766,6 +835,8 @@ def evictions(state: ClusterState) -> list[Evict]:
     for r in state.running:
         if len(r.gpu_ids) == 1 and r.shareable and not r.stopping:
             by_gpu.setdefault(r.gpu_ids[0], []).append(r)
+    pairs = state.knowledge.pairs
+    noise = episode_noise(pairs) if state.config.colo_evict_z is not None else None
     out: list[Evict] = []
     for rs in by_gpu.values():
         if len(rs) < 2:
@@ -774,7 +845,18 @@ def evictions(state: ClusterState) -> list[Evict]:
         if not joined:
             continue
         later = max(joined, key=lambda r: (r.joined_at or 0.0, r.id))
-        over = [r for r in rs if _over_cap(r, state.config, trial=later.trial)]
+        judged = {
+            r.id: _judged(
+                r,
+                None if later.trial else _history(r, rs, pairs),
+                noise,
+                state.config,
+            )
+            for r in rs
+        }
+        over = [
+            r for r in rs if _over_cap(r, judged[r.id], state.config, trial=later.trial)
+        ]
         blind = None if over else _unmeasured(rs, later, state)
         if not over and blind is None:
             continue
@@ -804,23 +886,35 @@ def evictions(state: ClusterState) -> list[Evict]:
                 )
             )
             continue
+
+        def judged_slowdown(r: RunningJob) -> float:
+            j = judged[r.id]
+            return j.slowdown if j is not None else 0.0
+
         hurt = max(
             over,
             key=lambda r: (
-                (r.measured_slowdown or 0.0) / (r.slowdown_cap or 1.0),
+                judged_slowdown(r) / (r.slowdown_cap or 1.0),
                 r.id != later.id,
             ),
         )
         partner = _partner(later, hurt, rs)
         assert hurt.measured_slowdown is not None
         who = "it" if hurt.id == later.id else f"job {hurt.id}"
-        # measured over a cap: the pair is refused from now on; only too close to
+        # judged over a cap: the pair is refused from now on; only too close to
         # it: its measured episode decides whether it is admitted later
         harmful = any(
-            r.measured_slowdown is not None
-            and r.slowdown_cap is not None
-            and r.measured_slowdown > r.slowdown_cap
+            r.slowdown_cap is not None and judged_slowdown(r) > r.slowdown_cap
             for r in over
+        )
+        hurt_judged = judged[hurt.id]
+        assert hurt_judged is not None
+        record = (
+            f" (with its pair's {hurt_judged.episodes} earlier"
+            f" episode{'s' if hurt_judged.episodes != 1 else ''}:"
+            f" {hurt_judged.slowdown:.2f}x)"
+            if hurt_judged.episodes
+            else ""
         )
         where = "over its cap of" if harmful else "too close to its cap of"
         then = (
@@ -834,7 +928,7 @@ def evictions(state: ClusterState) -> list[Evict]:
                 partner.id,
                 f"sharing a GPU with job {partner.id}: {who} ran"
                 f" {hurt.measured_slowdown:.2f}x slower than alone for"
-                f" {hurt.measured_for_s / 60:.0f} min, {where}"
+                f" {hurt.measured_for_s / 60:.0f} min{record}, {where}"
                 f" {hurt.slowdown_cap:g}x; sent back to the queue, and {then}",
                 (later.workload, partner.workload),
                 harmful=harmful,

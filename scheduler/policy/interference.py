@@ -124,6 +124,29 @@ class Observations:
         return math.exp(self.mean)
 
 
+# Episodes whose spread an episode's noise is pooled from: fewer, and the noise is
+# not known well enough to weigh one measurement against the history.
+NOISE_MIN_DF = 10
+
+
+def episode_noise(pairs: Mapping[tuple[str, str], Observations]) -> float | None:
+    """The standard deviation of one sharing episode's measured log slowdown about
+    its pair's mean, pooled over every ordered pair observed more than once
+    (sum of squared deviations over degrees of freedom): what one episode's
+    measurement is worth beside a pair's history. It holds the progress reports'
+    noise, the solo rate's and how a pair varies from one episode to the next.
+    None while fewer than ``NOISE_MIN_DF`` degrees of freedom are in."""
+    m2 = 0.0
+    df = 0
+    for obs in pairs.values():
+        if obs.n > 1:
+            m2 += obs.m2
+            df += obs.n - 1
+    if df < NOISE_MIN_DF:
+        return None
+    return math.sqrt(max(m2, 0.0) / df)
+
+
 @dataclass(frozen=True)
 class Profile:
     """What the portal knows of a job before it shares: its label, declared GPU

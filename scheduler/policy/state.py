@@ -186,6 +186,11 @@ class PolicyConfig:
     # admission keeps a job's predicted slowdown this fraction under its cap, so
     # a pair measured just under the cap (within the noise) is not admitted
     colo_cap_margin: float = 0.02
+    # a job on a GPU beside one partner whose pair was observed before is judged
+    # by the pair's earlier episodes and the current one together, and evicted
+    # when that figure plus this many standard errors is over its cap (instead
+    # of the current measurement within ``colo_cap_margin`` of it); None: off
+    colo_evict_z: float | None = None
     # Quotas (``policy.quota``): a job over a soft quota has its fair-share factor
     # multiplied by this; a running job over a hard quota is stopped ("stop") or
     # runs to its end ("finish").

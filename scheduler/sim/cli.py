@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="co-location: end a trial at its first measurement over a cap by more "
         "than this fraction; unset: off (GPULAB_COLO_TRIAL_EVICT_MARGIN)",
     )
+    p.add_argument(
+        "--colo-evict-z",
+        type=_nonneg,
+        default=PolicyConfig.colo_evict_z,
+        help="co-location: judge a job of a pair seen before by the pair's earlier "
+        "episodes and the current one, and evict when that plus this many standard "
+        "errors is over its cap; unset: off (GPULAB_COLO_EVICT_Z)",
+    )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
     p.add_argument(
         "--colocation",
@@ -420,6 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             colo_trial_min_odds=args.colo_trial_min_odds,
             colo_trial_max_failures=args.colo_trial_max_failures,
             colo_trial_evict_margin=args.colo_trial_evict_margin,
+            colo_evict_z=args.colo_evict_z,
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
             las_threshold_gpu_s=args.las_threshold * 3600.0,
@@ -490,6 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "colo_trial_min_odds": args.colo_trial_min_odds,
                 "colo_trial_max_failures": args.colo_trial_max_failures,
                 "colo_trial_evict_margin": args.colo_trial_evict_margin,
+                "colo_evict_z": args.colo_evict_z,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,
                 "period_s": args.period,

@@ -536,3 +536,80 @@ def test_a_workload_beside_itself_keeps_its_own_record_apart_from_its_family():
     ds = decide(state(*itself, knowledge=k, **knob))
     assert 1 not in starts(ds)
     assert "of a workload of transformer with itself failed" in waits(ds)[1].message
+
+
+def spread(slowdown: float, n: int, by: float = 0.02) -> Observations:
+    """``n`` episodes of one ordered pair about ``slowdown``, alternately ``by``
+    under and over it in log (an episode's noise: sd about ``by``)."""
+    x = math.log(slowdown)
+    return Observations.of([x + (by if i % 2 else -by) for i in range(n)])
+
+
+LM20, REC4096 = "LM (batch size 20)", "Recommendation (batch size 4096)"
+
+
+def known_pair(history: float, measured: float, *, n: int = 10, **cfg):
+    """Job 976 (LM) measured ``measured`` for 5 min beside job 1030 (a known
+    pair, not a trial), with ``n`` earlier episodes of LM beside it about
+    ``history``; the other direction's episodes give the noise its degrees of
+    freedom."""
+    run = [
+        over(976, 100, LM20, slowdown=measured, for_s=300.0),
+        over(1030, 100, REC4096, slowdown=1.1, for_s=300.0, joined=NOW - 360),
+    ]
+    knowledge = Knowledge(pairs={(LM20, REC4096): spread(history, n),
+                                 (REC4096, LM20): spread(1.1, 11)})  # fmt: skip
+    ds = decide(state(gpus(1, 1, busy={0: 2}), [], run, knowledge=knowledge, **cfg))
+    return [d for d in ds if isinstance(d, Evict)]
+
+
+def test_a_known_pair_is_judged_by_its_history_and_the_current_episode():
+    # (b), seed 0: Recommendation 2048 beside LM 40 runs truly 1.44x against its
+    # 1.5 cap; five minutes of reports said 1.47-1.49x four times over, each an
+    # eviction "too close to its cap" and each followed by the same pair admitted
+    # again on its record. Ten earlier episodes at 1.44x outweigh one at 1.49x
+    assert [e.job_id for e in known_pair(1.44, 1.49)] == [1030]  # today's rule
+    assert known_pair(1.44, 1.49, colo_evict_z=2.0) == []
+    # a pair whose record is itself near the cap is still sent back, and not
+    # marked harmful while the judged figure is within the cap
+    (ev,) = known_pair(1.49, 1.49, colo_evict_z=2.0)
+    assert (ev.job_id, ev.partner_id, ev.harmful) == (1030, 976, False)
+    assert (
+        "job 976 ran 1.49x slower than alone for 5 min (with its pair's 10 earlier"
+        " episodes: 1.49x), too close to its cap of 1.5x" in ev.reason
+    )
+    # a record over the cap: the pair is harmful even if this episode looks fine
+    (ev,) = known_pair(1.53, 1.46, colo_evict_z=2.0)
+    assert ev.harmful and "(with its pair's 10 earlier episodes: 1.52x)" in ev.reason
+    # one earlier episode (1.45x) weighs as much as the current one (1.49x): 1.47x,
+    # with a standard error of about 0.021 / sqrt(2): within two of the cap
+    (ev,) = known_pair(1.48, 1.49, n=1, colo_evict_z=2.0)
+    assert ev.job_id == 1030 and not ev.harmful
+    assert "(with its pair's 1 earlier episode: 1.47x)" in ev.reason
+
+
+def test_with_the_episode_noise_unknown_a_known_pair_is_judged_as_today():
+    # too few repeated episodes to know what one is worth (df < 10): the
+    # current measurement alone, within the 2 % margin of the cap, decides
+    run = [
+        over(976, 100, LM20, slowdown=1.49, for_s=300.0),
+        over(1030, 100, REC4096, slowdown=1.1, for_s=300.0, joined=NOW - 360),
+    ]
+    knowledge = Knowledge(pairs={(LM20, REC4096): spread(1.44, 5)})
+    ds = decide(
+        state(gpus(1, 1, busy={0: 2}), [], run, knowledge=knowledge, colo_evict_z=2.0)
+    )
+    assert [d.job_id for d in ds if isinstance(d, Evict)] == [1030]
+
+
+def test_the_episode_noise_is_pooled_over_pairs_seen_more_than_once():
+    from scheduler.policy.interference import episode_noise
+
+    assert episode_noise({}) is None
+    pairs = {("a", "b"): spread(1.2, 6, 0.03), ("b", "a"): spread(1.3, 6, 0.03),
+             ("a", "c"): Observations.of([0.5])}  # fmt: skip
+    # 10 degrees of freedom, every episode 0.03 off a mean within 0.003 of the
+    # pair's: the pooled sd is 0.03 * sqrt(12 / 10)-ish; a single episode adds none
+    got = episode_noise(pairs)
+    assert got is not None and 0.030 < got < 0.034
+    assert episode_noise({("a", "b"): spread(1.2, 10, 0.03)}) is None  # df 9
