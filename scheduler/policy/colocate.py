@@ -819,6 +819,62 @@ def _partner(
     return next(r for r in rs if r is not later)
 
 
+def _over_cap_evict(
+    later: RunningJob,
+    over: Sequence[RunningJob],
+    rs: Sequence[RunningJob],
+    judged: Mapping[int, Judged | None],
+) -> Evict:
+    """The eviction of ``later`` for the jobs of its GPU judged over their caps
+    (``over``): named for the one furthest over; harmful when a judged slowdown
+    is over the cap itself."""
+
+    def judged_slowdown(r: RunningJob) -> float:
+        j = judged[r.id]
+        return j.slowdown if j is not None else 0.0
+
+    hurt = max(
+        over,
+        key=lambda r: (
+            judged_slowdown(r) / (r.slowdown_cap or 1.0),
+            r.id != later.id,
+        ),
+    )
+    partner = _partner(later, hurt, rs)
+    assert hurt.measured_slowdown is not None
+    who = "it" if hurt.id == later.id else f"job {hurt.id}"
+    # judged over a cap: the pair is refused from now on; only too close to
+    # it: its measured episode decides whether it is admitted later
+    harmful = any(
+        r.slowdown_cap is not None and judged_slowdown(r) > r.slowdown_cap for r in over
+    )
+    hurt_judged = judged[hurt.id]
+    assert hurt_judged is not None
+    record = (
+        f" (with its pair's {hurt_judged.episodes} earlier"
+        f" episode{'s' if hurt_judged.episodes != 1 else ''}:"
+        f" {hurt_judged.slowdown:.2f}x)"
+        if hurt_judged.episodes
+        else ""
+    )
+    where = "over its cap of" if harmful else "too close to its cap of"
+    then = (
+        "this pair is not admitted again"
+        if harmful
+        else "this pair is admitted again only as a known pair within the caps"
+    )
+    return Evict(
+        later.id,
+        partner.id,
+        f"sharing a GPU with job {partner.id}: {who} ran"
+        f" {hurt.measured_slowdown:.2f}x slower than alone for"
+        f" {hurt.measured_for_s / 60:.0f} min{record}, {where}"
+        f" {hurt.slowdown_cap:g}x; sent back to the queue, and {then}",
+        (later.workload, partner.workload),
+        harmful=harmful,
+    )
+
+
 def evictions(state: ClusterState) -> list[Evict]:
     """The later job of each shared GPU on which a job was measured over its cap,
     less the admission's margin, for half of ``colo_detect_window_s`` or more
@@ -886,52 +942,5 @@ def evictions(state: ClusterState) -> list[Evict]:
                 )
             )
             continue
-
-        def judged_slowdown(r: RunningJob) -> float:
-            j = judged[r.id]
-            return j.slowdown if j is not None else 0.0
-
-        hurt = max(
-            over,
-            key=lambda r: (
-                judged_slowdown(r) / (r.slowdown_cap or 1.0),
-                r.id != later.id,
-            ),
-        )
-        partner = _partner(later, hurt, rs)
-        assert hurt.measured_slowdown is not None
-        who = "it" if hurt.id == later.id else f"job {hurt.id}"
-        # judged over a cap: the pair is refused from now on; only too close to
-        # it: its measured episode decides whether it is admitted later
-        harmful = any(
-            r.slowdown_cap is not None and judged_slowdown(r) > r.slowdown_cap
-            for r in over
-        )
-        hurt_judged = judged[hurt.id]
-        assert hurt_judged is not None
-        record = (
-            f" (with its pair's {hurt_judged.episodes} earlier"
-            f" episode{'s' if hurt_judged.episodes != 1 else ''}:"
-            f" {hurt_judged.slowdown:.2f}x)"
-            if hurt_judged.episodes
-            else ""
-        )
-        where = "over its cap of" if harmful else "too close to its cap of"
-        then = (
-            "this pair is not admitted again"
-            if harmful
-            else "this pair is admitted again only as a known pair within the caps"
-        )
-        out.append(
-            Evict(
-                later.id,
-                partner.id,
-                f"sharing a GPU with job {partner.id}: {who} ran"
-                f" {hurt.measured_slowdown:.2f}x slower than alone for"
-                f" {hurt.measured_for_s / 60:.0f} min{record}, {where}"
-                f" {hurt.slowdown_cap:g}x; sent back to the queue, and {then}",
-                (later.workload, partner.workload),
-                harmful=harmful,
-            )
-        )
+        out.append(_over_cap_evict(later, over, rs, judged))
     return out

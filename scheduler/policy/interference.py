@@ -127,6 +127,10 @@ class Observations:
 # Episodes whose spread an episode's noise is pooled from: fewer, and the noise is
 # not known well enough to weigh one measurement against the history.
 NOISE_MIN_DF = 10
+# An episode's noise is never taken as less than this (1 % in log): pairs whose
+# episodes all read alike (rounded or replayed reports) must not make one
+# measurement worth nothing beside them.
+NOISE_FLOOR = 0.01
 
 
 def episode_noise(pairs: Mapping[tuple[str, str], Observations]) -> float | None:
@@ -135,7 +139,8 @@ def episode_noise(pairs: Mapping[tuple[str, str], Observations]) -> float | None
     (sum of squared deviations over degrees of freedom): what one episode's
     measurement is worth beside a pair's history. It holds the progress reports'
     noise, the solo rate's and how a pair varies from one episode to the next.
-    None while fewer than ``NOISE_MIN_DF`` degrees of freedom are in."""
+    None while fewer than ``NOISE_MIN_DF`` degrees of freedom are in; at least
+    ``NOISE_FLOOR``."""
     m2 = 0.0
     df = 0
     for obs in pairs.values():
@@ -144,7 +149,7 @@ def episode_noise(pairs: Mapping[tuple[str, str], Observations]) -> float | None
             df += obs.n - 1
     if df < NOISE_MIN_DF:
         return None
-    return math.sqrt(max(m2, 0.0) / df)
+    return max(NOISE_FLOOR, math.sqrt(max(m2, 0.0) / df))
 
 
 @dataclass(frozen=True)

@@ -613,3 +613,5 @@ def test_the_episode_noise_is_pooled_over_pairs_seen_more_than_once():
     got = episode_noise(pairs)
     assert got is not None and 0.030 < got < 0.034
     assert episode_noise({("a", "b"): spread(1.2, 10, 0.03)}) is None  # df 9
+    # episodes that all read alike: the floor, not zero
+    assert episode_noise({("a", "b"): Observations.of([0.2] * 11)}) == 0.01
