@@ -45,12 +45,12 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from scheduler.policy.interference import (
-    MAX_LOG_R,
     Estimate,
     Observations,
     Odds,
     Outcomes,
     Profile,
+    clamp_log,
     episode_noise,
     gain,
     outcomes_for,
@@ -736,7 +736,7 @@ def _judged(
     current measurement alone, with no standard error."""
     if r.measured_slowdown is None or r.slowdown_cap is None:
         return None
-    x = min(max(math.log(max(r.measured_slowdown, 1e-9)), 0.0), MAX_LOG_R)
+    x = clamp_log(math.log(max(r.measured_slowdown, 1e-9)))
     if (
         config.colo_evict_z is None
         or history is None
@@ -892,7 +892,12 @@ def evictions(state: ClusterState) -> list[Evict]:
         if len(r.gpu_ids) == 1 and r.shareable and not r.stopping:
             by_gpu.setdefault(r.gpu_ids[0], []).append(r)
     pairs = state.knowledge.pairs
-    noise = episode_noise(pairs) if state.config.colo_evict_z is not None else None
+    shared = any(len(rs) > 1 for rs in by_gpu.values())
+    noise = (
+        episode_noise(pairs)
+        if shared and state.config.colo_evict_z is not None
+        else None
+    )
     out: list[Evict] = []
     for rs in by_gpu.values():
         if len(rs) < 2:

@@ -96,6 +96,12 @@ def parse_label(label: str) -> tuple[str, int | None]:
     return family, batch
 
 
+def clamp_log(log_r: float) -> float:
+    """A log slowdown as the model counts it: no faster than alone (0), no
+    slower than ``MAX_LOG_R`` (an outlier)."""
+    return min(max(log_r, 0.0), MAX_LOG_R)
+
+
 @dataclass(frozen=True)
 class Observations:
     """Log slowdowns observed for one ordered pair (A's slowdown beside B):
@@ -106,7 +112,7 @@ class Observations:
     m2: float = 0.0
 
     def add(self, log_r: float) -> Observations:
-        x = min(max(log_r, 0.0), MAX_LOG_R)
+        x = clamp_log(log_r)
         n = self.n + 1
         delta = x - self.mean
         mean = self.mean + delta / n
