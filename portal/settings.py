@@ -561,8 +561,8 @@ GPULAB_POLICY: dict[str, Any] = {
     ),
     "colo_detect_window_s": envfloat("GPULAB_COLO_DETECT_WINDOW", 600.0, minimum=60),
     "colo_cap_margin": envfloat("GPULAB_COLO_CAP_MARGIN", 0.02, minimum=0),
-    # unset: off (a shared job is judged by its current measurement alone)
-    "colo_evict_z": envfloat_or_none("GPULAB_COLO_EVICT_Z", minimum=0),
+    # "off": a shared job is judged by its current measurement alone
+    "colo_evict_z": envfloat_or_none("GPULAB_COLO_EVICT_Z", default=2.0, minimum=0),
     # Quotas (``policy.quota``): a job over a soft quota has its fair-share factor multiplied
     # by this (0-1); a running job over a hard quota: "finish" or "stop".
     "quota_soft_factor": envfloat(

@@ -91,11 +91,18 @@ def envfloat(
 
 
 def envfloat_or_none(
-    name: str, *, minimum: float | None = None, maximum: float | None = None
+    name: str,
+    *,
+    default: float | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> float | None:
-    """``envfloat`` for a setting that is off unless set: None when unset or
-    empty, else the number, checked the same way."""
-    if os.environ.get(name, "").strip() == "":
+    """``envfloat`` for a setting that may be off: ``default`` when unset or
+    empty, None when "off" (any case), else the number, checked the same way."""
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value.lower() == "off":
         return None
     return envfloat(name, 0.0, minimum=minimum, maximum=maximum)
 

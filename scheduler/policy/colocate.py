@@ -703,6 +703,12 @@ def live_trials(state: ClusterState) -> dict[frozenset[str], tuple[float, float]
     return out
 
 
+# A current measurement this many episode noises (of a prediction from the pair's
+# record) off that record is not the pair the record describes (one label over
+# two configurations, a changed input pipeline): it is judged by itself alone.
+OUTLIER_Z = 4.0
+
+
 @dataclass(frozen=True)
 class Judged:
     """What the eviction rule judges a shared job by: its log slowdown and the
@@ -732,8 +738,9 @@ def _judged(
     is a property of the pair, so its history says more about it than five
     minutes of noisy reports: judged on those alone, a pair truly a few per cent
     under its cap is measured within ``colo_cap_margin`` of it time and again,
-    evicted, admitted again on its record and evicted again. Otherwise the
-    current measurement alone, with no standard error."""
+    evicted, admitted again on its record and evicted again. Otherwise, or when
+    the measurement is more than ``OUTLIER_Z`` noises (noise * sqrt(1 + 1/n)) off
+    the record's mean, the current measurement alone, with no standard error."""
     if r.measured_slowdown is None or r.slowdown_cap is None:
         return None
     x = clamp_log(math.log(max(r.measured_slowdown, 1e-9)))
@@ -745,6 +752,8 @@ def _judged(
     ):
         return Judged(x)
     n = history.n
+    if abs(x - history.mean) > OUTLIER_Z * noise * math.sqrt(1.0 + 1.0 / n):
+        return Judged(x)
     return Judged((history.mean * n + x) / (n + 1), noise / math.sqrt(n + 1), n)
 
 

@@ -189,8 +189,9 @@ class PolicyConfig:
     # a job on a GPU beside one partner whose pair was observed before is judged
     # by the pair's earlier episodes and the current one together, and evicted
     # when that figure plus this many standard errors is over its cap (instead
-    # of the current measurement within ``colo_cap_margin`` of it); None: off
-    colo_evict_z: float | None = None
+    # of the current measurement within ``colo_cap_margin`` of it); None: off.
+    # 2: kept only while the pair is about 97.7 % sure to be within the cap
+    colo_evict_z: float | None = 2.0
     # Quotas (``policy.quota``): a job over a soft quota has its fair-share factor
     # multiplied by this; a running job over a hard quota is stopped ("stop") or
     # runs to its end ("finish").

@@ -85,6 +85,13 @@ def _nonneg(text: str) -> float:
     return value
 
 
+def _nonneg_or_off(text: str) -> float | None:
+    """``_nonneg``, or None for "off" (a rule that is on by default)."""
+    if text.strip().lower() == "off":
+        return None
+    return _nonneg(text)
+
+
 def _count(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -160,11 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--colo-evict-z",
-        type=_nonneg,
+        type=_nonneg_or_off,
         default=PolicyConfig.colo_evict_z,
         help="co-location: judge a job of a pair seen before by the pair's earlier "
         "episodes and the current one, and evict when that plus this many standard "
-        "errors is over its cap; unset: off (GPULAB_COLO_EVICT_Z)",
+        "errors is over its cap (default %(default)s); off: judged by the current "
+        "measurement alone (GPULAB_COLO_EVICT_Z)",
     )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
     p.add_argument(

@@ -312,3 +312,18 @@ def test_an_optional_number_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(VAR, "-1")
     with pytest.raises(ImproperlyConfigured, match=f"{VAR}=-1.0 must be at least 0"):
         envfloat_or_none(VAR, minimum=0)
+
+
+def test_an_optional_number_on_by_default_is_turned_off_by_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert envfloat_or_none(VAR, default=2.0, minimum=0) == 2.0
+    monkeypatch.setenv(VAR, " ")
+    assert envfloat_or_none(VAR, default=2.0, minimum=0) == 2.0
+    monkeypatch.setenv(VAR, "Off")
+    assert envfloat_or_none(VAR, default=2.0, minimum=0) is None
+    monkeypatch.setenv(VAR, "2.5")
+    assert envfloat_or_none(VAR, default=2.0, minimum=0) == 2.5
+    monkeypatch.setenv(VAR, "of")
+    with pytest.raises(ImproperlyConfigured, match=f"{VAR}='of' is not a number"):
+        envfloat_or_none(VAR, default=2.0, minimum=0)

@@ -568,8 +568,8 @@ def test_a_known_pair_is_judged_by_its_history_and_the_current_episode():
     # 1.5 cap; five minutes of reports said 1.47-1.49x four times over, each an
     # eviction "too close to its cap" and each followed by the same pair admitted
     # again on its record. Ten earlier episodes at 1.44x outweigh one at 1.49x
-    assert [e.job_id for e in known_pair(1.44, 1.49)] == [1030]  # today's rule
-    assert known_pair(1.44, 1.49, colo_evict_z=2.0) == []
+    assert [e.job_id for e in known_pair(1.44, 1.49, colo_evict_z=None)] == [1030]
+    assert known_pair(1.44, 1.49) == []  # z = 2 by default
     # a pair whose record is itself near the cap is still sent back, and not
     # marked harmful while the judged figure is within the cap
     (ev,) = known_pair(1.49, 1.49, colo_evict_z=2.0)
@@ -586,6 +586,21 @@ def test_a_known_pair_is_judged_by_its_history_and_the_current_episode():
     (ev,) = known_pair(1.48, 1.49, n=1, colo_evict_z=2.0)
     assert ev.job_id == 1030 and not ev.harmful
     assert "(with its pair's 1 earlier episode: 1.47x)" in ev.reason
+
+
+def test_an_episode_far_off_its_pairs_record_is_judged_by_itself():
+    # ten episodes about 1.2x (sd 0.02) and five minutes at 1.6x: that is not
+    # the pair the record describes (one label over two configurations), so the
+    # record does not talk the measurement down to 1.23x; judged alone, the job
+    # is over its cap and the pair harmful
+    (ev,) = known_pair(1.2, 1.6)
+    assert (ev.job_id, ev.harmful) == (1030, True)
+    assert "earlier episode" not in ev.reason
+    # within four noises of the record (0.02 * 4 * sqrt(1.1) in log: up to 1.31x
+    # here) the record weighs in as before: 1.44x records, 1.53x measured
+    assert known_pair(1.44, 1.53) == []
+    (ev,) = known_pair(1.44, 1.60)
+    assert ev.harmful and "earlier episode" not in ev.reason
 
 
 def test_with_the_episode_noise_unknown_a_known_pair_is_judged_as_today():
