@@ -29,7 +29,10 @@ each level's mean weighted by how much evidence it has:
    progress: its solo busy fraction over its busy fraction while shared, since
    time-sliced kernels spread the same work over a longer wall time), counted at
    ``WEAK_WEIGHT`` per episode (at most ``WEAK_CAP`` in all), then its observations
-   (measured progress), counted fully.
+   (measured progress), counted fully. Once the episode noise is known, the levels
+   above weigh against a pair's own record no more than the noise allows
+   (``Model._record_prior``, empirical Bayes): pairs stray from what their family
+   predicts by far more than one episode's measurement strays from its pair.
 
 ``confidence`` = n / (n + 1), n the exact pair's observations plus its weak
 evidence's weight: 0 for a pair never seen together (family evidence moves the
@@ -77,6 +80,9 @@ OFFSET_STRENGTH = 10.0
 # was seen, one seen in eight pairs by four fifths.
 EFFECT_STRENGTH = 2.0
 EFFECT_ITERATIONS = 10  # alternating least squares: the effects settle in a few
+# Pairs whose means' spread about the prior side (tau) must be in before a pair's
+# record is weighed against the prior side by the noise (``Model._record_prior``).
+RECORD_MIN_PAIRS = 10
 MAX_LOG_R = math.log(64.0)  # clamp: a measured slowdown beyond 64x is an outlier
 
 _BATCH = re.compile(r"(?:batch[\s_-]*size|bs)[\s=:_-]*(\d+)", re.IGNORECASE)
@@ -238,6 +244,8 @@ class Model:
             [(a, b, x - self.offset, n) for a, b, x, n in residuals if a and b]
         )
         self._cache: dict[tuple[Profile, Profile], Estimate] = {}
+        self.noise = episode_noise(knowledge.pairs)
+        self.record_prior = self._record_prior()
 
     @staticmethod
     def _effects(
@@ -281,12 +289,12 @@ class Model:
         size = 2.0 * mb / (ma + mb) if ma and mb else 1.0
         return math.log1p(ua * ub * size)
 
-    def estimate(self, a: Profile, b: Profile) -> Estimate:
-        """r_AB: A's predicted slowdown beside B."""
-        key = (a, b)
-        got = self._cache.get(key)
-        if got is not None:
-            return got
+    def _prior_side(
+        self, a: Profile, b: Profile
+    ) -> tuple[float, float, str, float, Observations | None]:
+        """Everything the model knows of r_AB but the exact pair's own record:
+        (mean log slowdown, its weight in exact observations, source, the weak
+        evidence's weight, the exact pair's observations or None)."""
         pa = Profile(a.workload, a.memory_mib, self._busy(a))
         pb = Profile(b.workload, b.memory_mib, self._busy(b))
         mean = self._structural(pa, pb) + self.offset
@@ -297,7 +305,9 @@ class Model:
         weight = PRIOR_STRENGTH
         fam = self.family.get((parse_label(a.workload)[0], parse_label(b.workload)[0]))
         exact = self.knowledge.pairs.get((a.workload, b.workload))
-        n_exact = exact.n if exact is not None and a.workload and b.workload else 0
+        if exact is not None and (exact.n <= 0 or not a.workload or not b.workload):
+            exact = None
+        n_exact = exact.n if exact is not None else 0
         if fam is not None and a.workload and b.workload:
             # the family pool includes the exact pair: count only the others
             n_fam, fam_mean = fam
@@ -305,7 +315,7 @@ class Model:
             if n_other > 0:
                 other_mean = (
                     (fam_mean * n_fam - exact.mean * n_exact) / n_other
-                    if exact is not None and n_exact
+                    if exact is not None
                     else fam_mean
                 )
                 w = min(FAMILY_CAP, FAMILY_WEIGHT * n_other)
@@ -319,7 +329,47 @@ class Model:
             mean = (mean * weight + weak.mean * w_weak) / (weight + w_weak)
             weight += w_weak
             source = "utilisation"
-        if exact is not None and n_exact:
+        return mean, weight, source, w_weak, exact
+
+    def _record_prior(self) -> float | None:
+        """What the prior side is worth beside a pair's own record, in episodes
+        of that pair (empirical Bayes): the episode noise squared
+        (``episode_noise``) over how far observed pairs' means stray from what
+        the prior side predicted for them, the noise of those means taken out
+        (tau^2). Pairs of one family differ by batch size (in Gavel's P100 table
+        A3C beside Transformer 16 runs 1.43x while its family and workload
+        effects say 1.6x), so a pair seen three times must be judged by what it
+        did, not a third of the way back to its family. None while the noise or
+        fewer than ``RECORD_MIN_PAIRS`` observed pairs are known: the fixed
+        weights alone."""
+        if self.noise is None:
+            return None
+        sq: list[float] = []
+        within: list[float] = []
+        for (a, b), obs in self.knowledge.pairs.items():
+            if obs.n <= 0 or not a or not b:
+                continue
+            mean = self._prior_side(Profile(a), Profile(b))[0]
+            sq.append((obs.mean - mean) ** 2)
+            within.append(self.noise**2 / obs.n)
+        if len(sq) < RECORD_MIN_PAIRS:
+            return None
+        tau2 = sum(sq) / len(sq) - sum(within) / len(within)
+        if tau2 <= 0.0:
+            return None
+        return self.noise**2 / tau2
+
+    def estimate(self, a: Profile, b: Profile) -> Estimate:
+        """r_AB: A's predicted slowdown beside B."""
+        key = (a, b)
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        mean, weight, source, w_weak, exact = self._prior_side(a, b)
+        n_exact = exact.n if exact is not None else 0
+        if exact is not None:
+            if self.record_prior is not None:
+                weight = min(weight, self.record_prior)
             mean = (mean * weight + exact.mean * n_exact) / (weight + n_exact)
             source = "pair"
         evidence = n_exact + w_weak

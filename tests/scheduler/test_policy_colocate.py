@@ -102,6 +102,38 @@ def test_the_estimate_converges_to_the_true_slowdown_and_grows_surer():
     assert confidences[0] == pytest.approx(0.5)  # one observation: half sure
 
 
+def _episodes(slowdown: float, n: int, by: float = 0.02) -> Observations:
+    """``n`` episodes about ``slowdown``, alternately ``by`` under and over it
+    in log."""
+    x = math.log(slowdown)
+    return Observations.of([x + (by if i % 2 else -by) for i in range(n)])
+
+
+def test_a_pair_seen_again_and_again_is_judged_by_its_record_not_its_family():
+    # Gavel's P100 table: A3C beside Transformer 16 runs 1.43x while the other
+    # transformers beside A3C run about 2x. Three episodes of it, 2 % apart,
+    # against eleven pairs of the family whose means stray from the prior by
+    # far more than an episode's noise: the record decides
+    family = {("A3C", f"Transformer (batch size {b})"): _episodes(r, 3)
+              for b, r in [(32, 2.1), (64, 1.8), (128, 2.2), (256, 1.7), (512, 2.0),
+                           (1024, 2.3), (2048, 1.9), (4096, 2.1), (8, 1.8),
+                           (4, 2.2), (2, 1.9)]}  # fmt: skip
+    target = ("A3C", "Transformer (batch size 16)")
+    model = Model(Knowledge(pairs={**family, target: _episodes(1.43, 3)}))
+    assert model.noise is not None and 0.02 < model.noise < 0.03
+    # the family's spread (tau about 0.3 in log) against the noise: the prior
+    # side is worth well under a tenth of an episode
+    assert model.record_prior is not None and 0.0 < model.record_prior < 0.05
+    e = model.estimate(Profile(target[0]), Profile(target[1]))
+    assert e.source == "pair" and e.slowdown == pytest.approx(1.43, rel=0.01)
+    # with every pair seen once the noise is unknown: the fixed weights, and the
+    # family pulls the pair far toward its 2x
+    once = {k: Observations.of([v.mean]) for k, v in family.items()}
+    model = Model(Knowledge(pairs={**once, target: Observations.of([math.log(1.43)])}))
+    assert model.noise is None and model.record_prior is None
+    assert model.estimate(Profile(target[0]), Profile(target[1])).slowdown > 1.6
+
+
 def test_the_family_informs_an_untried_batch_size():
     seen = Observations.of([math.log(1.1)] * 6)
     knowledge = Knowledge(
