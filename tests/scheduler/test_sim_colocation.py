@@ -32,7 +32,7 @@ from scheduler.policy import (
 )
 from scheduler.policy.colocate import Admission
 from scheduler.sim import oracle
-from scheduler.sim.cli import main
+from scheduler.sim.cli import build_parser, main
 from scheduler.sim.colocation import (
     NOISE_SIGMA,
     REPORT_S,
@@ -715,3 +715,17 @@ def test_what_exploration_trials_cost_is_counted_apart(table):
     out = summarize(result)
     assert out["trial_lost_gpu_hours"] == 0 and out["trial_over_cap_s"] == 0
     assert out["over_cap_beyond_window"] == 0 and a.over_cap_s == pytest.approx(200)
+
+
+def test_the_known_pair_rule_is_on_by_default_and_off_by_name(capsys):
+    base = ["--trace", "t.csv", "--cluster", "1x1:p100"]
+    assert build_parser().parse_args(base).colo_evict_z == 2.0
+    assert (
+        build_parser().parse_args([*base, "--colo-evict-z", "OFF"]).colo_evict_z is None
+    )
+    assert (
+        build_parser().parse_args([*base, "--colo-evict-z", "2.5"]).colo_evict_z == 2.5
+    )
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*base, "--colo-evict-z", "-1"])
+    assert exc.value.code == 2 and "--colo-evict-z" in capsys.readouterr().err
