@@ -54,7 +54,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -209,6 +209,16 @@ class Knowledge:
     harmful: frozenset[frozenset[str]] = frozenset()
 
 
+class _PriorSide(NamedTuple):
+    """Everything the model knows of r_AB but the exact pair's own record."""
+
+    mean: float  # log slowdown
+    weight: float  # in exact observations
+    source: str
+    weak_weight: float  # the utilisation evidence's share of ``weight``
+    exact: Observations | None  # the exact pair's record, if it has one
+
+
 class Model:
     """Predicts r_AB from ``Knowledge``; built once per pass (the family pools and
     the offset are aggregated here, not per query)."""
@@ -289,12 +299,8 @@ class Model:
         size = 2.0 * mb / (ma + mb) if ma and mb else 1.0
         return math.log1p(ua * ub * size)
 
-    def _prior_side(
-        self, a: Profile, b: Profile
-    ) -> tuple[float, float, str, float, Observations | None]:
-        """Everything the model knows of r_AB but the exact pair's own record:
-        (mean log slowdown, its weight in exact observations, source, the weak
-        evidence's weight, the exact pair's observations or None)."""
+    def _prior_side(self, a: Profile, b: Profile) -> _PriorSide:
+        """Everything the model knows of r_AB but the exact pair's own record."""
         pa = Profile(a.workload, a.memory_mib, self._busy(a))
         pb = Profile(b.workload, b.memory_mib, self._busy(b))
         mean = self._structural(pa, pb) + self.offset
@@ -329,7 +335,7 @@ class Model:
             mean = (mean * weight + weak.mean * w_weak) / (weight + w_weak)
             weight += w_weak
             source = "utilisation"
-        return mean, weight, source, w_weak, exact
+        return _PriorSide(mean, weight, source, w_weak, exact)
 
     def _record_prior(self) -> float | None:
         """What the prior side is worth beside a pair's own record, in episodes
@@ -344,17 +350,18 @@ class Model:
         weights alone."""
         if self.noise is None:
             return None
-        sq: list[float] = []
-        within: list[float] = []
+        sq = 0.0  # squared distances of the pairs' means from the prior side
+        inv_n = 0.0  # 1 / n per pair: each mean's own noise is noise^2 / n
+        pairs = 0
         for (a, b), obs in self.knowledge.pairs.items():
             if obs.n <= 0 or not a or not b:
                 continue
-            mean = self._prior_side(Profile(a), Profile(b))[0]
-            sq.append((obs.mean - mean) ** 2)
-            within.append(self.noise**2 / obs.n)
-        if len(sq) < RECORD_MIN_PAIRS:
+            sq += (obs.mean - self._prior_side(Profile(a), Profile(b)).mean) ** 2
+            inv_n += 1.0 / obs.n
+            pairs += 1
+        if pairs < RECORD_MIN_PAIRS:
             return None
-        tau2 = sum(sq) / len(sq) - sum(within) / len(within)
+        tau2 = (sq - self.noise**2 * inv_n) / pairs
         if tau2 <= 0.0:
             return None
         return self.noise**2 / tau2
