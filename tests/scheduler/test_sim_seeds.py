@@ -179,14 +179,66 @@ def test_it_replays_each_policy_on_each_seed_and_writes_the_table(tmp_path, caps
     assert "Per user, mean bounded slowdown under `gpulab`" in table
 
 
-def test_a_colocation_scenario_or_a_missing_baseline_is_refused(capsys):
+def test_an_unknown_scenario_or_a_missing_baseline_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
-        seeds_bench.main(["--only", "colo-b"])
+        seeds_bench.main(["--only", "colo-z"])
     assert exc.value.code == 2
-    assert "unknown scenario 'colo-b'" in capsys.readouterr().err
+    assert "unknown scenario 'colo-z'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         seeds_bench.main(["--policies", "gpulab", "--baseline", "slurm"])
     assert "--baseline 'slurm' is not one of --policies" in capsys.readouterr().err
+
+
+def test_the_share_of_the_oracles_gain_is_summed_over_seeds_with_its_error():
+    h = 3600.0
+    runs = {
+        ("gpulab-exclusive", 0): result(10 * h, 0), ("oracle", 0): result(6 * h, 0),
+        ("gpulab", 0): result(8 * h, 0),  # 2 h of the oracle's 4 h
+        ("gpulab-exclusive", 1): result(10 * h, 0), ("oracle", 1): result(9 * h, 0),
+        ("gpulab", 1): result(8.5 * h, 0),  # 1.5 h of 1 h: over the oracle
+        ("gpulab-exclusive", 2): result(10 * h, 0),  # no oracle: left out
+        ("gpulab", 2): result(1 * h, 0),
+    }  # fmt: skip
+    got = seeds_bench.colo_share(runs, "gpulab", [0, 1, 2])
+    assert got is not None
+    assert (got["seeds"], got["gain_h"], got["oracle_gain_h"]) == (2, 3.5, 5.0)
+    assert got["share"] == pytest.approx(0.7)
+    assert got["by_seed"] == {"0": pytest.approx(0.5), "1": pytest.approx(1.5)}
+    # ratio estimator: sqrt(2 * ((2 - 0.7 * 4)^2 + (1.5 - 0.7 * 1)^2)) / 5 h
+    assert got["se"] == pytest.approx(math.sqrt(2 * (0.8**2 + 0.8**2)) / 5)
+    # one seed: no error; an oracle that gains nothing: no share
+    assert seeds_bench.colo_share(runs, "gpulab", [0])["se"] is None
+    flat = {**runs, ("oracle", 0): result(10 * h, 0)}
+    assert seeds_bench.colo_share(flat, "gpulab", [0]) is None
+
+
+def test_a_colocation_scenario_reports_its_goals_and_the_oracles_share(tmp_path):
+    code = seeds_bench.main(
+        ["--only", "colo-b", "--seeds", "0-1", "--max-jobs", "300", "--policies",
+         "gpulab-exclusive,gpulab,oracle", "--baseline", "gpulab-exclusive",
+         "--out-dir", str(tmp_path), "--parallel", "2"]
+    )  # fmt: skip
+    assert code == 0
+    runs = {
+        (pol, seed): json.loads(
+            (tmp_path / f"seeds_colo-b_{pol}_{seed}.json").read_text()
+        )
+        for pol in ("gpulab-exclusive", "gpulab", "oracle")
+        for seed in (0, 1)
+    }
+    table = (tmp_path / "sim_seeds.md").read_text()
+    assert "Co-location over the seeds" in table
+    row = table.split("\n| `gpulab` | 2 | ")[1].split("\n")[0]
+    trials = [runs["gpulab", s]["exploration_trials"] for s in (0, 1)]
+    assert row.startswith(f"{min(trials)}-{max(trials)} ({sum(trials)}) |")
+    summary = json.loads((tmp_path / "sim_seeds.json").read_text())["colo-b"]
+    share = summary["colo_share"]["gpulab"]
+    expect = seeds_bench.colo_share(runs, "gpulab", [0, 1])
+    # on its first 300 jobs the oracle shares and gains a few minutes a job
+    assert expect is not None and expect["oracle_gain_h"] > 0
+    assert share == json.loads(json.dumps(expect))
+    assert f"{100 * expect['share']:.0f} % +- " in row
+    assert sum(runs["oracle", s]["admitted_pairs"] for s in (0, 1)) > 0
 
 
 def test_a_checkpointable_fraction_reaches_every_replay_and_the_table(tmp_path):
