@@ -220,9 +220,7 @@ def colo_share(
         "se": se,
         "gain_h": sum(g for _, g, _ in gains) / 3600.0,
         "oracle_gain_h": total / 3600.0,
-        "by_seed": {
-            str(seed): (g / o if o > 0 else None) for seed, g, o in gains
-        },
+        "by_seed": {str(seed): (g / o if o > 0 else None) for seed, g, o in gains},
     }
 
 
@@ -235,7 +233,11 @@ def colo_markdown(
     the oracle's gain (``colo_share``)."""
     head = ["policy", "seeds"]
     head += [label for _, label in COLO_SUMS]
-    head += ["trial GPU-h (mean)", "trial s over cap (mean)", "share of the oracle's gain"]
+    head += [
+        "trial GPU-h (mean)",
+        "trial s over cap (mean)",
+        "share of the oracle's gain",
+    ]
     lines = [
         "Co-location over the seeds (counts: the range over seeds and the sum;"
         " the share of the oracle's average-JCT gain over `gpulab-exclusive`,"
@@ -605,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     policies = [s for s in args.policies.split(",") if s]
     for s in scenarios:
         if s not in SCENARIOS:
-            p.error(f"--only: unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+            p.error(
+                f"--only: unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}"
+            )
     known = dict.fromkeys((*POLICIES, *COLO_POLICIES, *args.variants))
     bad = [pol for pol in policies if pol not in known]
     if bad:
