@@ -256,9 +256,12 @@ def colo_markdown(
             row.append(
                 f"{min(vals):.0f}-{max(vals):.0f} ({sum(vals):.0f})" if vals else "-"
             )
-        for key in ("trial_lost_gpu_hours", "trial_over_cap_s"):
+        for key, how in (
+            ("trial_lost_gpu_hours", "{:.2f}"),
+            ("trial_over_cap_s", "{:,.0f}"),
+        ):
             vals = [v for r in got if (v := metric(r, key)) is not None]
-            row.append(f"{statistics.fmean(vals):,.2f}" if vals else "-")
+            row.append(how.format(statistics.fmean(vals)) if vals else "-")
         share = colo_share(runs, p, seeds)
         if share is None or p in ("gpulab-exclusive", "oracle"):
             row.append("-")
