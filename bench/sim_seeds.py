@@ -176,6 +176,8 @@ def compare(
     return out
 
 
+# the two co-location policies every other one's share is measured between
+EXCLUSIVE, ORACLE = "gpulab-exclusive", "oracle"
 COLO_SUMS = (
     ("exploration_trials", "trials"),
     ("bad_trials", "bad trials"),
@@ -196,8 +198,8 @@ def colo_share(
     gains: list[tuple[int, float, float]] = []
     for seed in seeds:
         mine = runs.get((policy, seed))
-        excl = runs.get(("gpulab-exclusive", seed))
-        orac = runs.get(("oracle", seed))
+        excl = runs.get((EXCLUSIVE, seed))
+        orac = runs.get((ORACLE, seed))
         if mine is None or excl is None or orac is None:
             continue
         x, o, m = (metric(r, "avg_jct_s") for r in (excl, orac, mine))
@@ -207,7 +209,8 @@ def colo_share(
     total = sum(g for _, _, g in gains)
     if not gains or total <= 0:
         return None
-    share = sum(g for _, g, _ in gains) / total
+    mine_total = sum(g for _, g, _ in gains)
+    share = mine_total / total
     n = len(gains)
     se = (
         math.sqrt(n / (n - 1) * sum((g - share * o) ** 2 for _, g, o in gains)) / total
@@ -218,7 +221,7 @@ def colo_share(
         "seeds": n,
         "share": share,
         "se": se,
-        "gain_h": sum(g for _, g, _ in gains) / 3600.0,
+        "gain_h": mine_total / 3600.0,
         "oracle_gain_h": total / 3600.0,
         "by_seed": {str(seed): (g / o if o > 0 else None) for seed, g, o in gains},
     }
@@ -262,8 +265,8 @@ def colo_markdown(
         ):
             vals = [v for r in got if (v := metric(r, key)) is not None]
             row.append(how.format(statistics.fmean(vals)) if vals else "-")
-        share = colo_share(runs, p, seeds)
-        if share is None or p in ("gpulab-exclusive", "oracle"):
+        share = None if p in (EXCLUSIVE, ORACLE) else colo_share(runs, p, seeds)
+        if share is None:
             row.append("-")
         else:
             se = "" if share["se"] is None else f" +- {100 * share['se']:.0f}"
@@ -667,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[sc]["colo_share"] = {
                 pol: colo_share(runs, pol, seeds)
                 for pol in policies
-                if pol not in ("gpulab-exclusive", "oracle")
+                if pol not in (EXCLUSIVE, ORACLE)
             }
     text = "\n".join(parts)
     (out_dir / "sim_seeds.md").write_text(text + "\n")
