@@ -542,7 +542,9 @@ GPULAB_POLICY: dict[str, Any] = {
     "colocation": envbool("GPULAB_COLOCATION", default=True),
     "colo_headroom_mib": envint("GPULAB_COLO_HEADROOM_MIB", 512, minimum=0),
     "colo_gain_margin": envfloat("GPULAB_COLO_GAIN_MARGIN", 0.05, minimum=0),
-    "colo_trial_gain_margin": envfloat("GPULAB_COLO_TRIAL_GAIN_MARGIN", 0.0, minimum=0),
+    "colo_trial_gain_margin": envfloat(
+        "GPULAB_COLO_TRIAL_GAIN_MARGIN", 0.10, minimum=0
+    ),
     "colo_min_confidence": envfloat("GPULAB_COLO_MIN_CONFIDENCE", 0.5, minimum=0),
     "colo_trials_per_pair_hour": envint(
         "GPULAB_COLO_TRIALS_PER_PAIR_HOUR", 1, minimum=0

@@ -327,3 +327,33 @@ def test_an_optional_number_on_by_default_is_turned_off_by_off(
     monkeypatch.setenv(VAR, "of")
     with pytest.raises(ImproperlyConfigured, match=f"{VAR}='of' is not a number"):
         envfloat_or_none(VAR, default=2.0, minimum=0)
+
+
+def test_an_unset_environment_gives_the_policy_defaults() -> None:
+    """The portal's settings and ``PolicyConfig`` each carry the policy's defaults
+    (the simulator and the benchmarks read the dataclass): with no ``GPULAB_``
+    variable set, production's configuration is the dataclass's, field by field."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import dataclasses, json, django\n"
+        "django.setup()\n"
+        "from scheduler.policy import PolicyConfig\n"
+        "from scheduler.services.snapshot import policy_config\n"
+        "got, want = policy_config(), PolicyConfig()\n"
+        "print(json.dumps({f.name: [getattr(got, f.name), getattr(want, f.name)]\n"
+        "    for f in dataclasses.fields(want)\n"
+        "    if getattr(got, f.name) != getattr(want, f.name)}, default=str))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAB_")}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "DJANGO_SETTINGS_MODULE": "portal.settings"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "{}"
