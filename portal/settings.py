@@ -565,6 +565,10 @@ GPULAB_POLICY: dict[str, Any] = {
     "colo_cap_margin": envfloat("GPULAB_COLO_CAP_MARGIN", 0.02, minimum=0),
     # "off": a shared job is judged by its current measurement alone
     "colo_evict_z": envfloat_or_none("GPULAB_COLO_EVICT_Z", default=2.0, minimum=0),
+    # a pair seen before and refused for protection is tried again while within
+    # this many standard errors of its record of the cap ("off": never)
+    "colo_retrial_z": envfloat_or_none("GPULAB_COLO_RETRIAL_Z", default=2.0, minimum=0),
+    "colo_retrial_episodes": envint("GPULAB_COLO_RETRIAL_EPISODES", 3, minimum=1),
     # Quotas (``policy.quota``): a job over a soft quota has its fair-share factor multiplied
     # by this (0-1); a running job over a hard quota: "finish" or "stop".
     "quota_soft_factor": envfloat(

@@ -28,7 +28,10 @@ first that fails is the refusal's rule, and an admission records its numbers:
   A trial's predicted gain must clear ``colo_trial_gain_margin`` when that is higher;
 - ``protection`` (rule 3, P3): each job's predicted slowdown (the product of its
   slowdowns beside each partner), plus ``colo_cap_margin``, is within its cap
-  (class cap, or the tighter one its owner asked for; None: unbounded).
+  (class cap, or the tighter one its owner asked for; None: unbounded). A pair
+  seen in fewer than ``colo_retrial_episodes`` episodes that is over a cap by
+  less than ``colo_retrial_z`` standard errors of its record is admitted as a
+  re-trial instead, within the trial budget (``_retrial``).
 
 Among the GPUs that admit, known pairs come before trials, trials with the best
 odds first when ranked by them, then the best gain wins, then the partner closest in size
@@ -152,6 +155,7 @@ def admit(
     budget: Budget,
     rules: str = "full",
     outcomes: Outcomes | None = None,
+    noise: float | None = None,
 ) -> Admission:
     """Whether ``job`` may join ``residents`` on one GPU (it does not spend the
     budget: the caller does, for the admission it keeps). ``rules``: "full", or
@@ -183,7 +187,7 @@ def admit(
             workloads=workloads,
         )
     p = _Prediction.of(job, residents, model, config)
-    rule, message, odds = _judge(job, p, config, budget, outcomes)
+    rule, message, odds = _judge(job, p, config, budget, outcomes, noise)
     return Admission(
         job.id,
         gpu_id,
@@ -195,7 +199,7 @@ def admit(
         slowdowns=MappingProxyType(p.slowdowns),
         gain=p.worst_gain,
         confidence=p.confidence,
-        trial=p.trial,
+        trial=p.trial or rule == "trial",
         odds=odds,
     )
 
@@ -259,6 +263,7 @@ class _Prediction:
     confidence: float
     trial: bool  # confidence under ``colo_min_confidence``
     observed: bool  # some pair was seen together
+    episodes: int  # the fewest episodes any ordered pair of the GPU was seen in
 
     @classmethod
     def of(
@@ -295,6 +300,7 @@ class _Prediction:
             confidence,
             trial=confidence < config.colo_min_confidence,
             observed=any(e.observations > 0 for e in est.values()),
+            episodes=min(e.observations for e in est.values()),
         )
 
 
@@ -304,6 +310,7 @@ def _judge(
     config: PolicyConfig,
     budget: Budget,
     outcomes: Outcomes | None = None,
+    noise: float | None = None,
 ) -> tuple[str, str, float | None]:
     """The predicted rules, in order: ``budget`` and ``odds`` (a trial needs
     both), ``gain``, ``protection``; (rule, message, a trial's odds when
@@ -348,14 +355,36 @@ def _judge(
     # once observed, the observation speaks for the caps
     if not trial or p.observed:
         margin = 1.0 + config.colo_cap_margin
-        for s in (job, *p.residents):
-            if s.cap is not None and p.slowdowns[s.id] * margin > s.cap:
-                return (
-                    "protection",
-                    f"job {s.id} would run {p.slowdowns[s.id]:.2f}x slower, over its"
-                    f" cap of {s.cap:g}x",
-                    None,
-                )
+        over = [
+            s
+            for s in (job, *p.residents)
+            if s.cap is not None and p.slowdowns[s.id] * margin > s.cap
+        ]
+        if over:
+            s = over[0]
+            refusal = (
+                "protection",
+                f"job {s.id} would run {p.slowdowns[s.id]:.2f}x slower, over its"
+                f" cap of {s.cap:g}x",
+                None,
+            )
+            if not _retrial(p, over, margin, config, noise):
+                return refusal
+            pairs = {
+                frozenset((job.profile.workload, r.profile.workload))
+                for r in p.residents
+            }
+            if not all(budget.allows(pair) for pair in pairs):
+                return refusal
+            shown = ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
+            seen = f"{p.episodes} episode{'s' if p.episodes != 1 else ''}"
+            return (
+                "trial",
+                f"re-trial: the pair was seen in {seen}, slowdowns {shown}, within"
+                f" {config.colo_retrial_z:g} standard errors of a cap; ended early"
+                " if a job runs slower than its cap",
+                None,
+            )
     shown = ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
     if trial:
         return (
@@ -367,6 +396,30 @@ def _judge(
             odds,
         )
     return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}", None
+
+
+def _retrial(
+    p: _Prediction,
+    over: Sequence[Sharer],
+    margin: float,
+    config: PolicyConfig,
+    noise: float | None,
+) -> bool:
+    """Whether a pair seen before and refused for protection is tried again: while
+    it was seen in fewer than ``colo_retrial_episodes`` episodes, and every job it
+    puts over its cap (with the cap margin) would be within it but for
+    ``colo_retrial_z`` standard errors of its record (the pooled episode noise
+    over the square root of its episodes). One short episode measured a few per
+    cent high (its reports' noise is 2-3 % over five minutes) would otherwise
+    refuse a pair that gains 40 % for good; the re-trial is watched like any
+    trial, spends the trial budget, and its episode joins the record."""
+    z = config.colo_retrial_z
+    if z is None or noise is None or p.episodes >= config.colo_retrial_episodes:
+        return False
+    slack = math.exp(z * noise / math.sqrt(max(p.episodes, 1)))
+    return all(
+        s.cap is not None and p.slowdowns[s.id] * margin <= s.cap * slack for s in over
+    )
 
 
 def _pair_odds(
@@ -537,6 +590,11 @@ class Sharing:
                 self.free[gid] = free
                 self._file(gid)
         self._cache: dict[tuple[object, ...], Admission] = {}
+        self.noise = (
+            episode_noise(state.knowledge.pairs)
+            if cfg.colo_retrial_z is not None
+            else None
+        )
 
     def _signature(self, gid: int) -> tuple[object, ...]:
         gpu = self.idx.gpu_by_id[gid]
@@ -586,6 +644,7 @@ class Sharing:
             budget=self.budget,
             rules=self.rules,
             outcomes=self.outcomes,
+            noise=self.noise,
         )
 
     def try_share(

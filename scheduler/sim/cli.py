@@ -174,6 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
         "errors is over its cap (default %(default)s); off: judged by the current "
         "measurement alone (GPULAB_COLO_EVICT_Z)",
     )
+    p.add_argument(
+        "--colo-retrial-z",
+        type=_nonneg_or_off,
+        default=PolicyConfig.colo_retrial_z,
+        help="co-location: try a pair seen before and refused for protection again "
+        "while its record is within this many standard errors of a cap (default "
+        "%(default)s; off: never) (GPULAB_COLO_RETRIAL_Z)",
+    )
+    p.add_argument(
+        "--colo-retrial-episodes",
+        type=_count,
+        default=PolicyConfig.colo_retrial_episodes,
+        help="co-location: re-trials only while the pair was seen in fewer episodes "
+        "(GPULAB_COLO_RETRIAL_EPISODES)",
+    )
     p.add_argument("--throughputs", help="solo steps/s per workload (Gavel format)")
     p.add_argument(
         "--colocation",
@@ -437,6 +452,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             colo_trial_max_failures=args.colo_trial_max_failures,
             colo_trial_evict_margin=args.colo_trial_evict_margin,
             colo_evict_z=args.colo_evict_z,
+            colo_retrial_z=args.colo_retrial_z,
+            colo_retrial_episodes=args.colo_retrial_episodes,
             las_preemption=not args.no_las,
             preempt_min_run_s=args.preempt_min_run,
             las_threshold_gpu_s=args.las_threshold * 3600.0,
@@ -508,6 +525,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "colo_trial_max_failures": args.colo_trial_max_failures,
                 "colo_trial_evict_margin": args.colo_trial_evict_margin,
                 "colo_evict_z": args.colo_evict_z,
+                "colo_retrial_z": args.colo_retrial_z,
+                "colo_retrial_episodes": args.colo_retrial_episodes,
                 "time_scale": args.time_scale,
                 "max_jobs": args.max_jobs,
                 "period_s": args.period,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -395,6 +396,67 @@ def test_a_pair_seen_once_is_held_to_the_caps_even_while_unsure():
 
     got = run(job(1, "a"), [job(2, "b")], SeenOnce({}))
     assert (got.admitted, got.rule) == (False, "protection")
+
+
+class Seen(Table):
+    """Every ordered pair estimated at ``r`` from ``n`` episodes."""
+
+    def __init__(self, r: float, n: int = 1):
+        super().__init__({})
+        self.slow, self.n = r, n
+
+    def estimate(self, a, b):
+        return Estimate(self.slow, self.n / (self.n + 1), "pair", self.n)
+
+
+RETRY = PolicyConfig(colo_headroom_mib=0, colo_gain_margin=0.0)  # z = 2
+
+
+def retry(model, *, cfg=RETRY, noise=0.012, budget=None):
+    return admit(
+        job(1, "a"),
+        [job(2, "b")],
+        gpu_id=7,
+        memory_total_mib=16 * GIB,
+        slots=2,
+        model=model,
+        config=cfg,
+        budget=budget or Budget(per_pair=1, total=10),
+        noise=noise,
+    )
+
+
+def test_a_known_pair_within_its_noise_of_the_cap_is_tried_again():
+    # 1.48 x 1.02 = 1.51 is over the 1.5 cap; one episode's record, noise 0.012:
+    # two standard errors allow up to 1.5 x e^0.024 = 1.536
+    got = retry(Seen(1.48))
+    assert (got.admitted, got.rule, got.trial) == (True, "trial", True)
+    assert got.message.startswith("re-trial: the pair was seen in 1 episode,")
+    # two episodes: the slack is 2 x 0.012 / sqrt(2), up to 1.526; three: none
+    assert retry(Seen(1.49, n=2)).rule == "trial"
+    assert retry(Seen(1.47 * 1.02, n=2)).rule == "protection"
+    assert retry(Seen(1.48, n=3)).rule == "protection"
+
+
+@pytest.mark.parametrize(
+    ("model", "cfg", "noise", "spent"),
+    [
+        (Seen(1.6), RETRY, 0.012, False),  # over the cap beyond its noise
+        (Seen(1.48), replace(RETRY, colo_retrial_z=None), 0.012, False),
+        (Seen(1.48), RETRY, None, False),  # the noise is not known yet
+        (Seen(1.48), RETRY, 0.012, True),  # the pair's trial budget is spent
+    ],
+    ids=["beyond-noise", "off", "no-noise", "budget"],
+)
+def test_a_known_pair_over_its_cap_is_refused_when_no_re_trial_applies(
+    model, cfg, noise, spent
+):
+    budget = Budget(per_pair=1, total=10)
+    if spent:
+        budget.spend(frozenset(("a", "b")))
+    got = retry(model, cfg=cfg, noise=noise, budget=budget)
+    assert (got.admitted, got.rule, got.trial) == (False, "protection", False)
+    assert "over its cap of 1.5x" in got.message
 
 
 def test_a_trial_the_prior_says_loses_is_not_tried():

@@ -630,3 +630,36 @@ def test_the_episode_noise_is_pooled_over_pairs_seen_more_than_once():
     assert episode_noise({("a", "b"): spread(1.2, 10, 0.03)}) is None  # df 9
     # episodes that all read alike: the floor, not zero
     assert episode_noise({("a", "b"): Observations.of([0.2] * 11)}) == 0.01
+
+
+def seen_once(measured: float) -> Knowledge:
+    """LM 20 seen beside Recommendation 4096 in one episode, measured
+    ``measured``; other pairs seen again and again give the episode noise (0.021)
+    its degrees of freedom."""
+    return Knowledge(pairs={(LM20, REC4096): Observations.of([math.log(measured)]),
+                            (REC4096, LM20): Observations.of([math.log(1.1)]),
+                            ("c", "d"): spread(1.2, 11)})  # fmt: skip
+
+
+def test_a_pair_seen_once_a_hair_over_its_cap_is_tried_again_as_a_trial():
+    # (b), seed 0: LM 5 beside Recommendation 8192 runs truly 1.45x against its 1.5
+    # cap and the pair does 1.40 GPUs' worth of work; one episode measured it over
+    # 1.47x, and every later pass refused it for protection (4,085 times)
+    base = (gpus(1, 1, busy={0: 1}), [sharer(1, LM20)], [resident(9, 100, REC4096)])
+    ds = decide(state(*base, knowledge=seen_once(1.50)))
+    adm = starts(ds)[1].admission
+    assert adm is not None and (adm.rule, adm.trial) == ("trial", True)
+    assert adm.message.startswith("re-trial: the pair was seen in 1 episode,")
+    # it spends the pair's trial budget like any trial
+    spent = {frozenset((LM20, REC4096)): 1}
+    ds = decide(state(*base, knowledge=seen_once(1.50), trials=spent))
+    assert 1 not in starts(ds)
+    assert "over its cap of 1.5x" in waits(ds)[1].message
+    # off, or over the cap by more than the noise allows: refused as before
+    for knowledge, cfg in [
+        (seen_once(1.50), {"colo_retrial_z": None}),
+        (seen_once(1.60), {}),
+    ]:
+        ds = decide(state(*base, knowledge=knowledge, **cfg))
+        assert 1 not in starts(ds)
+        assert "over its cap of 1.5x" in waits(ds)[1].message
