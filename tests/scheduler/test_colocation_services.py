@@ -3,6 +3,7 @@ and a whole pass that puts two shareable jobs on one GPU."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,38 @@ def test_a_pass_puts_two_shareable_jobs_on_one_gpu_and_records_why(
     joined = second if second.admission else first
     assert joined.admission["trial"] is True  # a pair never seen: a trial
     assert joined.admission["rule"] == "trial"
+
+
+def test_a_pair_seen_once_a_hair_over_its_cap_is_re_tried_and_counted_as_a_trial(
+    settings: Any, alice: User, bob: User
+) -> None:
+    # one episode of LM beside ResNet-18 read 1.50x (its cap is 1.5x); pairs seen
+    # again and again elsewhere give the episode noise its degrees of freedom
+    settings.GPULAB_POLICY = {**settings.GPULAB_POLICY, "colo_packing": "pack"}
+    lm, rn = "LM (batch size 20)", "ResNet-18 (batch size 32)"
+    InterferencePair.objects.create(
+        workload_a=lm, workload_b=rn, n=1, mean_log=math.log(1.5), m2=0.0
+    )
+    InterferencePair.objects.create(
+        workload_a=rn, workload_b=lm, n=1, mean_log=math.log(1.1), m2=0.0
+    )
+    InterferencePair.objects.create(
+        workload_a="c", workload_b="d", n=11, mean_log=math.log(1.2), m2=0.0044
+    )
+    make_node("node-a", 1, memory_mib=16 * GIB)
+    a = JobFactory(owner=alice, shareable=True, gpu_memory_mib=4 * GIB, workload=rn)
+    b = JobFactory(owner=bob, shareable=True, gpu_memory_mib=4 * GIB, workload=lm)
+
+    pass_runner.run_one_pass()
+
+    joined = Attempt.objects.get(job=b)
+    assert Attempt.objects.get(job=a).admission is None  # it started alone
+    assert (joined.admission["rule"], joined.admission["trial"]) == ("trial", True)
+    assert joined.admission["message"].startswith(
+        "re-trial: the pair was seen in 1 episode,"
+    )
+    # the next pass counts it against the pair's hourly trial budget
+    assert services.cluster_state().trials_last_hour == {frozenset((lm, rn)): 1}
 
 
 def test_a_job_without_declared_memory_is_not_put_beside_another(
