@@ -54,8 +54,8 @@ from scheduler.policy.interference import (
     Outcomes,
     Profile,
     clamp_log,
-    episode_noise,
     gain,
+    noise_for,
     outcomes_for,
 )
 from scheduler.policy.state import Evict, is_interactive
@@ -326,10 +326,7 @@ def _judge(
     )
     odds: float | None = None
     if trial:
-        pairs = {
-            frozenset((job.profile.workload, r.profile.workload)) for r in p.residents
-        }
-        if not all(budget.allows(pair) for pair in pairs):
+        if not _budget_allows(job, p.residents, budget):
             return (
                 "budget",
                 f"the pair is not known well enough (confidence {confidence:.2f},"
@@ -368,24 +365,19 @@ def _judge(
                 f" cap of {s.cap:g}x",
                 None,
             )
-            if not _retrial(p, over, margin, config, noise):
+            if not _retrial(p, over, margin, config, noise) or not _budget_allows(
+                job, p.residents, budget
+            ):
                 return refusal
-            pairs = {
-                frozenset((job.profile.workload, r.profile.workload))
-                for r in p.residents
-            }
-            if not all(budget.allows(pair) for pair in pairs):
-                return refusal
-            shown = ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
             seen = f"{p.episodes} episode{'s' if p.episodes != 1 else ''}"
             return (
                 "trial",
-                f"re-trial: the pair was seen in {seen}, slowdowns {shown}, within"
+                f"re-trial: the pair was seen in {seen}, slowdowns {_shown(p)}, within"
                 f" {config.colo_retrial_z:g} standard errors of a cap; ended early"
                 " if a job runs slower than its cap",
                 None,
             )
-    shown = ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
+    shown = _shown(p)
     if trial:
         return (
             "trial",
@@ -396,6 +388,19 @@ def _judge(
             odds,
         )
     return "ok", f"predicted gain {worst_gain:.2f}, slowdowns {shown}", None
+
+
+def _shown(p: _Prediction) -> str:
+    """The predicted slowdowns as an admission's message gives them."""
+    return ", ".join(f"job {k} {v:.2f}x" for k, v in p.slowdowns.items())
+
+
+def _budget_allows(job: Sharer, residents: Sequence[Sharer], budget: Budget) -> bool:
+    """The trial budget has room for a trial of ``job`` beside each resident."""
+    return all(
+        budget.allows(frozenset((job.profile.workload, r.profile.workload)))
+        for r in residents
+    )
 
 
 def _retrial(
@@ -591,9 +596,7 @@ class Sharing:
                 self._file(gid)
         self._cache: dict[tuple[object, ...], Admission] = {}
         self.noise = (
-            episode_noise(state.knowledge.pairs)
-            if cfg.colo_retrial_z is not None
-            else None
+            noise_for(state.knowledge) if cfg.colo_retrial_z is not None else None
         )
 
     def _signature(self, gid: int) -> tuple[object, ...]:
@@ -962,7 +965,7 @@ def evictions(state: ClusterState) -> list[Evict]:
     pairs = state.knowledge.pairs
     shared = any(len(rs) > 1 for rs in by_gpu.values())
     noise = (
-        episode_noise(pairs)
+        noise_for(state.knowledge)
         if shared and state.config.colo_evict_z is not None
         else None
     )

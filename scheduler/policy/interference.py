@@ -254,7 +254,7 @@ class Model:
             [(a, b, x - self.offset, n) for a, b, x, n in residuals if a and b]
         )
         self._cache: dict[tuple[Profile, Profile], Estimate] = {}
-        self.noise = episode_noise(knowledge.pairs)
+        self.noise = noise_for(knowledge)
         self.record_prior = self._record_prior()
 
     @staticmethod
@@ -515,6 +515,18 @@ class Outcomes:
 
 _last: list[tuple[Knowledge, Model]] = []
 _last_outcomes: list[tuple[Knowledge, Outcomes]] = []
+_last_noise: list[tuple[Knowledge, float | None]] = []
+
+
+def noise_for(knowledge: Knowledge) -> float | None:
+    """``episode_noise`` of ``knowledge``'s pairs, kept while passes bring the same
+    (frozen) object: one pass reads it for its evictions, its model and its
+    re-trials."""
+    if _last_noise and _last_noise[0][0] is knowledge:
+        return _last_noise[0][1]
+    got = episode_noise(knowledge.pairs)
+    _last_noise[:] = [(knowledge, got)]
+    return got
 
 
 def outcomes_for(knowledge: Knowledge) -> Outcomes:
